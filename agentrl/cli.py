@@ -1,0 +1,89 @@
+"""`agentrl ...` command line.
+
+Each command parses its arguments and hands off to the module that owns the work;
+heavy imports (torch, transformers) happen inside the command so `agentrl --help`
+stays fast. User errors (:class:`agentrl.errors.AgentrlError`) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from agentrl.errors import AgentrlError
+
+app = typer.Typer(
+    name="agentrl",
+    help="Agentic multi-turn async RL for language models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+model_app = typer.Typer(help="Build and inspect models.", no_args_is_help=True)
+env_app = typer.Typer(help="Create, list and test environment packages.", no_args_is_help=True)
+sandbox_app = typer.Typer(help="Manage sandboxes.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(env_app, name="env")
+app.add_typer(sandbox_app, name="sandbox")
+
+_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+# ----------------------------------------------------------------------------- run / sft
+
+
+@app.command(context_settings=_EXTRA)
+def run(
+    ctx: typer.Context,
+    configs: Annotated[list[Path], typer.Argument(help="TOML config files, merged left to right.")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and exit.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last complete checkpoint.")] = False,
+) -> None:
+    """Async RL: engine + rollouts + staleness buffer + trainer + live weight push.
+
+    Extra arguments are dotted overrides: --trainer.lr=1e-5 --env.name calc
+    """
+    from agentrl.config import load_config
+
+    cfg = load_config(configs, ctx.args)
+    if dry_run:
+        typer.echo(cfg.to_toml())
+        return
+    from agentrl.trainer.run import run_training
+
+    run_training(cfg, resume=resume)
+
+
+@app.command(context_settings=_EXTRA)
+def sft(
+    ctx: typer.Context,
+    configs: Annotated[list[Path], typer.Argument(help="TOML config files, merged left to right.")],
+) -> None:
+    """Supervised warm start on the environment's demonstrations (cached by config)."""
+    from agentrl.config import load_config
+    from agentrl.trainer.sft import run_sft
+
+    path = run_sft(load_config(configs, ctx.args))
+    typer.echo(str(path))
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user errors become one line on stderr and exit code 2."""
+    try:
+        app(args=argv, standalone_mode=True)
+    except AgentrlError as e:
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""One pydantic config tree for a run; layered TOML files plus dotted CLI overrides.
+
+``load_config(["a.toml", "b.toml"], ["--trainer.lr=1e-5"])`` merges files left to right,
+then applies overrides, then validates the whole tree once.  Unknown keys and wrong
+types raise :class:`ConfigError` whose message lists *every* problem on one line each;
+the CLI prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentrl.errors import AgentrlError
+
+
+class ConfigError(AgentrlError):
+    """A bad config file, key or value (the CLI exits 2 with this message)."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = Field("runs/models/tiny", description="HF model directory (built by `init` if missing).")
+    init: Literal["tiny", "none"] = Field("tiny", description="Build a tiny model at `path` if it does not exist.")
+    tiny_layers: int = Field(4, ge=1, description="Tiny model: decoder layers.")
+    tiny_hidden: int = Field(128, ge=8, description="Tiny model: hidden width.")
+    tiny_heads: int = Field(4, ge=1, description="Tiny model: attention heads.")
+    seed: int = Field(0, description="Seed for the tiny model's initial weights.")
+
+
+class InferenceConfig(Section):
+    base_url: list[str] = Field(
+        default_factory=list,
+        description="OpenAI-compatible endpoints (e.g. vLLM). Empty: start the embedded engine.",
+    )
+    engine: Literal["embedded", "vllm"] = Field("embedded", description="Engine kind behind base_url.")
+    model_name: str | None = Field(None, description="Served model name (default: the model dir's name).")
+    port: int = Field(0, ge=0, description="Embedded engine port (0 = pick a free one).")
+    max_batch_size: int = Field(64, ge=1, description="Embedded engine: sequences decoded together.")
+    max_model_len: int = Field(1024, ge=16, description="Longest prompt+completion the engine accepts.")
+    device: str = Field("auto", description="Embedded engine device: auto | cpu | cuda.")
+    weight_transport: Literal["shm", "disk"] = Field("shm", description="How weights reach a same-host engine.")
+    request_timeout_s: float = Field(120.0, gt=0, description="Per-request client timeout.")
+    max_retries: int = Field(3, ge=0, description="Client retries on transient endpoint errors.")
+
+
+class EnvConfig(Section):
+    name: str = Field("calc", description="Installed environment name or path to an env package dir.")
+    args: dict[str, Any] = Field(default_factory=dict, description="kwargs for load_environment().")
+
+
+class RolloutConfig(Section):
+    group_size: int = Field(8, ge=1, description="Episodes per task (G).")
+    max_in_flight: int = Field(64, ge=1, description="Episodes running at once.")
+    requests_per_s: float = Field(0.0, ge=0, description="Request-rate cap per endpoint (0 = none).")
+    episode_timeout_s: float = Field(120.0, gt=0, description="Wall limit per episode.")
+    max_turns: int = Field(4, ge=1, description="Model turns per episode.")
+    max_tokens: int = Field(64, ge=1, description="Sampled tokens per model turn.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature for training rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for training rollouts.")
+
+
+class BufferConfig(Section):
+    max_staleness: int = Field(1, ge=0, description="η: drop groups older than this many versions (0 = on-policy).")
+    filter_zero_variance: bool = Field(True, description="Drop groups whose rewards are all equal.")
+    adaptive: bool = Field(False, description="Adapt η between min/max from idle time and mismatch KL.")
+    min_staleness: int = Field(0, ge=0, description="Adaptive mode: lower bound for η.")
+    max_staleness_cap: int = Field(4, ge=0, description="Adaptive mode: upper bound for η.")
+
+
+class LossConfig(Section):
+    name: Literal["icepop", "ppo", "decoupled_ppo", "tis", "cispo", "gspo"] = Field(
+        "icepop", description="Policy loss (see agentrl/trainer/losses.py)."
+    )
+    trust_low: float = Field(0.5, gt=0, description="IcePop band: mask tokens with π/μ below this.")
+    trust_high: float = Field(2.0, gt=0, description="IcePop band: mask tokens with π/μ above this.")
+    clip_eps: float = Field(0.2, ge=0, description="PPO-style clip ε (ppo/decoupled_ppo/gspo).")
+    clip_eps_high: float | None = Field(None, description="Asymmetric upper clip (None = clip_eps).")
+    tis_cap: float = Field(2.0, gt=0, description="TIS/CISPO truncation cap on the IS weight.")
+    kl_coef: float = Field(0.0, ge=0, description="Coefficient of the k3 KL on log(π/μ).")
+    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = Field(
+        "token_mean", description="How per-token losses are reduced."
+    )
+    std_normalize: bool = Field(False, description="Divide group-relative advantages by the group std.")
+
+
+class TrainerConfig(Section):
+    steps: int = Field(100, ge=0, description="Optimizer steps (each one a weight version).")
+    batch_groups: int = Field(16, ge=1, description="Groups per optimizer step.")
+    micro_batch_tokens: int = Field(8192, ge=16, description="Tokens per packed micro-batch.")
+    lr: float = Field(2e-4, gt=0, description="AdamW learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up steps.")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR decay after warm-up.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    loss: LossConfig = Field(default_factory=LossConfig)
+    checkpoint_every: int = Field(20, ge=0, description="Checkpoint every K steps (0 = only at the end).")
+    push_every: int = Field(1, ge=1, description="Push weights to the engines every K steps.")
+    lora_rank: int = Field(0, ge=0, description="LoRA rank (0 = full fine-tuning).")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha.")
+    device: str = Field("auto", description="Trainer device: auto | cpu | cuda.")
+
+
+class SFTConfig(Section):
+    enabled: bool = Field(True, description="Warm-start with SFT on the env's demonstrations (cached).")
+    steps: int = Field(120, ge=0, description="SFT optimizer steps.")
+    batch_size: int = Field(64, ge=1, description="Demonstrations per SFT step.")
+    lr: float = Field(1e-3, gt=0, description="SFT learning rate.")
+    num_demos: int = Field(4096, ge=1, description="Demonstrations drawn from the environment.")
+
+
+class EvalConfig(Section):
+    every: int = Field(10, ge=0, description="Evaluate on held-out tasks every N steps (0 = never).")
+    num_tasks: int = Field(200, ge=1, description="Held-out tasks per evaluation.")
+    temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 = greedy).")
+
+
+class ClusterConfig(Section):
+    backend: Literal["local", "ray"] = Field("local", description="local: one machine; ray: Ray actors.")
+    num_inference: int = Field(1, ge=1, description="Inference engines to start (ray backend).")
+    ray_address: str | None = Field(None, description="Existing Ray cluster (None = start a local one).")
+
+
+class RunConfig(Section):
+    name: str = Field("run", description="Run name (used for the run directory).")
+    dir: str | None = Field(None, description="Run directory (default: runs/<name>).")
+    seed: int = Field(0, description="Seed for data order, sampling and init.")
+    max_wall_s: float = Field(0.0, ge=0, description="Stop after this many seconds (0 = no limit).")
+
+
+class Config(Section):
+    """The whole run. Every section is optional in TOML; defaults run the quickstart."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir or f"runs/{self.run.name}")
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(_drop_none(self.model_dump(mode="json")))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _drop_none(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _drop_none(v) for k, v in d.items() if v is not None}
+    return d
+
+
+def _deep_merge(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    """Override values are TOML/JSON literals when they parse as one, else strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``["--trainer.lr=1e-5", "--env.name", "calc"]`` → nested dict."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) <= 2:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value")
+            i += 1
+            value = args[i]
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"bad override key {key!r}")
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r} conflicts with another override")
+        node[leaf] = _parse_value(value)
+        i += 1
+    return out
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{loc}'")
+        else:
+            lines.append(f"{loc}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def load_config(files: list[str | Path] = (), overrides: list[str] | dict[str, Any] = ()) -> Config:
+    """Merge TOML files left to right, apply dotted overrides, validate once."""
+    data: dict[str, Any] = {}
+    for f in files:
+        p = Path(f)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = _deep_merge(data, tomllib.loads(p.read_text()))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    over = overrides if isinstance(overrides, dict) else parse_overrides(list(overrides))
+    data = _deep_merge(data, over)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None

@@ -1,0 +1,261 @@
+"""Plain data that flows between agentrl's modules.
+
+Task → (Environment.rollout) → Trajectory → Group → (Trainer).  Everything here is a
+dataclass that round-trips through JSON (``to_dict`` / ``from_dict``) so rollouts can be
+written to ``rollouts.jsonl`` and read back exactly.
+
+Token provenance (DESIGN.md): a :class:`TokenSequence` holds the exact token ids the
+engine sampled (never re-tokenized from text) interleaved with env/tool tokens.  Per token:
+``loss_mask`` (1 = sampled by the policy, 0 = forced prompt/env tokens), ``logprobs``
+(μ, the sampling logprob reported by the engine; 0.0 where mask is 0) and ``versions``
+(the policy weight version that produced the token; -1 where mask is 0).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+def new_id(prefix: str = "") -> str:
+    return f"{prefix}{uuid.uuid4().hex[:16]}"
+
+
+@dataclass
+class ToolCall:
+    """A function call the model asked for. ``arguments`` is the raw JSON text it wrote."""
+
+    name: str
+    arguments: str = "{}"
+    id: str = field(default_factory=lambda: new_id("call_"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI wire format."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ToolCall:
+        fn = d.get("function", d)
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            args = json.dumps(args)
+        return cls(name=fn["name"], arguments=args, id=d.get("id") or new_id("call_"))
+
+
+@dataclass
+class Message:
+    role: Role
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI chat message (what ``chat.completions`` and chat templates take)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [tc.to_dict() for tc in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | Message) -> Message:
+        if isinstance(d, Message):
+            return d
+        return cls(
+            role=d["role"],
+            content=d.get("content") or "",
+            tool_calls=[ToolCall.from_dict(t) for t in d.get("tool_calls") or []],
+            tool_call_id=d.get("tool_call_id"),
+            name=d.get("name"),
+        )
+
+
+def messages_to_dicts(messages: list[Message]) -> list[dict[str, Any]]:
+    return [m.to_dict() for m in messages]
+
+
+@dataclass
+class Task:
+    """One problem from an environment's dataset.
+
+    ``prompt`` is the opening conversation; ``answer`` whatever the rubric compares to;
+    ``info`` free-form per-task data (test cases, a seed, a gym env id ...).
+    """
+
+    prompt: list[Message]
+    answer: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+    id: str = field(default_factory=lambda: new_id("task_"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "prompt": messages_to_dicts(self.prompt), "answer": self.answer, "info": self.info}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Task:
+        return cls(
+            prompt=[Message.from_dict(m) for m in d["prompt"]],
+            answer=d.get("answer"),
+            info=d.get("info") or {},
+            id=d.get("id") or new_id("task_"),
+        )
+
+
+@dataclass
+class TokenSequence:
+    """One training sample: exact tokens with per-token provenance (see module docstring)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def extend_forced(self, ids: list[int]) -> None:
+        """Append prompt / env / tool tokens (not trained on)."""
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([-1] * len(ids))
+
+    def extend_sampled(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Append tokens the policy sampled, with their sampling logprobs μ and versions."""
+        if not (len(ids) == len(logprobs) == len(versions)):
+            raise ValueError("sampled ids, logprobs and versions must have equal length")
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.logprobs.extend(logprobs)
+        self.versions.extend(versions)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+    def sampled_versions(self) -> list[int]:
+        return [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+
+    def validate(self) -> None:
+        n = len(self.token_ids)
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError("TokenSequence fields have different lengths")
+
+
+@dataclass
+class Turn:
+    """One model call inside an episode (for logs and debugging, not for the loss)."""
+
+    prompt_len: int
+    completion_ids: list[int]
+    completion_text: str
+    finish_reason: str | None = None
+    versions: list[int] = field(default_factory=list)
+    latency_s: float = 0.0
+
+
+StopReason = Literal[
+    "done", "max_turns", "max_tokens", "prompt_too_long", "timeout", "error", "length", "no_tool_call"
+]
+
+
+@dataclass
+class Trajectory:
+    """One finished episode.
+
+    ``sequences`` usually holds one :class:`TokenSequence` for the whole multi-turn
+    episode; a new one starts only where the chat template could not be extended
+    token-exactly (counted in ``metrics['template_breaks']``).
+    ``error`` is set for infrastructure failures (endpoint, sandbox, env or rubric crash):
+    such an episode is recorded and counted but never trained on.
+    """
+
+    task: Task
+    messages: list[Message] = field(default_factory=list)
+    sequences: list[TokenSequence] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    reward: float = 0.0
+    advantage: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: str | None = None
+    error: str | None = None
+    timing: dict[str, float] = field(default_factory=dict)
+    env_name: str = ""
+    env_version: str = ""
+    id: str = field(default_factory=lambda: new_id("ep_"))
+    group_id: str = ""
+
+    @property
+    def errored(self) -> bool:
+        return self.error is not None
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(s.num_sampled for s in self.sequences)
+
+    def min_version(self) -> int | None:
+        """Oldest policy version among sampled tokens (None if nothing was sampled)."""
+        vs = [v for s in self.sequences for v in s.sampled_versions()]
+        return min(vs) if vs else None
+
+    @property
+    def completion(self) -> list[Message]:
+        """Messages after the task prompt (what the model and env said)."""
+        return self.messages[len(self.task.prompt):]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["task"] = self.task.to_dict()
+        d["messages"] = messages_to_dicts(self.messages)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        d = dict(d)
+        d["task"] = Task.from_dict(d["task"])
+        d["messages"] = [Message.from_dict(m) for m in d.get("messages", [])]
+        d["sequences"] = [TokenSequence(**s) for s in d.get("sequences", [])]
+        d["turns"] = [Turn(**t) for t in d.get("turns", [])]
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> Trajectory:
+        return cls.from_dict(json.loads(line))
+
+
+@dataclass
+class Group:
+    """G episodes of the same task; advantages are computed within a group."""
+
+    task: Task
+    trajectories: list[Trajectory] = field(default_factory=list)
+    id: str = field(default_factory=lambda: new_id("grp_"))
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    def min_version(self) -> int | None:
+        vs = [v for t in self.trajectories if (v := t.min_version()) is not None]
+        return min(vs) if vs else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "task": self.task.to_dict(), "trajectories": [t.to_dict() for t in self.trajectories]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Group:
+        return cls(
+            task=Task.from_dict(d["task"]),
+            trajectories=[Trajectory.from_dict(t) for t in d["trajectories"]],
+            id=d["id"],
+        )
