@@ -83,6 +83,18 @@ def messages_to_dicts(messages: list[Message]) -> list[dict[str, Any]]:
 
 
 @dataclass
+class SamplingParams:
+    """How one model call samples (OpenAI/vLLM field names)."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] | None = None
+
+
+@dataclass
 class Task:
     """One problem from an environment's dataset.
 
