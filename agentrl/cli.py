@@ -8,7 +8,6 @@ stays fast. User errors (:class:`agentrl.errors.AgentrlError`) print one line an
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -38,7 +37,7 @@ _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 @app.command(context_settings=_EXTRA)
 def run(
     ctx: typer.Context,
-    configs: Annotated[list[Path], typer.Argument(help="TOML config files, merged left to right.")],
+    configs: Annotated[list[str], typer.Argument(help="TOML files (merged left to right), then --dotted.overrides.")],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and exit.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last complete checkpoint.")] = False,
 ) -> None:
@@ -46,9 +45,10 @@ def run(
 
     Extra arguments are dotted overrides: --trainer.lr=1e-5 --env.name calc
     """
-    from agentrl.config import load_config
+    from agentrl.config import load_config, split_files_and_overrides
 
-    cfg = load_config(configs, ctx.args)
+    files, overrides = split_files_and_overrides([*configs, *ctx.args])
+    cfg = load_config(files, overrides)
     if dry_run:
         typer.echo(cfg.to_toml())
         return
@@ -60,13 +60,13 @@ def run(
 @app.command(context_settings=_EXTRA)
 def sft(
     ctx: typer.Context,
-    configs: Annotated[list[Path], typer.Argument(help="TOML config files, merged left to right.")],
+    configs: Annotated[list[str], typer.Argument(help="TOML files (merged left to right), then --dotted.overrides.")],
 ) -> None:
     """Supervised warm start on the environment's demonstrations (cached by config)."""
-    from agentrl.config import load_config
+    from agentrl.config import load_config, split_files_and_overrides
     from agentrl.trainer.sft import run_sft
 
-    path = run_sft(load_config(configs, ctx.args))
+    path = run_sft(load_config(*split_files_and_overrides([*configs, *ctx.args])))
     typer.echo(str(path))
 
 

@@ -228,6 +228,16 @@ def _format_errors(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def split_files_and_overrides(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """CLI tokens → (config files, dotted overrides): files come first, overrides after."""
+    files: list[str] = []
+    for i, tok in enumerate(tokens):
+        if tok.startswith("--"):
+            return files, list(tokens[i:])
+        files.append(tok)
+    return files, []
+
+
 def load_config(files: list[str | Path] = (), overrides: list[str] | dict[str, Any] = ()) -> Config:
     """Merge TOML files left to right, apply dotted overrides, validate once."""
     data: dict[str, Any] = {}

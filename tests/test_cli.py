@@ -1,0 +1,46 @@
+"""The CLI's contract for bad input: one line on stderr, exit code 2, no traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def agentrl(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
+
+
+def test_dry_run_prints_resolved_config(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[trainer]\nlr = 1e-3\n")
+    r = agentrl("run", str(cfg), "--dry-run", "--trainer.steps=3")
+    assert r.returncode == 0, r.stderr
+    assert "lr = 0.001" in r.stdout
+    assert "steps = 3" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "MISSING.toml", "--dry-run"],
+        ["run", "CFG", "--dry-run", "--trainer.lr=fast"],
+        ["run", "CFG", "--dry-run", "--nosuch.key=1"],
+    ],
+)
+def test_bad_config_is_one_line_exit_2(tmp_path, args):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("")
+    args = [str(cfg) if a == "CFG" else a for a in args]
+    r = agentrl(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("error:")
+
+
+def test_unknown_subcommand_exits_2():
+    r = agentrl("frobnicate")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,80 @@
+"""Config loading: layered TOML, dotted overrides, all errors on one line each."""
+
+import pytest
+
+from agentrl.config import Config, ConfigError, load_config, parse_overrides
+from agentrl.types import Message, Task, TokenSequence, ToolCall, Trajectory
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_files_merge_left_to_right_and_overrides_win(tmp_path):
+    a = write(tmp_path, "a.toml", "[trainer]\nlr = 1e-3\nsteps = 5\n[env]\nname = 'calc'\n")
+    b = write(tmp_path, "b.toml", "[trainer]\nlr = 2e-3\n")
+    cfg = load_config([a, b], ["--trainer.steps=7", "--env.args", '{"max_operand": 9}'])
+    assert cfg.trainer.lr == 2e-3
+    assert cfg.trainer.steps == 7
+    assert cfg.env.name == "calc"
+    assert cfg.env.args == {"max_operand": 9}
+
+
+def test_override_values_parse_as_toml_literals():
+    over = parse_overrides(["--a.b=3", "--a.c=true", "--a.d=hello", "--a.e=[1, 2]"])
+    assert over == {"a": {"b": 3, "c": True, "d": "hello", "e": [1, 2]}}
+
+
+def test_every_error_is_reported_at_once(tmp_path):
+    p = write(tmp_path, "bad.toml", "[trainer]\nlr = 'fast'\nbogus = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([p])
+    msg = str(e.value)
+    assert "unknown key 'trainer.bogus'" in msg
+    assert "trainer.lr" in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [(["--nope.x=1"], "unknown key 'nope'"), (["trainer.lr=1"], "unexpected argument"), (["--a.=1"], "bad override"), (["--a.b"], "has no value")],
+)
+def test_bad_overrides_are_config_errors(args, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config([], args)
+
+
+def test_missing_file_and_invalid_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config([tmp_path / "missing.toml"])
+    p = write(tmp_path, "x.toml", "[trainer\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config([p])
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config([], ["--trainer.lr=3e-4", "--run.name=demo"])
+    p = write(tmp_path, "resolved.toml", cfg.to_toml())
+    assert load_config([p]) == cfg
+    assert Config().run_dir.name == "run"
+
+
+def test_trajectory_json_round_trip_keeps_token_provenance():
+    task = Task(prompt=[Message("user", "What is 2+3?")], answer=5)
+    seq = TokenSequence()
+    seq.extend_forced([1, 2, 3])
+    seq.extend_sampled([4, 5], [-0.5, -0.25], [7, 8])
+    traj = Trajectory(
+        task=task,
+        messages=[*task.prompt, Message("assistant", "", tool_calls=[ToolCall("calculator", '{"e": "2+3"}')])],
+        sequences=[seq],
+        reward=1.0,
+    )
+    back = Trajectory.from_json(traj.to_json())
+    assert back == traj
+    assert back.min_version() == 7
+    assert back.sequences[0].loss_mask == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError):
+        seq.extend_sampled([1], [], [1])
