@@ -70,6 +70,31 @@ def sft(
     typer.echo(str(path))
 
 
+# ----------------------------------------------------------------------------- model init
+
+
+@model_app.command("init")
+def model_init(
+    kind: Annotated[str, typer.Argument(help="Model kind to build (only 'tiny').")],
+    out_dir: Annotated[str, typer.Argument(help="Directory to write the HF model into.")],
+    layers: Annotated[int, typer.Option(min=1, help="Decoder layers.")] = 4,
+    hidden: Annotated[int, typer.Option(min=8, help="Hidden width.")] = 128,
+    heads: Annotated[int, typer.Option(min=1, help="Attention heads.")] = 4,
+    vocab_size: Annotated[int, typer.Option(min=300, help="BPE vocabulary size.")] = 512,
+    seed: Annotated[int, typer.Option(help="Seed for the initial weights.")] = 0,
+) -> None:
+    """Build a tiny Llama model + byte-level BPE tokenizer with a tool-aware chat template."""
+    if kind != "tiny":
+        raise AgentrlError(f"unknown model kind {kind!r}; available: tiny")
+    from agentrl.tiny_model import build_tiny_model
+
+    try:
+        path = build_tiny_model(out_dir, layers=layers, hidden=hidden, heads=heads, vocab_size=vocab_size, seed=seed)
+    except ValueError as e:
+        raise AgentrlError(str(e)) from e
+    typer.echo(str(path))
+
+
 # ----------------------------------------------------------------------------- main
 
 
