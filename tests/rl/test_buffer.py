@@ -3,11 +3,10 @@
 import asyncio
 
 import pytest
+from rl_fakes import make_traj
 
 from agentrl.buffer import AdaptiveStaleness, StalenessBuffer
 from agentrl.types import Group, Message, Task
-
-from rl_fakes import make_traj
 
 
 def _group(versions, rewards=(0.0, 1.0)):
