@@ -1,0 +1,13 @@
+"""Rubrics: reward functions asked for by argument name, weighted, plugin-discoverable."""
+
+from agentrl.rubrics.rubric import Rubric, RubricGroup, as_reward, episode_args, last_assistant_text
+
+__all__ = ["Rubric", "RubricGroup", "as_reward", "episode_args", "last_assistant_text", "JudgeRubric"]
+
+
+def __getattr__(name: str):
+    if name == "JudgeRubric":  # imports openai lazily
+        from agentrl.rubrics.judge import JudgeRubric
+
+        return JudgeRubric
+    raise AttributeError(name)

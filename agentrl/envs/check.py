@@ -1,0 +1,290 @@
+"""``check_environment(env)``: the executable contract; ``agentrl env test`` runs the same list.
+
+Each check is a named line that passes or fails with a reason (Gymnasium's ``check_env``
+habit).  Episodes run against a real policy client when one is given, otherwise against
+:class:`ScriptedClient` — a model-free policy with a character-level ChatML tokenizer that
+replays the env's own demonstrations when it has them.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.envs.base import Environment, State
+from agentrl.tool_format import format_assistant_text
+from agentrl.types import Message, SamplingParams, Trajectory
+
+IM_START, IM_END = 1, 2
+_OFFSET = 3
+_START_TEXT, _END_TEXT = "<|im_start|>", "<|im_end|>"
+
+
+class ScriptedEndpointError(Exception):
+    """What ScriptedClient raises when told to fail (an endpoint that is down)."""
+
+
+@dataclass
+class ScriptedCompletion:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    tool_calls: list[Any] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+def render_chatml(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, strip_old: bool = False) -> str:
+    """A ChatML rendering (Qwen-like). ``strip_old`` drops ``<think>`` from assistant turns
+    before the last user message, as Qwen3's template does — which is not prefix-stable."""
+    import json
+
+    out = []
+    if tools:
+        out.append(f"{_START_TEXT}system\n# Tools\n" + "\n".join(json.dumps(t) for t in tools) + f"{_END_TEXT}\n")
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    for i, m in enumerate(messages):
+        content = m.get("content") or ""
+        if m["role"] == "assistant":
+            from agentrl.types import ToolCall
+
+            calls = [ToolCall.from_dict(tc) for tc in m.get("tool_calls") or []]
+            if strip_old and i < last_user and "</think>" in content:
+                content = content.split("</think>", 1)[1].lstrip()
+            content = format_assistant_text(content, calls)
+        out.append(f"{_START_TEXT}{m['role']}\n{content}{_END_TEXT}\n")
+    if add_generation_prompt:
+        out.append(f"{_START_TEXT}assistant\n")
+    return "".join(out)
+
+
+def encode(text: str) -> list[int]:
+    ids: list[int] = []
+    i = 0
+    while i < len(text):
+        if text.startswith(_START_TEXT, i):
+            ids.append(IM_START)
+            i += len(_START_TEXT)
+        elif text.startswith(_END_TEXT, i):
+            ids.append(IM_END)
+            i += len(_END_TEXT)
+        else:
+            ids.append(ord(text[i]) + _OFFSET)
+            i += 1
+    return ids
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(_START_TEXT if t == IM_START else _END_TEXT if t == IM_END else chr(t - _OFFSET) for t in ids)
+
+
+class ScriptedClient:
+    """A model-free policy speaking the PolicyClient interface (for checks and unit tests).
+
+    ``policy(prompt_text) -> reply text`` decides each turn.  Every prompt it receives is
+    recorded in ``prompts`` so tests can compare it with a fresh rendering.
+    """
+
+    def __init__(
+        self,
+        policy: Callable[[str], str] | None = None,
+        *,
+        fail: bool = False,
+        strip_old_thinking: bool = False,
+        version: int = 0,
+    ) -> None:
+        self.policy = policy or (lambda prompt: "I don't know.")
+        self.fail = fail
+        self.strip_old = strip_old_thinking
+        self.version = version
+        self.prompts: list[list[int]] = []
+
+    async def tokenize(self, *, messages=None, tools=None, prompt=None, add_generation_prompt=True) -> list[int]:
+        if prompt is not None:
+            return encode(prompt)
+        return encode(render_chatml(messages or [], tools, add_generation_prompt, self.strip_old))
+
+    async def detokenize(self, ids: list[int]) -> str:
+        return decode(ids)
+
+    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[ScriptedCompletion]:
+        if self.fail:
+            raise ScriptedEndpointError("scripted endpoint is down")
+        self.prompts.append(list(prompt_ids))
+        out = []
+        for _ in range(n):
+            ids = encode(self.policy(decode(prompt_ids)))
+            finish = "stop"
+            if len(ids) >= sampling.max_tokens:
+                ids, finish = ids[: sampling.max_tokens], "length"
+            else:
+                ids = [*ids, IM_END]
+            text = decode([t for t in ids if t != IM_END])
+            out.append(ScriptedCompletion(text, ids, [-0.5] * len(ids), [self.version] * len(ids), finish))
+        return out
+
+
+def replay_policy(demos: list[list[Message]]) -> Callable[[str], str]:
+    """Reply with the k-th assistant turn of a demonstration at the k-th turn."""
+    turns = [[format_assistant_text(m.content, m.tool_calls) for m in d if m.role == "assistant"] for d in demos]
+    turns = [t for t in turns if t] or [["I don't know."]]
+
+    def policy(prompt: str) -> str:
+        k = prompt.count(f"{_START_TEXT}assistant") - 1
+        demo = turns[zlib.crc32(prompt.split(f"{_START_TEXT}assistant", 1)[0].encode()) % len(turns)]
+        return demo[min(k, len(demo) - 1)]
+
+    return policy
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class CheckReport:
+    results: list[CheckResult] = field(default_factory=list)
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    def add(self, name: str, ok: bool, detail: str = "") -> None:
+        self.results.append(CheckResult(name, ok, detail))
+
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if not r.ok]
+
+
+_STOP_REASONS = {"done", "max_turns", "max_tokens", "prompt_too_long", "timeout", "error", "length"}
+
+
+def _task_key(t: Any) -> str:
+    import json
+
+    return json.dumps([[m.role, m.content] for m in t.prompt] + [repr(t.answer)], sort_keys=True)
+
+
+async def check_environment(
+    env: Environment,
+    client: Any | None = None,
+    *,
+    num_episodes: int = 3,
+    sampling: SamplingParams | None = None,
+) -> CheckReport:
+    """Run the contract checklist; returns a report (never raises for env faults)."""
+    from agentrl.rubrics import Rubric
+
+    report = CheckReport()
+    sampling = sampling or SamplingParams(max_tokens=256, temperature=1.0)
+
+    # 1) datasets
+    tasks: list[Any] = []
+    try:
+        for t in env.dataset():
+            tasks.append(t)
+            if len(tasks) >= 1000:
+                break
+        bad = [t for t in tasks if not getattr(t, "prompt", None)]
+        report.add("dataset", bool(tasks) and not bad, f"{len(tasks)} tasks read" if tasks else "dataset() is empty")
+    except Exception as e:
+        report.add("dataset", False, f"dataset() raised {type(e).__name__}: {e}")
+    try:
+        held = env.eval_dataset()
+        if held is None:
+            report.add("eval_dataset", True, "none (evaluation uses dataset())")
+        else:
+            held_list = [t for _, t in zip(range(1000), held, strict=False)]
+            overlap = {_task_key(t) for t in held_list} & {_task_key(t) for t in tasks}
+            report.add(
+                "eval_dataset",
+                bool(held_list) and not overlap,
+                f"{len(held_list)} tasks, {len(overlap)} also in dataset()" if held_list else "eval_dataset() is empty",
+            )
+    except Exception as e:
+        report.add("eval_dataset", False, f"eval_dataset() raised {type(e).__name__}: {e}")
+
+    # 2) rubric and tools
+    rubric = getattr(env, "rubric", None)
+    weighted = isinstance(rubric, Rubric) and any(f.weight != 0 for f in rubric.funcs)
+    report.add("rubric", weighted, f"{len(rubric.funcs)} functions" if weighted else "no Rubric with a weighted function")
+    try:
+        schemas = env.tool_schemas() or []
+        bad = [s for s in schemas if s.get("type") != "function" or "name" not in s.get("function", {})
+               or s["function"].get("parameters", {}).get("type") != "object"]
+        report.add("tool_schemas", not bad, f"{len(schemas)} tools" if not bad else f"malformed: {bad[:1]}")
+    except Exception as e:
+        report.add("tool_schemas", False, f"tool_schemas() raised {type(e).__name__}: {e}")
+
+    # 3) demonstrations (optional)
+    demos: list[list[Message]] = []
+    try:
+        demos = env.demonstrations(4, seed=0)
+        shaped = len(demos) == 4 and all(
+            d and all(isinstance(m, Message) for m in d) and any(m.role == "assistant" for m in d) for d in demos
+        )
+        report.add("demonstrations", shaped, "4 conversations" if shaped else "expected 4 lists of Messages with assistant turns")
+    except NotImplementedError:
+        pass
+    except Exception as e:
+        report.add("demonstrations", False, f"demonstrations() raised {type(e).__name__}: {e}")
+
+    if not tasks:
+        return report
+
+    # 4) episodes: contract of the loop, cleanup, token accounting, rewards
+    cleanups: list[int] = []
+    original_cleanup = env.cleanup
+
+    async def counting_cleanup(state: State) -> None:
+        cleanups.append(id(state))
+        await original_cleanup(state)
+
+    env.cleanup = counting_cleanup  # type: ignore[method-assign]
+    try:
+        policy = client or ScriptedClient(replay_policy(demos) if demos else None)
+        episodes = tasks[:num_episodes]
+        trajs = [await env.rollout(policy, t, sampling) for t in episodes]
+        await env.rubric.score_group(trajs)
+        report.trajectories = trajs
+        errored = [t.error for t in trajs if t.error]
+        report.add("episodes_run", not errored, f"{len(trajs)} episodes" if not errored else f"errored: {errored[0]}")
+        bad_stop = [t.stop_reason for t in trajs if t.stop_reason not in _STOP_REASONS]
+        report.add("stop_reasons", not bad_stop, ", ".join(sorted({str(t.stop_reason) for t in trajs})))
+        token_problems = []
+        for t in trajs:
+            try:
+                for s in t.sequences:
+                    s.validate()
+                sampled = sum(len(turn.completion_ids) for turn in t.turns)
+                if sampled != t.num_sampled_tokens:
+                    token_problems.append(f"{sampled} sampled tokens in turns but {t.num_sampled_tokens} in sequences")
+            except ValueError as e:
+                token_problems.append(str(e))
+        report.add("token_sequences", not token_problems, token_problems[0] if token_problems else "consistent")
+        lo, hi = env.reward_range or (-math.inf, math.inf)
+        bad_rewards = [t.reward for t in trajs if not (math.isfinite(t.reward) and lo <= t.reward <= hi)]
+        report.add("rewards", not bad_rewards, f"rewards {[round(t.reward, 3) for t in trajs]}")
+        report.add("cleanup", len(cleanups) >= len(trajs), f"cleanup ran {len(cleanups)}× for {len(trajs)} episodes")
+
+        # 5) a failing endpoint must give an errored episode, and cleanup still runs
+        before = len(cleanups)
+        broken = await env.rollout(ScriptedClient(fail=True), tasks[0], sampling)
+        report.add(
+            "endpoint_failure",
+            broken.error is not None and broken.stop_reason == "error" and len(cleanups) > before,
+            f"error={broken.error!r}, cleanup ran={len(cleanups) > before}",
+        )
+    except Exception as e:
+        report.add("episodes_run", False, f"rollout raised {type(e).__name__}: {e} (rollout must never raise)")
+    finally:
+        del env.cleanup
+    return report

@@ -1,0 +1,178 @@
+"""The rollout loop: token exactness, stop reasons, errors as data, cleanup always runs."""
+
+import asyncio
+
+import pytest
+
+from agentrl.envs import MultiTurnEnv, SingleTurnEnv, State, ToolEnv
+from agentrl.envs.check import IM_END, ScriptedClient, encode, render_chatml
+from agentrl.rubrics import Rubric
+from agentrl.types import Message, SamplingParams, Task, messages_to_dicts
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: first addend
+        b: second addend
+    """
+    return a + b
+
+
+def two_turn_policy(prompt: str) -> str:
+    if "<|im_start|>tool" in prompt:
+        return "The answer is 7."
+    return '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+
+
+def make_tool_env(**kw):
+    return ToolEnv(tools=[add], dataset=["What is 3+4?"], rubric=Rubric([lambda completion, answer: 1.0]), **kw)
+
+
+async def test_tool_episode_is_token_exact():
+    env = make_tool_env()
+    client = ScriptedClient(two_turn_policy)
+    traj = await env.rollout(client, next(iter(env.dataset())), SamplingParams(max_tokens=200))
+    assert traj.error is None and traj.stop_reason == "done"
+    assert [m.role for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
+    assert traj.messages[2].content == "7" and traj.messages[2].tool_call_id == traj.messages[1].tool_calls[0].id
+    assert len(traj.sequences) == 1 and traj.metrics["template_breaks"] == 0
+    seq = traj.sequences[0]
+    # the whole sequence equals a fresh rendering of the conversation (this template is prefix-stable)
+    rendered = encode(render_chatml(messages_to_dicts(traj.messages), env.tool_schemas(), False))
+    assert seq.token_ids == rendered[:-1]  # minus the trailing "\n" glue after the last <|im_end|>
+    # every model call saw exactly the tokens accumulated so far
+    assert client.prompts[1] == seq.token_ids[: len(client.prompts[1])]
+    # sampled tokens carry mask 1, μ and version; forced ones mask 0
+    sampled = [t for t, m in zip(seq.token_ids, seq.loss_mask, strict=True) if m]
+    assert sampled == traj.turns[0].completion_ids + traj.turns[1].completion_ids
+    assert sampled.count(IM_END) == 2
+    assert all(v == 0 for v, m in zip(seq.versions, seq.loss_mask, strict=True) if m)
+    assert all(lp == 0.0 and v == -1 for lp, v, m in zip(seq.logprobs, seq.versions, seq.loss_mask, strict=True) if not m)
+    assert traj.metrics["tool_calls"] == 1 and traj.metrics["turns"] == 2
+
+
+class Guess(MultiTurnEnv):
+    async def setup(self, task):
+        state = State(task)
+        state["secret"] = 5
+        self.cleaned = getattr(self, "cleaned", 0)
+        return state
+
+    async def step(self, state, msg):
+        if msg.content.strip() == str(state["secret"]):
+            state.done = True
+            return [Message("user", "correct")]
+        if msg.content == "boom":
+            raise RuntimeError("env exploded")
+        return [Message("user", "wrong")]
+
+    async def cleanup(self, state):
+        self.cleaned += 1
+
+
+async def test_template_break_starts_a_new_sequence_and_counts():
+    env = Guess(dataset=["guess"], max_turns=2)
+    client = ScriptedClient(lambda p: "<think>hmm</think>4", strip_old_thinking=True)
+    traj = await env.rollout(client, next(iter(env.dataset())))
+    assert traj.error is None and traj.stop_reason == "max_turns"
+    assert traj.metrics["template_breaks"] == 1 and len(traj.sequences) == 2
+    assert traj.num_sampled_tokens == sum(len(t.completion_ids) for t in traj.turns)
+    # the second sample starts from the template's own rendering, which dropped the old thinking
+    assert client.prompts[1] == traj.sequences[1].token_ids[: len(client.prompts[1])]
+    assert "hmm" not in render_chatml(messages_to_dicts(traj.messages[:3]), None, True, strip_old=True)
+
+
+@pytest.mark.parametrize(
+    ("reply", "kwargs", "stop", "error"),
+    [
+        ("5", {}, "done", None),
+        ("4", {"max_turns": 3}, "max_turns", None),
+        ("4", {"max_total_tokens": 5, "max_turns": 10}, "max_tokens", None),
+        ("4" * 50, {}, "length", None),
+        ("boom", {}, "error", "RuntimeError: env exploded"),
+    ],
+)
+async def test_stop_reasons(reply, kwargs, stop, error):
+    env = Guess(dataset=["guess"], **kwargs)
+    traj = await env.rollout(ScriptedClient(lambda p: reply), next(iter(env.dataset())), SamplingParams(max_tokens=20))
+    assert traj.stop_reason == stop and traj.error == error
+    assert env.cleaned == 1
+    if stop == "max_turns":
+        assert len(traj.turns) == 3
+
+
+async def test_prompt_too_long_from_max_seq_len_and_from_the_endpoint():
+    env = Guess(dataset=["guess"], max_seq_len=40, max_turns=50)
+    traj = await env.rollout(ScriptedClient(lambda p: "4"), next(iter(env.dataset())))
+    assert traj.stop_reason == "prompt_too_long" and traj.error is None
+
+    class ContextLengthExceeded(Exception):
+        pass
+
+    class Full(ScriptedClient):
+        async def complete(self, prompt_ids, sampling, n=1):
+            raise ContextLengthExceeded("prompt is 5000 tokens")
+
+    traj = await Guess(dataset=["guess"]).rollout(Full(), next(iter(env.dataset())))
+    assert traj.stop_reason == "prompt_too_long" and traj.error is None
+
+
+async def test_timeout_keeps_partial_episode_and_cleans_up():
+    class Slow(Guess):
+        async def step(self, state, msg):
+            await asyncio.sleep(10)
+            return []
+
+    env = Slow(dataset=["guess"], timeout_s=0.2)
+    traj = await env.rollout(ScriptedClient(lambda p: "4"), next(iter(env.dataset())))
+    assert traj.stop_reason == "timeout" and traj.error is None
+    assert len(traj.turns) == 1 and traj.messages[-1].role == "assistant" and env.cleaned == 1
+
+
+async def test_endpoint_failure_and_setup_failure_are_errors_not_exceptions():
+    env = Guess(dataset=["guess"])
+    traj = await env.rollout(ScriptedClient(fail=True), next(iter(env.dataset())))
+    assert traj.stop_reason == "error" and "endpoint is down" in traj.error and env.cleaned == 1
+
+    class BadSetup(Guess):
+        async def setup(self, task):
+            raise OSError("no sandbox")
+
+    traj = await BadSetup(dataset=["g"]).rollout(ScriptedClient(), Task([Message("user", "g")]))
+    assert traj.error == "OSError: no sandbox"
+
+
+async def test_cleanup_failure_marks_error_and_is_not_raised():
+    class BadCleanup(Guess):
+        async def cleanup(self, state):
+            raise RuntimeError("leak")
+
+    traj = await BadCleanup(dataset=["g"]).rollout(ScriptedClient(lambda p: "5"), Task([Message("user", "g")]))
+    assert traj.stop_reason == "error" and "cleanup failed" in traj.error
+
+
+async def test_single_turn_env_and_system_prompt():
+    env = SingleTurnEnv(dataset=[{"question": "2+2?", "answer": "4"}], system_prompt="Be brief.",
+                        rubric=Rubric([lambda completion, answer: float(completion == answer)]))
+    task = next(iter(env.dataset()))
+    assert [m.role for m in task.prompt] == ["system", "user"] and task.answer == "4"
+    traj = await env.rollout(ScriptedClient(lambda p: "4"), task)
+    await env.rubric.score_group([traj])
+    assert traj.stop_reason == "done" and traj.reward == 1.0 and len(traj.turns) == 1
+    assert traj.env_name == "env" and traj.completion[0].content == "4"
+
+
+async def test_cancellation_still_cleans_up():
+    class Hang(Guess):
+        async def step(self, state, msg):
+            await asyncio.sleep(10)
+
+    env = Hang(dataset=["g"])
+    task = asyncio.create_task(env.rollout(ScriptedClient(lambda p: "4"), Task([Message("user", "g")])))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert env.cleaned == 1
