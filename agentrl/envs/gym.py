@@ -210,7 +210,7 @@ def parse_action(text: str, actions: Sequence[str]) -> int | None:
         word = word.strip().strip(".!'\"`*").strip().casefold()
         if word in names:
             return names.index(word)
-        if word.isdigit() and int(word) < len(names) and len(word) <= 3:
+        if re.fullmatch(r"[0-9]{1,3}", word) and int(word) < len(names):
             return int(word)
         return None
 
@@ -307,30 +307,55 @@ class GymEnv(MultiTurnEnv):
         except gymnasium.error.Error as e:
             raise AgentrlError(f"cannot make gymnasium env {self.spec.env_id!r}: {e}") from e
 
-    def _task(self, seed: int) -> Task:
-        info: dict[str, Any] = {"env_id": self.spec.env_id, "seed": seed}
-        if self.spec.task_kwargs is not None:
-            info["make_kwargs"] = self.spec.task_kwargs(seed)
-        env = self._make(info)
-        try:
-            obs, _ = env.reset(seed=seed)
-            first = self.spec.describe(env, obs)
-        finally:
-            env.close()
-        prompt = [Message("system", self.system_prompt or ""), Message("user", first)]
-        return Task(prompt=prompt, info=info, id=f"{self.name}-{seed}")
+    def _tasks_from(self, seeds: Iterable[int], n: int, exclude: set[str]) -> list[Task]:
+        """Up to ``n`` tasks with distinct opening observations, none of them in ``exclude``.
 
-    def _split(self, split: str, start: int, n: int) -> list[Task]:
-        if split not in self._tasks:
-            self._tasks[split] = [self._task(s) for s in range(start, start + n)]
-        return self._tasks[split]
+        Small envs repeat start states (Blackjack has ~280), so seeds whose opening is
+        already taken are skipped: a prompt is one task, and held-out means unseen.
+        """
+        tasks: list[Task] = []
+        shared: gymnasium.Env | None = None  # one env serves every seed unless maps differ per task
+        try:
+            for seed in seeds:
+                if len(tasks) >= n:
+                    break
+                info: dict[str, Any] = {"env_id": self.spec.env_id, "seed": seed}
+                if self.spec.task_kwargs is not None:
+                    info["make_kwargs"] = self.spec.task_kwargs(seed)
+                    env = self._make(info)
+                else:
+                    env = shared = shared or self._make(info)
+                try:
+                    obs, _ = env.reset(seed=seed)
+                    first = self.spec.describe(env, obs)
+                finally:
+                    if env is not shared:
+                        env.close()
+                if first in exclude:
+                    continue
+                exclude.add(first)
+                prompt = [Message("system", self.system_prompt or ""), Message("user", first)]
+                tasks.append(Task(prompt=prompt, info=info, id=f"{self.name}-{seed}"))
+        finally:
+            if shared is not None:
+                shared.close()
+        return tasks
+
+    def _splits(self) -> dict[str, list[Task]]:
+        if not self._tasks:
+            taken: set[str] = set()
+            scan = 50  # seeds tried per wanted task before giving up on more distinct openings
+            self._tasks["train"] = self._tasks_from(range(self.seed, self.seed + scan * self.num_tasks), self.num_tasks, taken)
+            # eval seeds start far from the training seeds and skip every training opening
+            start = self.seed + 1_000_000
+            self._tasks["eval"] = self._tasks_from(range(start, start + scan * self.num_eval_tasks), self.num_eval_tasks, taken)
+        return self._tasks
 
     def dataset(self) -> Iterable[Task]:
-        return self._split("train", self.seed, self.num_tasks)
+        return self._splits()["train"]
 
     def eval_dataset(self) -> Iterable[Task] | None:
-        # far from the training seeds so the two never overlap
-        return self._split("eval", self.seed + 1_000_000, self.num_eval_tasks)
+        return self._splits()["eval"]
 
     # ------------------------------------------------------------------ episode hooks
 
@@ -374,7 +399,9 @@ class GymEnv(MultiTurnEnv):
         """Solved episodes from a planner: shortest path for deterministic envs (FrozenLake
         without slipping, Taxi), 'hit below 17' for Blackjack."""
         demos: list[list[Message]] = []
-        for task in list(self.dataset())[seed : seed + n]:
+        for task in list(self.dataset())[seed:]:
+            if len(demos) >= n:
+                break
             demo = self._demonstrate(task)
             if demo is not None:
                 demos.append(demo)
