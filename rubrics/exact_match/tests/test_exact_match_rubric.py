@@ -1,0 +1,111 @@
+"""exact-match rubric plugin: extraction, normalisation, numeric equality, the Rubric it builds."""
+
+import math
+
+import pytest
+from agentrl_rubric_exact_match import (
+    answer_reward,
+    exact_match,
+    extract_answer,
+    has_answer,
+    load_rubric,
+    match_answer,
+    normalize_text,
+    numeric_match,
+    parse_number,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentrl.rubrics import Rubric
+from agentrl.types import Message, Task, Trajectory
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("reasoning...\n<answer> Paris </answer>", "Paris"),
+        ("<answer>1</answer> then <answer>2</answer>", "2"),
+        ("so the result is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+        ("line one\n\nfinal: 42\n\n", "final: 42"),
+        ("", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "exact", "numeric"),
+    [
+        ("<answer>Paris.</answer>", "paris", 1.0, 0.0),
+        ("<answer>**PARIS**</answer>", "Paris", 1.0, 0.0),
+        ("<answer>$\\text{Paris}$</answer>", "Paris", 1.0, 0.0),
+        ("<answer>London</answer>", "Paris", 0.0, 0.0),
+        ("<answer>1,000</answer>", "1000", 0.0, 1.0),
+        ("<answer>1000.0</answer>", 1000, 0.0, 1.0),
+        ("The answer is 42.", "42", 0.0, 1.0),
+        ("<answer>3/4</answer>", "0.75", 0.0, 1.0),
+        ("<answer>-$12.50</answer>", "-12.5", 0.0, 1.0),
+        ("<answer>1e3</answer>", "1000", 0.0, 1.0),
+        ("<answer>41.9999</answer>", "42", 0.0, 0.0),
+        ("<answer>x</answer>", ["y", "X"], 1.0, 0.0),
+        ("no answer tag at all", None, 0.0, 0.0),
+    ],
+)
+def test_exact_and_numeric_match(completion, answer, exact, numeric):
+    assert exact_match(completion, answer) == exact
+    assert numeric_match(completion, answer) == numeric
+
+
+def test_numbers_parse_by_value():
+    assert parse_number("1,234.5") == parse_number("1234.50")
+    assert parse_number("50%") == parse_number("0.5")
+    assert parse_number("3/0") is None and parse_number("abc") is None and parse_number(math.nan) is None
+    assert parse_number(True) is None and parse_number(7) == 7
+
+
+def test_auto_mode_falls_back_to_numbers_only_for_numeric_references():
+    assert match_answer("<answer>7.0</answer>", "7")
+    assert not match_answer("<answer>7.0</answer>", "seven")
+    assert not match_answer("<answer>7.0</answer>", "7", mode="exact")
+    with pytest.raises(ValueError):
+        answer_reward("fuzzy")
+
+
+def test_case_sensitive_option():
+    strict = answer_reward("exact", case_sensitive=True)
+    assert strict("<answer>abc</answer>", "ABC") == 0.0 and strict("<answer>ABC</answer>", "ABC") == 1.0
+    assert normalize_text("  A  b ") == "a b"
+
+
+def test_completion_may_be_messages():
+    msgs = [Message("user", "q"), Message("assistant", "<answer>5</answer>"), Message("user", "ok")]
+    assert exact_match(msgs, "5") == 1.0 and has_answer(msgs) == 1.0
+    assert exact_match([{"role": "assistant", "content": "<answer>5</answer>"}], "5") == 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(), st.one_of(st.none(), st.text(), st.integers(), st.floats(allow_nan=True)))
+def test_reward_functions_never_raise(completion, answer):
+    for fn in (exact_match, numeric_match, answer_reward()):
+        assert fn(completion, answer) in (0.0, 1.0)
+
+
+async def test_load_rubric_scores_trajectories():
+    rubric = load_rubric(mode="numeric", format_weight=0.5)
+    assert isinstance(rubric, Rubric)
+    task = Task(prompt=[Message("user", "2+2?")], answer="4")
+    good = Trajectory(task=task, messages=[*task.prompt, Message("assistant", "<answer>4.0</answer>")])
+    untagged = Trajectory(task=task, messages=[*task.prompt, Message("assistant", "It is 4")])
+    wrong = Trajectory(task=task, messages=[*task.prompt, Message("assistant", "<answer>5</answer>")])
+    await rubric.score_group([good, untagged, wrong])
+    assert [t.reward for t in (good, untagged, wrong)] == [1.5, 1.0, 0.5]
+    assert good.metrics["numeric_match"] == 1.0 and untagged.metrics["has_answer"] == 0.0
+
+
+def test_plugin_is_discoverable_by_entry_point():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="agentrl.rubrics") if e.name == "exact-match"]
+    assert ep.load() is load_rubric
