@@ -1,0 +1,74 @@
+"""math-verify rubric plugin: equivalence via math-verify, off the event loop, as a Rubric."""
+
+import asyncio
+import threading
+
+import pytest
+from agentrl_rubric_math_verify import answer_text, has_answer, is_equivalent, load_rubric, math_equivalent
+
+from agentrl.rubrics import Rubric
+from agentrl.types import Message, Task, Trajectory
+
+
+@pytest.mark.parametrize(
+    ("prediction", "reference", "equivalent"),
+    [
+        ("so the answer is \\boxed{0.5}", "1/2", True),
+        ("<answer>1/2</answer>", "\\frac{1}{2}", True),
+        ("$\\boxed{\\frac{1}{\\sqrt{2}}}$", "$\\sqrt{2}/2$", True),
+        ("$(x+1)^2$", "x^2+2x+1", True),
+        ("The final answer is $\\{2, 1\\}$", "\\{1,2\\}", True),
+        ("The answer is 4", "3", False),
+        ("I have no idea", "3", False),
+        ("", "3", False),
+    ],
+)
+def test_is_equivalent(prediction, reference, equivalent):
+    assert is_equivalent(prediction, reference) is equivalent
+
+
+def test_answer_tags_are_read_through():
+    assert answer_text("work... <answer> 7 </answer>") == "7"
+    assert answer_text("\\boxed{7}") == "\\boxed{7}"
+
+
+def test_is_equivalent_works_off_the_main_thread():
+    # math-verify's SIGALRM timeouts only work on the main thread; elsewhere they are disabled
+    out = []
+    t = threading.Thread(target=lambda: out.append(is_equivalent("\\boxed{2}", "2")))
+    t.start()
+    t.join()
+    assert out == [True]
+
+
+async def test_math_equivalent_runs_in_worker_processes_concurrently():
+    rewards = await asyncio.gather(
+        math_equivalent("\\boxed{\\frac{2}{4}}", "0.5"),
+        math_equivalent("\\boxed{3}", ["4", "3"]),
+        math_equivalent("\\boxed{3}", "4"),
+        math_equivalent([Message("assistant", "<answer>\\pi</answer>")], "\\pi"),
+    )
+    assert rewards == [1.0, 1.0, 0.0, 1.0]
+
+
+async def test_load_rubric_scores_a_group():
+    rubric = load_rubric(format_weight=0.1)
+    assert isinstance(rubric, Rubric)
+    task = Task(prompt=[Message("user", "Simplify 2/4.")], answer="\\frac{1}{2}")
+    replies = ["\\boxed{0.5}", "one half is 1/2", "\\boxed{2}"]
+    trajs = [Trajectory(task=task, messages=[*task.prompt, Message("assistant", r)]) for r in replies]
+    await rubric.score_group(trajs)
+    assert [round(t.reward, 6) for t in trajs] == [1.1, 1.0, 0.1]
+    assert [t.metrics["has_answer"] for t in trajs] == [1.0, 0.0, 1.0]
+    assert all(t.error is None for t in trajs)
+
+
+def test_has_answer():
+    assert has_answer("\\boxed{1}") == 1.0 and has_answer("<answer>1</answer>") == 1.0 and has_answer("1") == 0.0
+
+
+def test_plugin_is_discoverable_by_entry_point():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="agentrl.rubrics") if e.name == "math-verify"]
+    assert ep.load() is load_rubric
