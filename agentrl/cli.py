@@ -95,6 +95,43 @@ def model_init(
     typer.echo(str(path))
 
 
+# ----------------------------------------------------------------------------- serve
+
+
+@app.command()
+def serve(
+    model_dir: Annotated[str, typer.Argument(help="HF model directory (e.g. built by `agentrl model init tiny`).")],
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0 = a free one, printed at start).")] = 8000,
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    max_batch_size: Annotated[int, typer.Option(min=1, help="Sequences decoded together.")] = 64,
+    max_model_len: Annotated[int, typer.Option(min=16, help="Longest prompt+completion in tokens.")] = 1024,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:i].")] = "auto",
+    served_model_name: Annotated[str | None, typer.Option(help="Model name in the API (default: dir name).")] = None,
+) -> None:
+    """Serve a model with the embedded OpenAI-compatible engine (continuous batching, live weights)."""
+    from pathlib import Path
+
+    if not (Path(model_dir) / "config.json").is_file():
+        raise AgentrlError(f"no model at {model_dir!r} (expected a HF model dir; try `agentrl model init tiny DIR`)")
+    if device not in ("auto", "cpu") and not device.startswith("cuda"):
+        raise AgentrlError(f"unknown device {device!r}; use auto, cpu or cuda")
+    from agentrl.inference.server import serve as run_server
+
+    try:
+        run_server(
+            model_dir,
+            host=host,
+            port=port,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            device=device,
+            served_model_name=served_model_name,
+            log_level="info",
+        )
+    except OSError as e:
+        raise AgentrlError(f"cannot serve on {host}:{port}: {e.strerror or e}") from e
+
+
 # ----------------------------------------------------------------------------- main
 
 

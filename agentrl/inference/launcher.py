@@ -1,0 +1,128 @@
+"""Start the embedded engine in a child process and hand back its address.
+
+``with start_embedded_engine(model_dir) as eng: ...`` — ``eng.base_url`` is the OpenAI base
+URL (``http://127.0.0.1:PORT/v1``).  The child dies with the parent (Linux parent-death
+signal, plus a watchdog thread in the child), and ``stop()`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from agentrl.errors import AgentrlError
+
+
+class EngineStartError(AgentrlError):
+    """The embedded engine did not come up (bad model dir, port in use, crash at load)."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class EngineHandle:
+    """A running embedded engine: ``base_url`` (…/v1), ``root_url``, ``model``, ``stop()``."""
+
+    def __init__(self, proc: subprocess.Popen, host: str, port: int, model: str, log_path: Path):
+        self.proc, self.host, self.port, self.model, self.log_path = proc, host, port, model, log_path
+        self.root_url = f"http://{host}:{port}"
+        self.base_url = f"{self.root_url}/v1"
+        atexit.register(self.stop)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> EngineHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"EngineHandle({self.base_url}, model={self.model!r}, pid={self.proc.pid})"
+
+
+def start_embedded_engine(
+    model_dir: str | Path,
+    *,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    max_batch_size: int = 64,
+    max_model_len: int = 1024,
+    device: str = "auto",
+    served_model_name: str | None = None,
+    startup_timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> EngineHandle:
+    """Launch ``python -m agentrl.inference.server`` and wait until ``/health`` answers."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise EngineStartError(f"no model at {str(model_dir)!r} (expected a HF model dir with config.json)")
+    tmp = Path(tempfile.mkdtemp(prefix="agentrl-engine-"))
+    port_file, log_path = tmp / "port.json", tmp / "engine.log"
+    name = served_model_name or model_dir.name
+    cmd = [
+        sys.executable, "-m", "agentrl.inference.server", str(model_dir),
+        "--host", host, "--port", str(port),
+        "--max-batch-size", str(max_batch_size), "--max-model-len", str(max_model_len),
+        "--device", device, "--served-model-name", name,
+        "--port-file", str(port_file), "--parent-pid", str(os.getpid()),
+    ]  # fmt: skip
+    log = open(log_path, "wb")  # noqa: SIM115 (the child owns it)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )
+    log.close()
+    deadline = time.monotonic() + startup_timeout
+    bound = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            raise EngineStartError(f"embedded engine exited with code {proc.returncode} during startup:\n{tail}")
+        if bound is None and port_file.exists():
+            bound = json.loads(port_file.read_text())["port"]
+        if bound is not None:
+            try:
+                with urllib.request.urlopen(f"http://{host}:{bound}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return EngineHandle(proc, host, bound, name, log_path)
+            except OSError:
+                pass
+        time.sleep(0.1)
+    proc.kill()
+    raise EngineStartError(f"embedded engine did not answer /health within {startup_timeout:.0f}s (log: {log_path})")

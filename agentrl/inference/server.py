@@ -1,0 +1,553 @@
+"""OpenAI-compatible HTTP server (FastAPI) around :class:`agentrl.inference.engine.Engine`.
+
+Routes (vLLM names and fields where vLLM has them):
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: OpenAI schema (messages, tools,
+  n, max_tokens, temperature, top_p, stop, seed, logprobs/top_logprobs) plus vLLM extras
+  ``top_k``, ``return_token_ids`` (→ ``prompt_token_ids`` and per-choice ``token_ids``),
+  ``stop_token_ids``, ``ignore_eos``, ``return_tokens_as_token_ids``, token-id prompts on
+  ``/v1/completions``; every choice carries ``token_versions`` (weight version per token).
+- ``POST /tokenize`` (``prompt`` or ``messages`` + ``tools``), ``POST /detokenize``.
+- ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (JSON).
+- weights: ``POST /pause`` (mode=keep), ``POST /resume``, ``GET /is_paused``,
+  ``POST /update_weights_from_disk`` ``{model_path, weight_version?}``,
+  ``POST /update_weights_from_shm`` ``{path, size, manifest, weight_version?}``,
+  ``GET /get_weight_version``, ``POST /update_weight_version`` ``{weight_version}``.
+
+Every bad request gets an OpenAI-style JSON error (``{"error": {message, type, param,
+code}}``) with a 4xx status; an over-long prompt gets code ``context_length_exceeded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentrl.inference.engine import (
+    Engine,
+    EngineRequestError,
+    Sampling,
+    SequenceResult,
+    SharedWeights,
+    load_safetensors_path,
+)
+from agentrl.tool_format import parse_tool_calls
+from agentrl.types import new_id
+
+# ----------------------------------------------------------------------------- schemas
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class _SamplingBody(_Body):
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _none_is_default(cls, v, info):
+        return {"temperature": 1.0, "top_p": 1.0}[info.field_name] if v is None else v
+
+
+class ChatRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DiskWeightsRequest(_Body):
+    model_path: str
+    weight_version: int | None = None
+
+
+class ShmWeightsRequest(_Body):
+    path: str
+    size: int = Field(ge=0)
+    manifest: list[dict[str, Any]]
+    weight_version: int | None = None
+
+
+class VersionRequest(_Body):
+    weight_version: int
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _from_engine(e: EngineRequestError) -> APIError:
+    return APIError(400, str(e), param=e.param, code=e.code)
+
+
+# ----------------------------------------------------------------------------- app
+
+
+class EngineServer:
+    """Request handling shared by the routes (tokenization, sampling, response shapes)."""
+
+    def __init__(self, engine: Engine, served_model_name: str):
+        self.engine = engine
+        self.name = served_model_name
+        self.tok = engine.tokenizer
+        self.shared = SharedWeights()
+        self.started = time.time()
+
+    # -- helpers
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.name, str(self.engine.model_dir)):
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. Available: {self.name!r}.",
+                type_="NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
+
+    def render_chat(self, req: ChatRequest | TokenizeRequest) -> list[int]:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
+        for m in messages:
+            if m["role"] == "developer":
+                m["role"] = "system"
+            if m.get("content") is None:
+                m["content"] = ""
+        kwargs = dict(req.chat_template_kwargs or {})
+        gen = req.add_generation_prompt and not req.continue_final_message
+        try:
+            text = self.tok.apply_chat_template(
+                messages,
+                tools=req.tools or None,
+                add_generation_prompt=gen,
+                continue_final_message=req.continue_final_message,
+                tokenize=False,
+                **kwargs,
+            )
+        except Exception as e:  # template errors are the caller's malformed input
+            raise APIError(400, f"could not apply the chat template to these messages: {e}", param="messages") from e
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def sampling(self, req: _SamplingBody, top_logprobs: int) -> Sampling:
+        if req.stream:
+            raise APIError(400, "stream=true is not supported by the embedded engine", param="stream")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        max_tokens = req.max_completion_tokens or req.max_tokens or self.engine.max_model_len
+        return Sampling(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k if req.top_k > 0 else -1,
+            seed=req.seed,
+            stop=[s for s in stop if s],
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            top_logprobs=top_logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, n: int) -> list[SequenceResult]:
+        try:
+            fut = self.engine.submit(prompt_ids, sampling, n)
+        except EngineRequestError as e:
+            raise _from_engine(e) from e
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+
+    def token_str(self, tid: int, as_ids: bool) -> str:
+        return f"token_id:{tid}" if as_ids else self.tok.decode([tid])
+
+    # -- chat
+
+    async def chat(self, req: ChatRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        prompt_ids = self.render_chat(req)
+        k = (req.top_logprobs or 0) if req.logprobs else 0
+        results = await self.generate(prompt_ids, self.sampling(req, k), req.n)
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        choices = []
+        for i, r in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish = r.finish_reason
+            if parse_tools:
+                parsed = parse_tool_calls(r.text)
+                if parsed.tool_calls:
+                    message["tool_calls"] = [tc.to_dict() for tc in parsed.tool_calls]
+                    message["content"] = (parsed.content or None) if not parsed.errors else r.text
+                    if finish == "stop":
+                        finish = "tool_calls"
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": message,
+                "finish_reason": finish,
+                "logprobs": self.chat_logprobs(r, req) if req.logprobs else None,
+                "token_versions": r.versions,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = r.token_ids
+            choices.append(choice)
+        body: dict[str, Any] = {
+            "id": new_id("chatcmpl-"),
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.name,
+            "choices": choices,
+            "usage": self.usage(len(prompt_ids), results),
+        }
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
+        return body
+
+    def chat_logprobs(self, r: SequenceResult, req: ChatRequest) -> dict[str, Any]:
+        as_ids = req.return_tokens_as_token_ids
+        content = []
+        for j, (tid, lp) in enumerate(zip(r.token_ids, r.logprobs, strict=True)):
+            s = self.token_str(tid, as_ids)
+            tops = r.top_logprobs[j] if j < len(r.top_logprobs) else []
+            content.append(
+                {
+                    "token": s,
+                    "logprob": lp,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {"token": self.token_str(t, as_ids), "logprob": v, "bytes": list(self.token_str(t, as_ids).encode())}
+                        for t, v in tops
+                    ],
+                }
+            )
+        return {"content": content}
+
+    # -- completions
+
+    async def completions(self, req: CompletionRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo=true is not supported by the embedded engine", param="echo")
+        prompts = self.prompts(req.prompt)
+        k = req.logprobs or 0
+        sampling = [self.sampling(req, k) for _ in prompts]
+        batches = await asyncio.gather(*(self.generate(p, s, req.n) for p, s in zip(prompts, sampling, strict=True)))
+        choices = []
+        for p_ids, results in zip(prompts, batches, strict=True):
+            for r in results:
+                choice: dict[str, Any] = {
+                    "index": len(choices),
+                    "text": r.text,
+                    "finish_reason": r.finish_reason,
+                    "logprobs": self.completion_logprobs(r, req) if req.logprobs is not None else None,
+                    "token_versions": r.versions,
+                }
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = p_ids
+                    choice["token_ids"] = r.token_ids
+                choices.append(choice)
+        return {
+            "id": new_id("cmpl-"),
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.name,
+            "choices": choices,
+            "usage": self.usage(sum(len(p) for p in prompts), [r for b in batches for r in b]),
+        }
+
+    def prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tok.encode(prompt, add_special_tokens=False)]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]
+        out = []
+        for p in prompt:
+            out.extend(self.prompts(p))
+        return out
+
+    def completion_logprobs(self, r: SequenceResult, req: CompletionRequest) -> dict[str, Any]:
+        as_ids = req.return_tokens_as_token_ids
+        tokens = [self.token_str(t, as_ids) for t in r.token_ids]
+        offsets, pos = [], 0
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        tops = [{self.token_str(t, as_ids): v for t, v in row} for row in r.top_logprobs] if r.top_logprobs else None
+        return {"tokens": tokens, "token_logprobs": r.logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def usage(prompt_tokens: int, results: list[SequenceResult]) -> dict[str, int]:
+        completion = sum(len(r.token_ids) for r in results)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
+    """The FastAPI app; the engine's lifetime is the caller's."""
+    srv = EngineServer(engine, served_model_name or engine.model_dir.name)
+    app = FastAPI(title="agentrl embedded engine")
+    app.state.server = srv
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return _error(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body')}: {er.get('msg')}" for er in e.errors()[:5])
+        return _error(400, msg or "invalid request", param=loc or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        return _error(e.status_code, str(e.detail), type_="NotFoundError" if e.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(ValidationError)
+    async def _pyd_error(_: Request, e: ValidationError):
+        return _error(400, str(e).splitlines()[0])
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):
+        return await srv.chat(req)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await srv.completions(req)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        srv.check_model(req.model)
+        if req.messages is not None:
+            ids = srv.render_chat(req)
+        elif req.prompt is not None:
+            ids = srv.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise APIError(400, "give either `prompt` or `messages`", param="prompt")
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = srv.tok.convert_ids_to_tokens(ids)
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        srv.check_model(req.model)
+        vocab = engine.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": srv.tok.decode(req.tokens)}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": srv.name,
+            "object": "model",
+            "created": int(srv.started),
+            "owned_by": "agentrl",
+            "root": str(engine.model_dir),
+            "max_model_len": engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return engine.stats()
+
+    @app.post("/pause")
+    async def pause(mode: str = "keep"):
+        if mode != "keep":
+            raise APIError(400, f"pause mode {mode!r} is not supported; use mode=keep", param="mode")
+        await asyncio.to_thread(engine.pause)
+        return {"is_paused": True}
+
+    @app.post("/resume")
+    async def resume():
+        engine.resume()
+        return {"is_paused": False}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": engine.is_paused}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": engine.version}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(req: VersionRequest):
+        version = await asyncio.to_thread(engine.update_weights, lambda m: None, req.weight_version)
+        return {"success": True, "weight_version": version}
+
+    async def _update(apply, version: int | None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        count: list[int] = []
+        try:
+            new = await asyncio.to_thread(engine.update_weights, lambda m: count.append(apply(m)), version)
+        except EngineRequestError as e:
+            raise _from_engine(e) from e
+        return {"success": True, "weight_version": new, "num_tensors": count[0] if count else 0,
+                "seconds": time.perf_counter() - t0}
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(req: DiskWeightsRequest):
+        return await _update(lambda m: load_safetensors_path(m, req.model_path), req.weight_version)
+
+    @app.post("/update_weights_from_shm")
+    async def update_from_shm(req: ShmWeightsRequest):
+        return await _update(lambda m: srv.shared.apply(m, req.path, req.manifest, req.size), req.weight_version)
+
+    return app
+
+
+# ----------------------------------------------------------------------------- serve
+
+
+def _watch_parent(ppid: int) -> None:
+    """Exit when the process that started us is gone (no orphaned engines)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != ppid:
+            os._exit(0)
+
+
+def serve(
+    model_dir: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_batch_size: int = 64,
+    max_model_len: int = 1024,
+    device: str = "auto",
+    served_model_name: str | None = None,
+    port_file: str | None = None,
+    parent_pid: int | None = None,
+    log_level: str = "warning",
+) -> None:
+    """Load the model, bind ``host:port`` (0 = a free port), serve until interrupted."""
+    import uvicorn
+
+    engine = Engine(model_dir, max_batch_size=max_batch_size, max_model_len=max_model_len, device=device)
+    app = create_app(engine, served_model_name)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = sock.getsockname()[1]
+    if parent_pid:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    if port_file:
+        tmp = Path(port_file).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": bound, "pid": os.getpid()}))
+        tmp.replace(port_file)
+    print(f"agentrl engine: serving {app.state.server.name!r} on http://{host}:{bound}/v1", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m agentrl.inference.server MODEL_DIR [--port ...]`` (used by the launcher)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="agentrl-engine")
+    ap.add_argument("model_dir")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--port-file", default=None)
+    ap.add_argument("--parent-pid", type=int, default=None)
+    a = ap.parse_args(argv)
+    serve(
+        a.model_dir,
+        host=a.host,
+        port=a.port,
+        max_batch_size=a.max_batch_size,
+        max_model_len=a.max_model_len,
+        device=a.device,
+        served_model_name=a.served_model_name,
+        port_file=a.port_file,
+        parent_pid=a.parent_pid,
+    )
+
+
+if __name__ == "__main__":
+    main()
