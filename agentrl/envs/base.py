@@ -29,7 +29,16 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from agentrl.types import Message, SamplingParams, Task, TokenSequence, Trajectory, Turn, messages_to_dicts
+from agentrl.types import (
+    Message,
+    SamplingParams,
+    Task,
+    TokenSequence,
+    ToolCall,
+    Trajectory,
+    Turn,
+    messages_to_dicts,
+)
 
 if TYPE_CHECKING:
     from agentrl.rubrics import Rubric
@@ -43,6 +52,10 @@ class PolicyClientLike(Protocol):
     """The part of :class:`agentrl.inference.client.PolicyClient` the rollout loop uses."""
 
     async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Any]: ...
+
+    async def chat(
+        self, messages: list[dict], sampling: SamplingParams, tools: list[dict] | None = None, n: int = 1
+    ) -> list[Any]: ...
 
     async def tokenize(
         self,
@@ -223,8 +236,13 @@ class Environment:
         *,
         max_turns: int | None = None,
         timeout_s: float | None = None,
+        token_exact: bool = True,
     ) -> Trajectory:
-        """Run one episode. Never raises for episode-level failures (see module docstring)."""
+        """Run one episode. Never raises for episode-level failures (see module docstring).
+
+        ``token_exact=False`` talks to a plain chat endpoint instead (``client.chat``): for
+        evaluating models behind APIs without ``/tokenize``; no token sequences are recorded.
+        """
         sampling = sampling or SamplingParams()
         traj = Trajectory(task=task, messages=list(task.prompt), env_name=self.name, env_version=str(self.version))
         timing = {"setup_s": 0.0, "generation_s": 0.0, "env_s": 0.0, "tokenize_s": 0.0}
@@ -233,12 +251,14 @@ class Environment:
         state: State | None = None
         limit = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            t0 = time.perf_counter()
-            state = await self.setup(task)
-            timing["setup_s"] = time.perf_counter() - t0
-            traj.messages = state.messages
             async with asyncio.timeout(limit):
-                traj.stop_reason = await self._loop(client, state, traj, sampling, max_turns or self.max_turns)
+                t0 = time.perf_counter()
+                state = await self.setup(task)
+                timing["setup_s"] = time.perf_counter() - t0
+                traj.messages = state.messages
+                traj.stop_reason = await self._loop(
+                    client, state, traj, sampling, max_turns or self.max_turns, token_exact
+                )
         except TimeoutError:
             traj.stop_reason = "timeout"
         except asyncio.CancelledError:
@@ -261,15 +281,22 @@ class Environment:
         return traj
 
     async def _loop(
-        self, client: PolicyClientLike, state: State, traj: Trajectory, sampling: SamplingParams, max_turns: int
+        self,
+        client: PolicyClientLike,
+        state: State,
+        traj: Trajectory,
+        sampling: SamplingParams,
+        max_turns: int,
+        token_exact: bool,
     ) -> str:
         timing = traj.timing
         tools = self.tool_schemas() or None
-        t0 = time.perf_counter()
         seq = TokenSequence()
-        seq.extend_forced(await client.tokenize(messages=messages_to_dicts(state.messages), tools=tools))
-        timing["tokenize_s"] += time.perf_counter() - t0
-        traj.sequences.append(seq)
+        if token_exact:
+            t0 = time.perf_counter()
+            seq.extend_forced(await client.tokenize(messages=messages_to_dicts(state.messages), tools=tools))
+            timing["tokenize_s"] += time.perf_counter() - t0
+            traj.sequences.append(seq)
         sampled_total = 0
         while True:
             if state.turn >= max_turns:
@@ -289,21 +316,27 @@ class Environment:
             # 1) the model's turn: exact sampled ids, μ logprobs, versions
             t0 = time.perf_counter()
             try:
-                completion = (await client.complete(seq.token_ids, turn_sampling))[0]
+                if token_exact:
+                    completion = (await client.complete(seq.token_ids, turn_sampling))[0]
+                else:
+                    completion = (await client.chat(messages_to_dicts(state.messages), turn_sampling, tools=tools))[0]
             except Exception as e:
                 if _is_context_length_error(e):
                     return "prompt_too_long"
                 raise
             latency = time.perf_counter() - t0
             timing["generation_s"] += latency
-            ids = list(completion.token_ids)
-            seq.extend_sampled(ids, list(completion.logprobs), list(completion.versions))
+            ids = list(completion.token_ids or [])
+            versions = list(completion.versions or [])
+            if token_exact:
+                seq.extend_sampled(ids, list(completion.logprobs), versions)
+                prompt_len = len(seq) - len(ids)
+            else:
+                prompt_len = len(getattr(completion, "prompt_token_ids", None) or [])
             sampled_total += len(ids)
-            traj.turns.append(
-                Turn(len(seq) - len(ids), ids, completion.text, completion.finish_reason, list(completion.versions), latency)
-            )
+            traj.turns.append(Turn(prompt_len, ids, completion.text, completion.finish_reason, versions, latency))
             state.turn += 1
-            assistant = self.parse_assistant(completion.text, state)
+            assistant = self._assistant_message(completion, state, token_exact)
             state.messages.append(assistant)
             if completion.finish_reason == "length":
                 return cut_reason  # a cut-off turn has no end-of-turn token to continue from
@@ -320,6 +353,8 @@ class Environment:
                 return "max_turns"
 
             # 3) env tokens: suffix of the template, appended without re-tokenizing sampled text
+            if not token_exact:
+                continue
             t0 = time.perf_counter()
             forced = await self._bridge(client, before, reply, tools, ids)
             if forced is None:
@@ -330,6 +365,13 @@ class Environment:
             else:
                 seq.extend_forced(forced)
             timing["tokenize_s"] += time.perf_counter() - t0
+
+    def _assistant_message(self, completion: Any, state: State, token_exact: bool) -> Message:
+        calls = getattr(completion, "tool_calls", None)
+        if calls and not token_exact:  # a chat endpoint already split out the tool calls
+            parsed = [c if isinstance(c, ToolCall) else ToolCall.from_dict(c) for c in calls]
+            return Message("assistant", completion.text or "", tool_calls=parsed)
+        return self.parse_assistant(completion.text or "", state)
 
     async def _bridge(
         self,

@@ -128,6 +128,20 @@ class ScriptedClient:
         return out
 
 
+    async def chat(self, messages: list[dict], sampling: SamplingParams, tools=None, n: int = 1) -> list[ScriptedCompletion]:
+        """Chat-endpoint behaviour: tool calls come back split from the content."""
+        from agentrl.tool_format import parse_tool_calls
+
+        prompt_ids = await self.tokenize(messages=messages, tools=tools)
+        out = []
+        for c in await self.complete(prompt_ids, sampling, n):
+            parsed = parse_tool_calls(c.text)
+            text = parsed.content if parsed.tool_calls and not parsed.errors else c.text
+            calls = parsed.tool_calls if not parsed.errors else []
+            out.append(ScriptedCompletion(text, c.token_ids, c.logprobs, c.versions, c.finish_reason, calls, prompt_ids))
+        return out
+
+
 def replay_policy(demos: list[list[Message]]) -> Callable[[str], str]:
     """Reply with the k-th assistant turn of a demonstration at the k-th turn."""
     turns = [[format_assistant_text(m.content, m.tool_calls) for m in d if m.role == "assistant"] for d in demos]

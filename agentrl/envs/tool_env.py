@@ -160,9 +160,11 @@ class ToolEnv(Environment):
         tool_timeout_s: float = 30.0,
         max_result_chars: int = 4000,
         stop_errors: tuple[type[BaseException], ...] = (EpisodeError,),
+        show_tools: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.show_tools = show_tools
         self.state_args = tuple(state_args)
         self.tools: dict[str, Tool] = {}
         self.tool_timeout_s = tool_timeout_s
@@ -179,6 +181,10 @@ class ToolEnv(Environment):
         return tool
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """Schemas given to the chat template; ``show_tools=False`` keeps them out of the prompt
+        (a tiny model trained on the task does not need to read them)."""
+        if not self.show_tools:
+            return None
         return [t.schema for t in self.tools.values()] or None
 
     def parse_assistant(self, text: str, state: State) -> Message:

@@ -1,0 +1,174 @@
+"""Calculator-tool arithmetic: the agentrl quickstart environment (see README.md)."""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import re
+
+from agentrl.envs import ToolEnv
+from agentrl.rubrics import Rubric
+from agentrl.types import Message, Task, ToolCall
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _eval(node: ast.AST) -> float | int:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        v = _eval(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64:
+            raise ValueError("exponent too large")
+        return _OPS[type(node.op)](left, right)
+    raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: numbers with + - * / // % ** and parentheses, e.g. "12*7"
+    """
+    if len(expression) > 200:
+        raise ValueError("expression too long")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"cannot parse {expression!r}") from e
+    value = _eval(tree)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text.replace(",", ""))
+    return float(found[-1]) if found else None
+
+
+def correct_answer(completion: str, answer: int) -> float:
+    """1.0 when the last number in the final reply equals the true value."""
+    got = last_number(completion)
+    return float(got is not None and abs(got - answer) < 1e-9)
+
+
+def used_calculator(messages: list[Message]) -> float:
+    return float(any(tc.name == "calculator" for m in messages for tc in m.tool_calls))
+
+
+def _question(a: int, op: str, b: int) -> str:
+    return f"What is {a}{op}{b}?"
+
+
+class CalcEnv(ToolEnv):
+    """``What is a∘b?`` → call ``calculator`` → answer. Reward: numeric match."""
+
+    name = "calc"
+    version = "0.1.0"
+    reward_range = (0.0, 1.0)
+
+    def __init__(
+        self,
+        *,
+        max_operand: int = 999,
+        ops: str = "+-*",
+        num_train: int = 20000,
+        num_eval: int = 200,
+        seed: int = 0,
+        show_tools: bool = False,
+        system_prompt: str | None = None,
+        max_turns: int = 3,
+        **kwargs,
+    ) -> None:
+        if max_operand < 1 or not ops or set(ops) - set(_APPLY):
+            raise ValueError(f"need max_operand >= 1 and ops drawn from '+-*', got {max_operand}, {ops!r}")
+        self.max_operand, self.ops = max_operand, ops
+        train, held = self._split(num_train, num_eval, seed)
+        super().__init__(
+            tools=[calculator],
+            dataset=train,
+            eval_dataset=held,
+            rubric=Rubric([correct_answer, used_calculator], weights=[1.0, 0.0]),
+            system_prompt=system_prompt,
+            show_tools=show_tools,
+            max_turns=max_turns,
+            **kwargs,
+        )
+
+    def _task(self, a: int, op: str, b: int) -> Task:
+        return Task(prompt=[Message("user", _question(a, op, b))], answer=_APPLY[op](a, b),
+                    info={"a": a, "op": op, "b": b})
+
+    def _split(self, num_train: int, num_eval: int, seed: int) -> tuple[list[Task], list[Task]]:
+        """Seeded train and held-out problems that never share a question."""
+        rng = random.Random(seed)
+        space = (self.max_operand + 1) ** 2 * len(self.ops)
+        if space <= 200_000:  # small space: shuffle all problems, hold out a slice
+            combos = [(a, op, b) for a in range(self.max_operand + 1) for op in self.ops
+                      for b in range(self.max_operand + 1)]
+            rng.shuffle(combos)
+            n_eval = min(num_eval, len(combos) // 5)
+            held, pool = combos[:n_eval], combos[n_eval:]
+            train = [pool[i % len(pool)] for i in range(num_train)]
+        else:
+            held_set: dict[tuple, None] = {}
+            while len(held_set) < num_eval:
+                held_set[self._draw(rng)] = None
+            held = list(held_set)
+            train = []
+            while len(train) < num_train:
+                if (c := self._draw(rng)) not in held_set:
+                    train.append(c)
+        return [self._task(*c) for c in train], [self._task(*c) for c in held]
+
+    def _draw(self, rng: random.Random) -> tuple[int, str, int]:
+        return rng.randint(0, self.max_operand), rng.choice(self.ops), rng.randint(0, self.max_operand)
+
+    def demonstrations(self, n: int, seed: int = 0, noise: float = 0.0) -> list[list[Message]]:
+        """``n`` solved conversations on training-distribution problems (never held-out ones).
+
+        ``noise``: the fraction made imperfect — a wrong expression, a wrong final answer,
+        or an answer without the tool — so warm-start SFT leaves room for RL.
+        """
+        rng = random.Random(f"demos-{seed}")
+        train = self.dataset()
+        demos = []
+        for _ in range(n):
+            task = train[rng.randrange(len(train))]
+            a, op, b = task.info["a"], task.info["op"], task.info["b"]
+            expr, final = f"{a}{op}{b}", task.answer
+            kind = rng.choice(["expression", "answer", "no_tool"]) if rng.random() < noise else None
+            if kind == "expression":
+                expr = f"{b}{op}{a}" if op == "-" and a != b else f"{a}{rng.choice(self.ops)}{b + 1}"
+            call = ToolCall("calculator", f'{{"expression": "{expr}"}}')
+            result = calculator(expr)
+            if kind != "expression":
+                final = task.answer + rng.choice([-10, -1, 1, 10]) if kind == "answer" else task.answer
+            else:
+                final = int(result)
+            convo = list(task.prompt)
+            if kind == "no_tool":
+                convo.append(Message("assistant", str(task.answer + rng.choice([-1, 1]) * rng.randint(1, 20))))
+            else:
+                convo += [Message("assistant", "", tool_calls=[call]),
+                          Message("tool", result, tool_call_id=call.id, name="calculator"),
+                          Message("assistant", str(final))]
+            demos.append(convo)
+        return demos
+
+
+def load_environment(**kwargs) -> CalcEnv:
+    return CalcEnv(**kwargs)
+
+
+__all__ = ["CalcEnv", "calculator", "correct_answer", "load_environment"]

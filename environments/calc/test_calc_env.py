@@ -1,0 +1,95 @@
+"""The calc quickstart environment: data, tool, reward, demonstrations, contract."""
+
+import json
+
+import pytest
+from agentrl_env_calc import CalcEnv, calculator, correct_answer, load_environment
+
+from agentrl.envs.check import ScriptedClient, check_environment
+from agentrl.types import SamplingParams
+
+
+def key(t):
+    return (t.info["a"], t.info["op"], t.info["b"])
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_operand": 9, "ops": "+"}])
+def test_datasets_are_seeded_and_disjoint(kwargs):
+    env, again = load_environment(num_train=2000, **kwargs), load_environment(num_train=2000, **kwargs)
+    train, held = env.dataset(), env.eval_dataset()
+    assert [key(t) for t in train[:50]] == [key(t) for t in again.dataset()[:50]]
+    assert {key(t) for t in train}.isdisjoint({key(t) for t in held}) and held
+    t = train[0]
+    assert t.prompt[0].content == f"What is {t.info['a']}{t.info['op']}{t.info['b']}?"
+    assert t.answer == eval(f"{t.info['a']}{t.info['op']}{t.info['b']}")
+    assert all(0 <= t.info["a"] <= 9 and t.info["op"] == "+" for t in train) or not kwargs
+    assert load_environment(num_train=50, seed=1).dataset()[0].prompt != t.prompt
+
+
+def test_calculator_is_safe_and_exact():
+    assert calculator("12*7") == "84" and calculator("(3-10)*2") == "-14" and calculator("7/2") == "3.5"
+    for bad in ["__import__('os')", "2**10000", "x+1", "1+", "9" * 300]:
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def test_reward_is_numeric_match_on_last_number():
+    assert correct_answer("84", 84) == 1.0 and correct_answer("The answer is -14.", -14) == 1.0
+    assert correct_answer("84.0", 84) == 1.0 and correct_answer("1,102", 1102) == 1.0
+    assert correct_answer("83", 84) == 0.0 and correct_answer("no idea", 84) == 0.0
+
+
+def test_bad_difficulty_is_rejected():
+    with pytest.raises(ValueError):
+        CalcEnv(ops="/")
+
+
+def solver(prompt: str) -> str:
+    """Solve like the demonstrations do: call the tool, then repeat its result."""
+    if "<|im_start|>tool\n" in prompt:
+        return prompt.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
+    question = prompt.rsplit("What is ", 1)[1].split("?")[0]
+    call = json.dumps({"name": "calculator", "arguments": {"expression": question}})
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+async def test_solving_episode_scores_one_and_errors_come_back_as_tool_messages():
+    env = load_environment(num_train=20)
+    trajs = [await env.rollout(ScriptedClient(solver), t, SamplingParams(max_tokens=100)) for t in env.dataset()[:4]]
+    await env.rubric.score_group(trajs)
+    assert [t.reward for t in trajs] == [1.0] * 4
+    assert all(t.metrics["used_calculator"] == 1.0 and len(t.turns) == 2 for t in trajs)
+
+    bad = await env.rollout(ScriptedClient(lambda p: "<tool_call>{oops</tool_call>"), env.dataset()[0])
+    assert bad.error is None and bad.stop_reason == "max_turns"  # the episode went on
+    assert bad.messages[2].role == "tool" and bad.messages[2].content.startswith("Error: invalid JSON")
+    assert bad.metrics["tool_parse_errors"] == 3
+
+
+def test_demonstrations_are_clean_unless_noisy():
+    env = load_environment(num_train=500)
+    demos = env.demonstrations(50, seed=3)
+    def text(ds):
+        return [[(m.role, m.content, [c.arguments for c in m.tool_calls]) for m in d] for d in ds]
+
+    assert len(demos) == 50 and text(demos) == text(env.demonstrations(50, seed=3))
+    assert text(demos) != text(env.demonstrations(50, seed=4))
+    held = {t.prompt[0].content for t in env.eval_dataset()}
+    for d in demos:
+        assert [m.role for m in d] == ["user", "assistant", "tool", "assistant"] and d[0].content not in held
+        args = json.loads(d[1].tool_calls[0].arguments)
+        assert calculator(args["expression"]) == d[2].content
+        task = next(t for t in env.dataset() if t.prompt[0].content == d[0].content)
+        assert correct_answer(d[3].content, task.answer) == 1.0
+    noisy = env.demonstrations(200, seed=3, noise=0.5)
+    wrong = 0
+    for d in noisy:
+        task = next(t for t in env.dataset() if t.prompt[0].content == d[0].content)
+        wrong += correct_answer(d[-1].content, task.answer) == 0.0 or len(d) == 2
+    assert 40 < wrong < 160
+
+
+async def test_contract_checklist_passes():
+    report = await check_environment(load_environment(num_train=100))
+    assert report.ok, report.failures()
+    assert {r.name for r in report.results} >= {"dataset", "eval_dataset", "demonstrations", "cleanup", "endpoint_failure"}
