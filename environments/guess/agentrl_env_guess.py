@@ -1,0 +1,166 @@
+"""Guess-the-number: a multi-turn game with higher/lower feedback (see README.md)."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import zlib
+
+from agentrl.envs import MultiTurnEnv, State
+from agentrl.rubrics import Rubric
+from agentrl.types import Message, Task
+
+_GUESS_TAG = re.compile(r"<guess>\s*([-+]?[0-9]+)\s*</guess>", re.IGNORECASE)
+_INTEGER = re.compile(r"(?<![0-9.])[-+]?[0-9]+(?![0-9]*\.[0-9])")
+_MAX_DIGITS = 12  # longer "numbers" are junk, not guesses
+
+RULES = (
+    "I am thinking of a whole number between {low} and {high} (inclusive). Find it in as few "
+    "guesses as you can. After each guess I tell you whether my number is higher or lower. "
+    "Reply with one guess per turn, like <guess>{example}</guess>."
+)
+
+
+def parse_guess(text: str) -> int | None:
+    """The number a reply guesses: the last ``<guess>N</guess>``, else the last integer written."""
+    tagged = _GUESS_TAG.findall(text)
+    found = tagged or _INTEGER.findall(text)
+    if not found:
+        return None
+    digits = found[-1].lstrip("+-")
+    return int(found[-1]) if len(digits) <= _MAX_DIGITS else None
+
+
+def solved(state: State) -> float:
+    """1.0 if the number was found."""
+    return 1.0 if state.get("solved") else 0.0
+
+
+def turn_penalty(state: State) -> float:
+    """Minus the fraction of the turn budget used beyond the first guess (0 for a first-guess
+    win, -1 for a loss): logged as a metric, or a shaping reward with a weight."""
+    if not state.get("solved"):
+        return -1.0
+    budget = max(1, state["max_guesses"] - 1)
+    return -(state["guesses"] - 1) / budget
+
+
+def binary_search_policy(transcript: str) -> str:
+    """Optimal bisection from the rules and feedback in a transcript (demonstrations, tests)."""
+    bounds = re.search(r"between (-?\d+) and (-?\d+)", transcript)
+    lo, hi = (int(bounds.group(1)), int(bounds.group(2))) if bounds else (1, 100)
+    for word, n in re.findall(r"my number is (higher|lower) than (-?\d+)", transcript):
+        if word == "higher":
+            lo = max(lo, int(n) + 1)
+        else:
+            hi = min(hi, int(n) - 1)
+    return f"<guess>{(lo + hi) // 2}</guess>"
+
+
+def _feedback(secret: int, guess: int, low: int, high: int) -> str:
+    note = "" if low <= guess <= high else f" (remember: it is between {low} and {high})"
+    word = "higher" if secret > guess else "lower"
+    return f"No, my number is {word} than {guess}{note}."
+
+
+class GuessEnv(MultiTurnEnv):
+    """Find a secret integer with higher/lower feedback.
+
+    Each task draws a range inside ``[low, high]`` (at least ``min_width`` wide; set
+    ``min_width = high - low + 1`` for the classic fixed range) and a secret in it.  Which
+    (range, secret) pairs are held out for eval is fixed by a hash, so the eval split never
+    repeats a training task.  Reward 1 for finding the number within ``max_turns`` turns
+    (default: the bisection bound for the widest range + 1).  Metrics: ``turn_penalty`` (see
+    :func:`turn_penalty`; give it a weight to reward speed), ``guesses``, ``invalid_replies``
+    (no number in the reply: feedback, and the turn is spent), ``out_of_range``.
+    """
+
+    version = "0.1.0"
+
+    def __init__(
+        self,
+        *,
+        low: int = 1,
+        high: int = 100,
+        min_width: int = 100,
+        num_train: int = 2000,
+        num_eval: int = 100,
+        seed: int = 0,
+        max_turns: int | None = None,
+        turn_penalty_weight: float = 0.0,
+    ) -> None:
+        if high - low + 1 < max(min_width, 5):
+            raise ValueError(f"need high - low + 1 >= max(min_width, 5), got low={low}, high={high}, min_width={min_width}")
+        self.low, self.high, self.min_width, self.seed = low, high, min_width, seed
+        bound = math.ceil(math.log2(high - low + 1))  # bisection always finishes within this
+        rubric = Rubric([solved, turn_penalty], [1.0, float(turn_penalty_weight)])
+        super().__init__(rubric=rubric, max_turns=max_turns or bound + 1, name="guess")
+        self.reward_range = (-abs(turn_penalty_weight), 1.0)
+        self._train = self._tasks(num_train, "train")
+        self._eval = self._tasks(num_eval, "eval")
+
+    def _tasks(self, n: int, split: str) -> list[Task]:
+        rng = random.Random(f"guess-{split}-{self.seed}")
+        tasks: list[Task] = []
+        for _ in range(200 * n):
+            if len(tasks) >= n:
+                break
+            lo = rng.randint(self.low, self.high - self.min_width + 1)
+            hi = rng.randint(lo + self.min_width - 1, self.high)
+            secret = rng.randint(lo, hi)
+            held_out = zlib.crc32(f"{lo},{hi},{secret}".encode()) % 5 == 0
+            if held_out != (split == "eval"):
+                continue
+            rules = RULES.format(low=lo, high=hi, example=(lo + hi) // 2)
+            tasks.append(
+                Task(
+                    prompt=[Message("system", rules), Message("user", "Make your first guess.")],
+                    answer=secret,
+                    info={"low": lo, "high": hi},
+                    id=f"guess-{split}-{self.seed}-{len(tasks)}",
+                )
+            )
+        return tasks
+
+    async def setup(self, task: Task) -> State:
+        state = State(task, guesses=0, solved=False, max_guesses=self.max_turns)
+        state.metrics.update(guesses=0.0, invalid_replies=0.0, out_of_range=0.0)
+        return state
+
+    async def step(self, state: State, assistant_msg: Message) -> list[Message]:
+        low, high = state.info["low"], state.info["high"]
+        guess = parse_guess(assistant_msg.content)
+        if guess is None:
+            state.count("invalid_replies")
+            return [Message("user", f"I could not find a number in your reply. Answer like <guess>{(low + high) // 2}</guess>.")]
+        state["guesses"] += 1
+        state.count("guesses")
+        secret = int(state.task.answer)
+        if guess == secret:
+            state["solved"] = True
+            state.done = True
+            return [Message("user", f"Correct! The number is {secret}. You found it in {state['guesses']} guesses.")]
+        if not low <= guess <= high:
+            state.count("out_of_range")
+        return [Message("user", _feedback(secret, guess, low, high))]
+
+    def demonstrations(self, n: int, seed: int = 0) -> list[list[Message]]:
+        """Bisection games on training tasks (always solved within the turn budget)."""
+        demos = []
+        for task in self._train[seed : seed + n]:
+            messages = list(task.prompt)
+            secret, low, high = int(task.answer), task.info["low"], task.info["high"]
+            for _ in range(self.max_turns):
+                reply = binary_search_policy("\n".join(m.content for m in messages))
+                messages.append(Message("assistant", reply))
+                guess = parse_guess(reply)
+                if guess == secret:
+                    break
+                messages.append(Message("user", _feedback(secret, guess, low, high)))
+            demos.append(messages)
+        return demos
+
+
+def load_environment(**kwargs) -> GuessEnv:
+    return GuessEnv(**kwargs)

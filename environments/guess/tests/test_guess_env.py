@@ -1,0 +1,110 @@
+"""guess env: contract checker, feedback correctness, bisection always wins, bad replies are data."""
+
+import pytest
+from agentrl_env_guess import GuessEnv, binary_search_policy, parse_guess
+from gymnasium.utils.env_checker import check_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentrl.envs.check import ScriptedClient, check_environment
+from agentrl.envs.gym import as_gymnasium
+from agentrl.plugins import load_environment
+from agentrl.types import Message, SamplingParams
+
+SAMPLING = SamplingParams(max_tokens=64)
+
+
+@pytest.mark.parametrize(
+    ("text", "guess"),
+    [
+        ("<guess>42</guess>", 42),
+        ("maybe 10... no, <guess> 17 </guess>", 17),
+        ("I'll say 63", 63),
+        ("between 1 and 100, my guess: 50", 50),
+        ("3.5", None),
+        ("no idea", None),
+        ("9" * 40, None),
+    ],
+)
+def test_parse_guess(text, guess):
+    assert parse_guess(text) == guess
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text())
+def test_parse_guess_never_raises(text):
+    assert parse_guess(text) is None or isinstance(parse_guess(text), int)
+
+
+async def test_passes_the_contract_checker():
+    env = load_environment("guess", num_train=50, num_eval=20)
+    assert isinstance(env, GuessEnv)
+    report = await check_environment(env, num_episodes=4)
+    assert report.ok, report.failures()
+
+
+@pytest.mark.parametrize("min_width", [100, 16])
+async def test_bisection_always_solves_within_the_budget(min_width):
+    env = GuessEnv(num_train=40, num_eval=10, min_width=min_width, turn_penalty_weight=0.5)
+    client = ScriptedClient(binary_search_policy)
+    trajs = [await env.rollout(client, t, SAMPLING) for t in env.dataset()]
+    await env.rubric.score_group(trajs)
+    for t in trajs:
+        assert t.error is None and t.stop_reason == "done", t.messages
+        assert t.metrics["solved"] == 1.0 and t.metrics["guesses"] <= env.max_turns - 1
+        assert t.reward == pytest.approx(1.0 + 0.5 * t.metrics["turn_penalty"])
+        assert t.messages[-1].content.startswith("Correct!")
+
+
+async def test_feedback_points_at_the_secret():
+    env = GuessEnv(num_train=5, num_eval=5)
+    task = next(iter(env.dataset()))
+    state = await env.setup(task)
+    secret = task.answer
+    below = (await env.step(state, Message("assistant", f"<guess>{secret - 1}</guess>")))[0].content
+    above = (await env.step(state, Message("assistant", f"<guess>{secret + 1}</guess>")))[0].content
+    outside = (await env.step(state, Message("assistant", "<guess>500</guess>")))[0].content
+    assert f"higher than {secret - 1}" in below and f"lower than {secret + 1}" in above
+    assert "between 1 and 100" in outside and state.metrics["out_of_range"] == 1
+    assert not env.done(state) and state.metrics["guesses"] == 3
+
+
+async def test_always_wrong_guesser_loses_at_max_turns():
+    env = GuessEnv(num_train=3, num_eval=5)
+    trajs = [await env.rollout(ScriptedClient(lambda p: "<guess>0</guess>"), t, SAMPLING) for t in env.dataset()]
+    await env.rubric.score_group(trajs)
+    assert all(t.stop_reason == "max_turns" and t.reward == 0.0 for t in trajs)
+    assert all(t.metrics["turn_penalty"] == -1.0 and t.metrics["out_of_range"] == env.max_turns for t in trajs)
+
+
+async def test_replies_without_a_number_get_feedback_and_are_counted():
+    env = GuessEnv(num_train=1, num_eval=5)
+    traj = await env.rollout(ScriptedClient(lambda p: "hmm"), next(iter(env.dataset())), SAMPLING)
+    assert traj.error is None and traj.metrics["invalid_replies"] == env.max_turns
+    assert "could not find a number" in traj.messages[3].content
+
+
+def test_eval_split_never_repeats_a_training_task():
+    env = GuessEnv(min_width=16, num_train=500, num_eval=100)
+    key = lambda t: (t.info["low"], t.info["high"], t.answer)  # noqa: E731
+    assert not {key(t) for t in env.dataset()} & {key(t) for t in env.eval_dataset()}
+
+
+def test_bad_arguments_are_one_line_errors():
+    from agentrl.errors import AgentrlError
+
+    with pytest.raises(AgentrlError, match="low"):
+        load_environment("guess", low=5, high=3)
+
+
+def test_as_gymnasium_plays_guess():
+    genv = as_gymnasium(GuessEnv(num_train=10, num_eval=5))
+    check_env(genv, skip_render_check=True)
+    obs, _ = genv.reset(seed=0)
+    transcript, reward, terminated = obs, 0.0, False
+    while not terminated:
+        obs, reward, terminated, truncated, info = genv.step(binary_search_policy(transcript))
+        assert not truncated
+        transcript += "\n" + obs
+    assert reward == 1.0 and info["metrics"]["solved"] == 1.0
+    genv.close()
