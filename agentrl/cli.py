@@ -8,6 +8,7 @@ stays fast. User errors (:class:`agentrl.errors.AgentrlError`) print one line an
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -130,6 +131,173 @@ def serve(
         )
     except OSError as e:
         raise AgentrlError(f"cannot serve on {host}:{port}: {e.strerror or e}") from e
+
+
+# ----------------------------------------------------------------------------- eval / env / check-template
+
+
+@app.command("eval")
+def eval_cmd(
+    env: Annotated[str, typer.Argument(help="Installed environment name or path to an env package dir.")],
+    model: Annotated[str, typer.Option("--model", "-m", help="Model name at --base-url, or a local model dir.")],
+    base_url: Annotated[str | None, typer.Option("--base-url", "-b", help="OpenAI-compatible endpoint (…/v1).")] = None,
+    api_key: Annotated[str, typer.Option("--api-key", envvar="OPENAI_API_KEY", help="Endpoint API key.")] = "EMPTY",
+    num_tasks: Annotated[int, typer.Option("--num-tasks", "-n", min=1, help="Held-out tasks to run.")] = 5,
+    rollouts: Annotated[int, typer.Option("--rollouts", "-r", min=1, help="Episodes per task.")] = 3,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, help="Episodes in flight.")] = 32,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Results directory (results.jsonl, summary.json).")] = Path(
+        "runs/eval"
+    ),
+    resume: Annotated[bool, typer.Option("--resume", help="Rerun only missing or errored episodes in --out.")] = False,
+    env_args: Annotated[str | None, typer.Option("--env-args", "-a", help="JSON kwargs for load_environment.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-t", min=1, help="Sampled tokens per turn.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", "-T", min=0.0, help="Sampling temperature.")] = 0.0,
+    max_turns: Annotated[int | None, typer.Option("--max-turns", min=1, help="Override the env's max turns.")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Use /v1/chat/completions (endpoints without /tokenize).")] = False,
+    pass_threshold: Annotated[float, typer.Option("--pass-threshold", help="Reward counted as a pass.")] = 1.0,
+) -> None:
+    """Evaluate a model on an environment; one JSON line per episode, summary table at the end."""
+    from agentrl.evaluation import run_eval_command
+    from agentrl.plugins import parse_env_args
+    from agentrl.types import SamplingParams
+
+    run_eval_command(
+        env,
+        model=model,
+        base_url=base_url,
+        api_key=api_key,
+        num_tasks=num_tasks,
+        rollouts=rollouts,
+        concurrency=concurrency,
+        out_dir=str(out),
+        resume=resume,
+        env_args=parse_env_args(env_args),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed),
+        max_turns=max_turns,
+        chat=chat,
+        pass_threshold=pass_threshold,
+    )
+
+
+@env_app.command("init")
+def env_init(
+    name: Annotated[str, typer.Argument(help="Environment name (lowercase, '-' or '_').")],
+    path: Annotated[Path, typer.Option("--path", "-p", help="Parent directory for the package.")] = Path("."),
+) -> None:
+    """Scaffold an installable environment package (pyproject, module, README, test)."""
+    from agentrl.envs.scaffold import scaffold_environment
+
+    root = scaffold_environment(name, path)
+    typer.echo(f"created {root}\n  pip install -e {root}\n  agentrl env test {name}")
+
+
+@env_app.command("list")
+def env_list() -> None:
+    """Installed environments and rubrics (entry points) with their versions."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from agentrl.plugins import ENV_GROUP, RUBRIC_GROUP, installed
+
+    table = Table(show_header=True)
+    for col in ("kind", "name", "distribution", "version", "source"):
+        table.add_column(col)
+    for kind, group in (("environment", ENV_GROUP), ("rubric", RUBRIC_GROUP)):
+        for p in installed(group):
+            table.add_row(kind, p.name, p.dist, p.version, str(p.source_dir or p.target))
+    Console().print(table)
+
+
+@env_app.command("test")
+def env_test(
+    env: Annotated[str, typer.Argument(help="Installed environment name or path to an env package dir.")],
+    num_episodes: Annotated[int, typer.Option("--num-episodes", "-n", min=1, help="Episodes to run.")] = 3,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (local dir, or name at --base-url).")] = None,
+    base_url: Annotated[str | None, typer.Option("--base-url", "-b", help="OpenAI-compatible endpoint.")] = None,
+    env_args: Annotated[str | None, typer.Option("--env-args", "-a", help="JSON kwargs for load_environment.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-t", min=1, help="Sampled tokens per turn.")] = 128,
+) -> None:
+    """Run the contract checklist (a scripted policy unless --model is given). Exit 1 on failure."""
+    import asyncio
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from agentrl.envs.check import check_environment
+    from agentrl.plugins import load_environment, parse_env_args
+    from agentrl.types import SamplingParams
+
+    environment = load_environment(env, **parse_env_args(env_args))
+    handle = None
+    if model is not None and base_url is None:
+        if not (Path(model) / "config.json").is_file():
+            raise AgentrlError(f"--model {model!r} is not a local model dir; pass --base-url for a remote endpoint")
+        from agentrl.inference.launcher import start_embedded_engine
+
+        handle = start_embedded_engine(model)
+        base_url, model = handle.base_url, handle.model
+
+    async def go():
+        client = None
+        if model is not None:
+            from agentrl.inference.client import PolicyClient
+
+            client = PolicyClient(base_url, model)
+        try:
+            return await check_environment(
+                environment, client, num_episodes=num_episodes, sampling=SamplingParams(max_tokens=max_tokens)
+            )
+        finally:
+            if client is not None:
+                await client.close()
+
+    try:
+        report = asyncio.run(go())
+    finally:
+        if handle is not None:
+            handle.stop()
+    table = Table(title=f"{environment.name} {environment.version}", show_header=True)
+    for col in ("check", "ok", "detail"):
+        table.add_column(col)
+    for r in report.results:
+        table.add_row(r.name, "[green]pass[/]" if r.ok else "[red]FAIL[/]", r.detail)
+    Console().print(table)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@model_app.command("check-template")
+def model_check_template(
+    model_dir: Annotated[Path, typer.Argument(help="Local model/tokenizer directory.")],
+) -> None:
+    """Report whether the tokenizer's chat template is prefix-stable across turns. Exit 1 if not."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from agentrl.envs.template import check_template
+
+    if not model_dir.is_dir():
+        raise AgentrlError(f"{model_dir} is not a directory")
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:
+        raise AgentrlError(f"cannot load a tokenizer from {model_dir}: {type(e).__name__}: {e}") from e
+    if not getattr(tokenizer, "chat_template", None):
+        raise AgentrlError(f"the tokenizer in {model_dir} has no chat template")
+    report = check_template(tokenizer)
+    table = Table(title=f"chat template of {model_dir} (end of turn: {report.end_of_turn})", show_header=True)
+    for col in ("conversation", "turn", "ok", "detail"):
+        table.add_column(col)
+    for c in report.checks:
+        table.add_row(c.conversation, str(c.turn), "[green]ok[/]" if c.ok else "[red]break[/]", c.detail)
+    Console().print(table)
+    verdict = "prefix-stable" if report.prefix_stable else "NOT prefix-stable (rollouts will count template breaks)"
+    typer.echo(f"{model_dir}: {verdict}")
+    if not report.prefix_stable:
+        raise typer.Exit(1)
 
 
 # ----------------------------------------------------------------------------- main

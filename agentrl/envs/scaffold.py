@@ -1,0 +1,114 @@
+"""``agentrl env init NAME``: write a ready-to-install environment package."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from agentrl.errors import AgentrlError
+
+_NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
+
+PYPROJECT = '''[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{dist}"
+version = "0.1.0"
+description = "{name}: an agentrl environment"
+requires-python = ">=3.11"
+dependencies = ["agentrl"]
+
+[project.entry-points."agentrl.environments"]
+{name} = "{module}:load_environment"
+
+[tool.setuptools]
+py-modules = ["{module}"]
+
+# Defaults for load_environment(); override with --env-args '{{"num_tasks": 50}}'.
+[tool.agentrl.args]
+num_tasks = 200
+'''
+
+MODULE = '''"""{name}: reverse a word with the `reverse` tool, then answer with the result."""
+
+import random
+
+from agentrl.envs import ToolEnv
+from agentrl.rubrics import Rubric
+
+
+def reverse(text: str) -> str:
+    """Reverse a piece of text.
+
+    Args:
+        text: the text to reverse
+    """
+    return text[::-1]
+
+
+def correct(completion: str, answer: str) -> float:
+    return float(completion.strip() == answer)
+
+
+def load_environment(num_tasks: int = 200, seed: int = 0, **kwargs) -> ToolEnv:
+    rng = random.Random(seed)
+    words = sorted({{"".join(rng.choices("abcdefgh", k=5)) for _ in range(num_tasks + 50)}})
+    rng.shuffle(words)
+    data = [{{"question": f"Reverse {{w}}", "answer": w[::-1]}} for w in words]
+    return ToolEnv(
+        tools=[reverse],
+        dataset=data[50:],
+        eval_dataset=data[:50],
+        rubric=Rubric([correct]),
+        max_turns=3,
+        **kwargs,
+    )
+'''
+
+TEST = '''import asyncio
+
+from {module} import load_environment, reverse
+
+from agentrl.envs.check import check_environment
+
+
+def test_tool():
+    assert reverse("abc") == "cba"
+
+
+def test_environment_contract():
+    report = asyncio.run(check_environment(load_environment(num_tasks=20)))
+    assert report.ok, report.failures()
+'''
+
+README = '''# {dist}
+
+An [agentrl](https://example.invalid/agentrl) environment: `{name}`.
+
+    pip install -e .                      # registers the `{name}` entry point
+    agentrl env test {name}               # contract checklist with a scripted policy
+    agentrl eval {name} --model MODEL_DIR -n 20 -r 4
+
+Edit `{module}.py`: the dataset, the tools and the rubric's reward functions.
+Defaults for `load_environment()` live in `[tool.agentrl.args]` in `pyproject.toml`.
+'''
+
+
+def scaffold_environment(name: str, parent: str | Path = ".") -> Path:
+    """Create ``parent/name/`` with pyproject, module, README and a test; returns the dir."""
+    if not _NAME.match(name):
+        raise AgentrlError(f"bad environment name {name!r}: use lowercase letters, digits, '-' or '_'")
+    module = name.replace("-", "_")
+    dist = f"agentrl-env-{name.replace('_', '-')}"
+    root = Path(parent) / name
+    if root.exists():
+        raise AgentrlError(f"{root} already exists; pick another name or remove it")
+    root.mkdir(parents=True)
+    fields = {"name": name, "module": module, "dist": dist}
+    (root / "pyproject.toml").write_text(PYPROJECT.format(**fields))
+    (root / f"{module}.py").write_text(MODULE.format(**fields))
+    (root / f"test_{module}.py").write_text(TEST.format(**fields))
+    (root / "README.md").write_text(README.format(**fields))
+    return root

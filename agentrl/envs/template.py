@@ -1,0 +1,138 @@
+"""Is a chat template prefix-stable across turns? (``agentrl model check-template``)
+
+The rollout loop extends each prompt token-exactly: it keeps the sampled tokens and appends
+the env's reply as the suffix of the template rendered with vs. without the new messages.
+That works when, for every turn k,
+
+  1. ``render(messages[:k+1])`` (the closed assistant turn) is a token prefix of
+     ``render(messages[:j], add_generation_prompt=True)`` (the next prompt), and
+  2. the closed assistant turn ends with the end-of-turn token the model samples, followed
+     by at most a few glue tokens.
+
+Templates that rewrite history (e.g. drop ``<think>`` blocks from earlier turns) fail 1;
+the loop then starts a new sample at that turn and counts a template break.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.envs.base import _MAX_GLUE_TOKENS
+
+_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+        },
+    }
+]
+
+
+def _call(i: int, expr: str) -> dict[str, Any]:
+    return {"id": f"call_{i}", "type": "function", "function": {"name": "calculator", "arguments": f'{{"expression": "{expr}"}}'}}
+
+
+CONVERSATIONS: dict[str, tuple[list[dict[str, Any]], list[dict] | None]] = {
+    "chat": (
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi there."},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "Thanks."},
+            {"role": "assistant", "content": "You're welcome."},
+        ],
+        None,
+    ),
+    "tools": (
+        [
+            {"role": "user", "content": "What is 12*7?"},
+            {"role": "assistant", "content": "", "tool_calls": [_call(0, "12*7")]},
+            {"role": "tool", "content": "84", "tool_call_id": "call_0"},
+            {"role": "assistant", "content": "Let me check.", "tool_calls": [_call(1, "84-1")]},
+            {"role": "tool", "content": "83", "tool_call_id": "call_1"},
+            {"role": "assistant", "content": "84"},
+        ],
+        _TOOLS,
+    ),
+    "thinking": (
+        [
+            {"role": "user", "content": "Guess my number."},
+            {"role": "assistant", "content": "<think>Start in the middle.</think>50"},
+            {"role": "user", "content": "Higher."},
+            {"role": "assistant", "content": "<think>Halve again.</think>75"},
+            {"role": "user", "content": "Correct."},
+            {"role": "assistant", "content": "Done."},
+        ],
+        None,
+    ),
+}
+
+
+@dataclass
+class TemplateCheck:
+    conversation: str
+    turn: int
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class TemplateReport:
+    end_of_turn: str | None
+    checks: list[TemplateCheck] = field(default_factory=list)
+
+    @property
+    def prefix_stable(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+
+def _render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, gen: bool) -> list[int]:
+    kwargs: dict[str, Any] = {"tokenize": True, "add_generation_prompt": gen}
+    if tools:
+        kwargs["tools"] = tools
+    out = tokenizer.apply_chat_template(messages, **kwargs)
+    if hasattr(out, "keys") and "input_ids" in out:  # transformers may return a BatchEncoding
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def end_of_turn_id(tokenizer: Any) -> int | None:
+    for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
+            if tok in tokenizer.get_vocab():
+                return tid
+    return tokenizer.eos_token_id
+
+
+def check_template(tokenizer: Any) -> TemplateReport:
+    """Check conditions 1 and 2 (module docstring) on chat, tool-use and thinking conversations."""
+    eot = end_of_turn_id(tokenizer)
+    report = TemplateReport(tokenizer.convert_ids_to_tokens(eot) if eot is not None else None)
+    for name, (messages, tools) in CONVERSATIONS.items():
+        assistant_at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        for turn, k in enumerate(assistant_at[:-1], start=1):
+            nxt = assistant_at[turn]  # index of the following assistant message
+            try:
+                closed = _render(tokenizer, messages[: k + 1], tools, gen=False)
+                extended = _render(tokenizer, messages[:nxt], tools, gen=True)
+            except Exception as e:
+                report.checks.append(TemplateCheck(name, turn, False, f"template failed: {type(e).__name__}: {e}"))
+                continue
+            if extended[: len(closed)] != closed:
+                at = next((i for i, (a, b) in enumerate(zip(closed, extended, strict=False)) if a != b), len(extended))
+                report.checks.append(TemplateCheck(name, turn, False, f"history re-rendered differently at token {at}"))
+                continue
+            tail = closed[-(_MAX_GLUE_TOKENS + 1):]
+            if eot is None or eot not in tail:
+                report.checks.append(TemplateCheck(name, turn, False, "assistant turn does not end with the end-of-turn token"))
+                continue
+            glue = tail[::-1].index(eot)
+            report.checks.append(TemplateCheck(name, turn, True, f"{glue} glue token(s) after end of turn"))
+    return report
