@@ -1,0 +1,96 @@
+"""reasoning-gym env: real families, scored by reasoning-gym's checkers, through the contract checker."""
+
+import pytest
+from agentrl_env_reasoning_gym import ReasoningGymEnv, extract_answer, families
+
+from agentrl.envs.check import ScriptedClient, check_environment
+from agentrl.errors import AgentrlError
+from agentrl.plugins import load_environment
+from agentrl.types import SamplingParams, Task
+
+FAMILIES = ["leg_counting", "basic_arithmetic", "word_sorting", "fraction_simplification", "spell_backward"]
+SAMPLING = SamplingParams(max_tokens=512)
+
+
+def oracle(env: ReasoningGymEnv, wrap=lambda a: f"Let me think.\n<answer>{a}</answer>"):
+    """Replies with the reference answer of whichever task is in the prompt."""
+    answers = {t.prompt[-1].content: t.answer for t in [*env.dataset(), *env.eval_dataset()]}
+
+    def policy(prompt: str) -> str:
+        for question, answer in answers.items():
+            if question in prompt:
+                return wrap(answer)
+        raise AssertionError("unknown question")
+
+    return policy
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_family_passes_the_contract_checker(family):
+    env = load_environment("reasoning-gym", task=family, size=6, eval_size=4)
+    report = await check_environment(env, num_episodes=3)
+    assert report.ok, report.failures()
+
+
+@pytest.mark.parametrize("family", FAMILIES[:3])
+async def test_references_score_one_and_wrong_answers_zero(family):
+    env = ReasoningGymEnv(family, size=4, eval_size=2)
+    right = [await env.rollout(ScriptedClient(oracle(env)), t, SAMPLING) for t in env.dataset()]
+    wrong = [await env.rollout(ScriptedClient(lambda p: "<answer>definitely not this</answer>"), t, SAMPLING)
+             for t in env.dataset()]
+    await env.rubric.score_group(right + wrong)
+    assert [t.reward for t in right] == [1.0] * 4 and [t.reward for t in wrong] == [0.0] * 4
+    assert all(t.metrics["has_answer_tag"] == 1.0 and t.stop_reason == "done" for t in right)
+
+
+async def test_untagged_answer_falls_back_to_the_last_line():
+    env = ReasoningGymEnv("basic_arithmetic", size=3, eval_size=1)
+    trajs = [await env.rollout(ScriptedClient(oracle(env, lambda a: f"Working...\nSo:\n{a}\n")), t, SAMPLING)
+             for t in env.dataset()]
+    await env.rubric.score_group(trajs)
+    assert [t.reward for t in trajs] == [1.0] * 3 and trajs[0].metrics["has_answer_tag"] == 0.0
+
+
+def test_extract_answer():
+    assert extract_answer("a\n<answer> 12 </answer>\nb <answer>13</answer>") == "13"
+    assert extract_answer("thinking\n\n  final 7  \n") == "final 7"
+    assert extract_answer("   ") is None
+
+
+async def test_partial_credit_comes_from_the_family_checker():
+    # countdown gives 0.01 for a well-formed but wrong expression (its own rule)
+    env = ReasoningGymEnv("countdown", size=2, eval_size=1)
+    task = env.dataset()[0]
+    assert env.score(f"<answer>{task.answer}</answer>", task) == 1.0
+    assert 0.0 < env.score("<answer>1+1</answer>", task) < 1.0
+
+
+async def test_families_interleave_and_configs_reach_reasoning_gym():
+    env = load_environment("reasoning-gym", task="leg_counting,gcd", size=3, eval_size=2,
+                           config={"leg_counting": {"min_animals": 2, "max_animals": 2}})
+    assert [t.info["family"] for t in env.dataset()] == ["leg_counting", "gcd"] * 3
+    legs = [t for t in env.dataset() if t.info["family"] == "leg_counting"]
+    assert all(len(t.info["metadata"]["animals"]) == 2 for t in legs)
+
+
+def test_task_read_back_from_json_scores_the_same():
+    env = ReasoningGymEnv("word_sorting", size=3, eval_size=1)
+    task = Task.from_dict(__import__("json").loads(__import__("json").dumps(env.dataset()[2].to_dict())))
+    fresh = ReasoningGymEnv("word_sorting", size=3, eval_size=1)  # e.g. another process
+    assert fresh.score(f"<answer>{task.answer}</answer>", task) == 1.0
+    assert fresh.score("<answer>x</answer>", task) == 0.0
+
+
+def test_eval_split_shares_no_question_with_train():
+    env = ReasoningGymEnv("gcd", size=50, eval_size=30)
+    assert not {t.prompt[-1].content for t in env.dataset()} & {t.prompt[-1].content for t in env.eval_dataset()}
+
+
+def test_bad_names_and_configs_are_one_line_errors():
+    with pytest.raises(AgentrlError, match="did you mean leg_counting"):
+        load_environment("reasoning-gym", task="leg_count")
+    with pytest.raises(AgentrlError, match="min_animals"):
+        load_environment("reasoning-gym", task="leg_counting", config={"min_animals": 0}, size=2)
+    with pytest.raises(AgentrlError):
+        load_environment("reasoning-gym", task="gcd", config={"no_such_option": 1})
+    assert len(families()) > 50
