@@ -1,0 +1,64 @@
+"""Prefix stability of chat templates: the checker and `agentrl model check-template`."""
+
+import subprocess
+import sys
+
+import pytest
+
+from agentrl.envs.template import check_template
+from agentrl.tiny_model import build_tokenizer
+
+# Qwen3-like: thinking is dropped from assistant turns that precede the last user message.
+STRIPPING = (
+    "{%- set ns = namespace(u=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.u = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' -}}"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.u and '</think>' in m.content -%}"
+    "{{- m.content.split('</think>')[1] -}}"
+    "{%- else -%}{{- m.content -}}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    good = build_tokenizer()
+    good.save_pretrained(root / "good")
+    good.chat_template = STRIPPING
+    good.save_pretrained(root / "stripping")
+    return root
+
+
+def test_tiny_template_is_prefix_stable(tokenizers):
+    from transformers import AutoTokenizer
+
+    report = check_template(AutoTokenizer.from_pretrained(tokenizers / "good"))
+    assert report.prefix_stable and report.end_of_turn == "<|im_end|>"
+    assert {c.conversation for c in report.checks} == {"chat", "tools", "thinking"}
+
+
+def test_history_rewriting_template_is_reported(tokenizers):
+    from transformers import AutoTokenizer
+
+    report = check_template(AutoTokenizer.from_pretrained(tokenizers / "stripping"))
+    assert not report.prefix_stable
+    broken = {c.conversation for c in report.checks if not c.ok}
+    assert broken == {"thinking"}
+    assert all("re-rendered differently" in c.detail for c in report.checks if not c.ok)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_exit_codes(tokenizers, tmp_path):
+    ok = cli("model", "check-template", str(tokenizers / "good"))
+    assert ok.returncode == 0 and "prefix-stable" in ok.stdout
+    bad = cli("model", "check-template", str(tokenizers / "stripping"))
+    assert bad.returncode == 1 and "NOT prefix-stable" in bad.stdout
+    missing = cli("model", "check-template", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error:") and "Traceback" not in missing.stderr
