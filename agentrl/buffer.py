@@ -9,6 +9,10 @@ the trainer at ``v`` learns from them.  ``η = max_staleness`` bounds that lag t
   step trains exactly B groups this is ``(η + 1)·B − (in_training + ready + running)``.
   With η = 0 nothing new starts while a batch trains, so training is exactly
   synchronous on-policy.
+  ``overprovision`` (a fraction of B, default 0) admits that many extra groups: under
+  heavy-tailed generation the trainer takes the groups that finish first and the
+  stragglers that outlive the bound are dropped (counted) — compute traded for trainer
+  utilisation.
 * **hard drop**: at take time any group whose *oldest sampled token* is more than η
   versions behind is dropped (a straggler that outlived the bound), so no trained token
   is ever more than η stale.
@@ -106,12 +110,14 @@ class StalenessBuffer:
         filter_zero_variance: bool = True,
         adaptive: AdaptiveStaleness | None = None,
         min_valid_episodes: int = 2,
+        overprovision: float = 0.0,
     ) -> None:
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
         self.filter_zero_variance = filter_zero_variance
         self.adaptive = adaptive
         self.min_valid_episodes = min_valid_episodes
+        self.overprovision = overprovision
         self.version = 0
         self.ledger = Ledger()
         self._ready: list[Group] = []
@@ -126,7 +132,8 @@ class StalenessBuffer:
     def capacity(self) -> int:
         """Groups the rollout manager may start now (never negative)."""
         committed = len(self._in_training) + len(self._ready) + self._running_groups
-        return max(0, (self.max_staleness + 1) * self.batch_groups - committed)
+        cap = (self.max_staleness + 1) * self.batch_groups + int(self.overprovision * self.batch_groups)
+        return max(0, cap - committed)
 
     def start_group(self, n_episodes: int) -> None:
         """Reserve one group's admission slot before its episodes start."""
