@@ -206,7 +206,7 @@ def env_list() -> None:
     for kind, group in (("environment", ENV_GROUP), ("rubric", RUBRIC_GROUP)):
         for p in installed(group):
             table.add_row(kind, p.name, p.dist, p.version, str(p.source_dir or p.target))
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
 @env_app.command("test")
@@ -262,7 +262,7 @@ def env_test(
         table.add_column(col)
     for r in report.results:
         table.add_row(r.name, "[green]pass[/]" if r.ok else "[red]FAIL[/]", r.detail)
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     if not report.ok:
         raise typer.Exit(1)
 
@@ -293,7 +293,7 @@ def model_check_template(
         table.add_column(col)
     for c in report.checks:
         table.add_row(c.conversation, str(c.turn), "[green]ok[/]" if c.ok else "[red]break[/]", c.detail)
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     verdict = "prefix-stable" if report.prefix_stable else "NOT prefix-stable (rollouts will count template breaks)"
     typer.echo(f"{model_dir}: {verdict}")
     if not report.prefix_stable:

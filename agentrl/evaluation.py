@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,7 +304,7 @@ def run_eval_command(
     finally:
         if handle is not None:
             handle.stop()
-    Console().print(summary_table(summary))
+    Console(width=None if sys.stdout.isatty() else 200).print(summary_table(summary))
     return summary
 
 
