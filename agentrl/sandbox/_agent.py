@@ -17,6 +17,10 @@ Modes:
   ``init``         docker: pid 1 of the container; reaps orphans so they do not pile up as
                    zombies against the pids limit.
 
+Each command runs in a pid namespace of its own (nested ``bwrap``, else ``unshare``, when
+the sandbox has one), so ``kill -9 -1`` or ``pkill python`` in user code cannot reach the
+agent; the agent, one namespace up, still sees and kills every user process.
+
 Invariant in every mode: no process started by a command outlives that command's exec
 (it is killed when the main process exits or the deadline passes), so between execs
 nothing of the user's runs, and a request is never read while user code could be watching.
@@ -36,7 +40,7 @@ import time
 
 CHUNK = 1 << 16
 TAIL = 4096  # last bytes of stderr kept for out-of-memory detection even when truncated
-OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
+OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory", b"memory exhausted")
 
 
 def _non_dumpable():
@@ -101,6 +105,88 @@ def kill_user_processes(mode, sid=None):
         time.sleep(0.005)
 
 
+_WRAP = []
+CLONE_NEWUSER, CLONE_NEWPID = 0x10000000, 0x20000000
+
+
+def _command_wrapper(mode):
+    """argv prefix that puts a command in its own user+pid namespace (probed once).
+
+    Nested bwrap (with its own /proc) where it works; inside containers a new /proc may not
+    be mounted, so this file's own ``ns`` mode does the unshare + mini-init instead.
+    """
+    if mode == "serve-local":
+        return []
+    if _WRAP:
+        return _WRAP[0]
+    me = os.path.abspath(sys.argv[0])
+    candidates = []
+    bwrap = shutil.which("bwrap", path="/usr/bin:/bin")
+    if bwrap:
+        candidates.append(
+            [bwrap, "--unshare-user", "--unshare-pid", "--die-with-parent", "--dev-bind", "/", "/", "--proc", "/proc", "--"]
+        )
+    if os.path.isfile(me):
+        candidates.append([sys.executable, "-I", "-S", me, "ns"])
+    chosen = []
+    for wrap in candidates:
+        try:
+            ok = subprocess.run(wrap + ["/bin/true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                timeout=10).returncode == 0  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        if ok:
+            chosen = wrap
+            break
+    _WRAP.append(chosen)
+    return chosen
+
+
+def _wrap(argv, cwd, mode):
+    wrap = _command_wrapper(mode)
+    if wrap and wrap[0].endswith("bwrap"):
+        return wrap[:-1] + ["--chdir", cwd, "--"] + argv
+    return wrap + argv
+
+
+def _status(st):
+    return 128 + os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st)
+
+
+def ns_exec(argv):
+    """Run argv as pid 2 of a new user+pid namespace; exit with its status.
+
+    Pid 1 is a mini-init (the kernel drops default-action signals such as SIGXCPU sent to a
+    namespace's init, so the command itself must not be pid 1); when it exits, the kernel
+    kills everything left in the namespace.
+    """
+    import ctypes
+
+    uid, gid = os.getuid(), os.getgid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWPID) != 0:
+        sys.stderr.write(f"agentrl: cannot create a pid namespace: errno {ctypes.get_errno()}\n")
+        os._exit(125)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open("/proc/self/" + name, "w") as f:
+            f.write(text)
+    init = os.fork()
+    if init == 0:
+        child = os.fork()
+        if child == 0:
+            try:
+                os.execvp(argv[0], argv)
+            except OSError as e:
+                sys.stderr.write(f"{argv[0]}: {e.strerror}\n")
+                os._exit(127 if isinstance(e, FileNotFoundError) else 126)
+        while True:  # reap orphans until the command itself is done
+            pid, st = os.wait()
+            if pid == child:
+                os._exit(_status(st))
+    _, st = os.waitpid(init, 0)
+    os._exit(_status(st))
+
+
 def _set_limits(limits):
     def apply():
         for name, value in limits.items():
@@ -135,7 +221,7 @@ def op_exec(req, mode):
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            argv,
+            _wrap(argv, req["cwd"], mode),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -334,6 +420,8 @@ def main():
     mode = sys.argv[1]
     if mode == "init":
         return init()
+    if mode == "ns":
+        return ns_exec(sys.argv[2:])
     _non_dumpable()
     if mode == "once":
         path = os.environ.pop("AGENTRL_REQ_FILE", None)
