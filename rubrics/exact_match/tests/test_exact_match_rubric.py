@@ -109,3 +109,20 @@ def test_plugin_is_discoverable_by_entry_point():
 
     (ep,) = [e for e in entry_points(group="agentrl.rubrics") if e.name == "exact-match"]
     assert ep.load() is load_rubric
+
+
+async def test_loaded_by_name_and_used_by_an_environment():
+    from agentrl.envs import SingleTurnEnv
+    from agentrl.envs.check import ScriptedClient
+    from agentrl.errors import AgentrlError
+    from agentrl.plugins import load_rubric as load_plugin
+
+    rubric = load_plugin("exact_match", mode="numeric")  # '-' and '_' are alike
+    env = SingleTurnEnv(dataset=[{"question": "How many legs has a spider?", "answer": "8"}], rubric=rubric)
+    task = next(iter(env.dataset()))
+    right = await env.rollout(ScriptedClient(lambda p: "Spiders have <answer>8</answer> legs."), task)
+    wrong = await env.rollout(ScriptedClient(lambda p: "<answer>6</answer>"), task)
+    await rubric.score_group([right, wrong])
+    assert (right.reward, wrong.reward) == (1.0, 0.0)
+    with pytest.raises(AgentrlError, match="rejected its arguments"):
+        load_plugin("exact-match", nonsense=1)

@@ -72,3 +72,17 @@ def test_plugin_is_discoverable_by_entry_point():
 
     (ep,) = [e for e in entry_points(group="agentrl.rubrics") if e.name == "math-verify"]
     assert ep.load() is load_rubric
+
+
+async def test_loaded_by_name_and_used_by_an_environment():
+    from agentrl.envs import SingleTurnEnv
+    from agentrl.envs.check import ScriptedClient
+    from agentrl.plugins import load_rubric as load_plugin
+
+    rubric = load_plugin("math-verify")
+    env = SingleTurnEnv(dataset=[{"question": "Expand (x+1)^2.", "answer": "x^2+2x+1"}], rubric=rubric)
+    task = next(iter(env.dataset()))
+    right = await env.rollout(ScriptedClient(lambda p: "It is $\\boxed{x^2 + 2x + 1}$"), task)
+    wrong = await env.rollout(ScriptedClient(lambda p: "It is $\\boxed{x^2 + 1}$"), task)
+    await rubric.score_group([right, wrong])
+    assert (right.reward, wrong.reward) == (1.0, 0.0)
