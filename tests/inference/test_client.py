@@ -1,0 +1,87 @@
+"""PolicyClient against the real engine: token-exact completions, errors, failover."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from agentrl.inference import (
+    Completion,
+    ContextLengthExceeded,
+    EndpointError,
+    EngineStartError,
+    PolicyClient,
+    start_embedded_engine,
+)
+from agentrl.types import Message, SamplingParams
+
+
+def dead_url() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens here now
+    return f"http://127.0.0.1:{port}/v1"
+
+
+async def test_complete_chat_tokenize_detokenize(engine, tool_prompt, tools):
+    async with PolicyClient(engine.base_url, engine.model) as pc:
+        ids = await pc.tokenize(messages=tool_prompt, tools=tools)
+        assert ids == await pc.tokenize(messages=[Message.from_dict(m) for m in tool_prompt], tools=tools)
+        outs = await pc.complete(ids, SamplingParams(max_tokens=12, temperature=1.0, seed=4), n=3)
+        assert len(outs) == 3 and all(isinstance(c, Completion) for c in outs)
+        for c in outs:
+            assert c.prompt_token_ids == ids
+            assert 0 < len(c.token_ids) == len(c.logprobs) == len(c.versions) <= 12
+            assert all(lp <= 0 for lp in c.logprobs) and c.versions == [0] * len(c.token_ids)
+            assert (await pc.detokenize(c.token_ids)).replace("<|im_end|>", "") == c.text
+
+        (call,) = await pc.chat(tool_prompt, SamplingParams(max_tokens=60, temperature=0), tools=tools)
+        assert call.finish_reason == "tool_calls" and call.prompt_token_ids == ids
+        assert [tc.name for tc in call.tool_calls] == ["calculator"]
+        assert call.token_ids[-1] == 2 and len(call.logprobs) == len(call.token_ids)
+        # the chat route and the token route agree token for token (greedy)
+        (same,) = await pc.complete(ids, SamplingParams(max_tokens=60, temperature=0))
+        assert same.token_ids == call.token_ids
+
+        digits = await pc.tokenize(prompt="12+30")
+        assert len(digits) == 5 and await pc.detokenize(digits) == "12+30"
+
+
+async def test_context_length_and_bad_requests(engine, max_model_len):
+    async with PolicyClient(engine.base_url, engine.model, max_retries=1) as pc:
+        with pytest.raises(ContextLengthExceeded):
+            await pc.complete(list(range(3, 3 + max_model_len)), SamplingParams())
+        with pytest.raises(ContextLengthExceeded):
+            await pc.chat([Message("user", "x " * max_model_len)], SamplingParams())
+    async with PolicyClient(engine.base_url, "wrong-model", max_retries=1) as pc:
+        with pytest.raises(EndpointError) as info:
+            await pc.complete([1, 2], SamplingParams())
+        assert not isinstance(info.value, ContextLengthExceeded)
+
+
+async def test_dead_endpoint_fails_over_and_all_dead_raises(engine):
+    async with PolicyClient([dead_url(), engine.base_url], engine.model, max_retries=2) as pc:
+        for _ in range(4):  # round robin hits the dead one; each call still succeeds
+            (c,) = await pc.complete([1, 2, 3], SamplingParams(max_tokens=3))
+            assert len(c.token_ids) == 3
+    async with PolicyClient([dead_url()], engine.model, max_retries=1, timeout=5) as pc:
+        with pytest.raises(EndpointError, match="failed after 2 attempts"):
+            await pc.complete([1, 2, 3], SamplingParams(max_tokens=3))
+
+
+def test_launcher_reports_bad_model_dir(tmp_path):
+    with pytest.raises(EngineStartError, match="no model"):
+        start_embedded_engine(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(EngineStartError, match="exited with code"):
+        start_embedded_engine(tmp_path, startup_timeout=120)
+
+
+def test_launcher_stop_ends_the_child(model_dir):
+    eng = start_embedded_engine(model_dir, max_batch_size=2, max_model_len=64, device="cpu")
+    assert eng.alive and eng.port > 0 and eng.base_url.endswith("/v1")
+    eng.stop()
+    assert not eng.alive
+    eng.stop()  # idempotent
