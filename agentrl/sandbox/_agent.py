@@ -220,6 +220,8 @@ def op_exec(req, mode):
     usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     try:
+        if argv and "/" not in argv[0] and not shutil.which(argv[0], path=req["env"].get("PATH", "")):
+            raise FileNotFoundError(errno.ENOENT, "command not found")
         proc = subprocess.Popen(
             _wrap(argv, req["cwd"], mode),
             stdin=subprocess.PIPE,
