@@ -93,3 +93,17 @@ async def test_episodes_against_the_embedded_engine(engine):
         # each model reply got an env reply, except possibly the last
         assistant = [m for m in traj.completion if m.role == "assistant"]
         assert len(assistant) == len(traj.turns)
+
+
+async def test_evaluate_writes_json_results_for_the_builtin_envs(engine, tmp_path):
+    from agentrl.evaluation import evaluate, read_results
+
+    client = PolicyClient(engine.base_url, engine.model)
+    sampling = SamplingParams(max_tokens=24, temperature=1.0)
+    for env in _envs():
+        out = tmp_path / env.name
+        summary = await evaluate(env, client, model=engine.model, out_dir=out, num_tasks=1, rollouts=2,
+                                 concurrency=4, sampling=sampling)
+        recs = list(read_results(out).values())
+        assert summary.episodes == 2 and summary.error_rate == 0.0, (env.name, [r["error"] for r in recs])
+        assert len(recs) == 2 and all(r["env"] == env.name and r["completion_tokens"] > 0 for r in recs)
