@@ -46,6 +46,7 @@ __all__ = [
     "render_ansi",
     "as_gymnasium",
     "register_gymnasium",
+    "register_all_gymnasium",
     "UnicodeText",
     "TextGymEnv",
 ]
@@ -658,3 +659,19 @@ def register_gymnasium(
         max_episode_steps=max_episode_steps,
     )
     return env_id
+
+
+def register_all_gymnasium() -> list[str]:
+    """Register every installed agentrl environment (``agentrl/<name>-v0``); returns the ids.
+
+    Cheap: reads entry-point names only; an environment is imported when it is made.
+    """
+    from agentrl.plugins import ENV_GROUP, installed
+
+    ids = []
+    for plugin in installed(ENV_GROUP):
+        env_id = f"agentrl/{plugin.name}-v0"
+        if env_id not in gymnasium.registry:
+            register_gymnasium(plugin.name)
+        ids.append(env_id)
+    return ids

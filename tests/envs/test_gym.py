@@ -195,3 +195,33 @@ def test_unicode_text_space_accepts_any_characters():
 def test_text_gym_env_rejects_unknown_render_mode():
     with pytest.raises(AgentrlError):
         TextGymEnv(GymEnv("blackjack", num_tasks=1), render_mode="rgb_array")
+
+
+def test_a_tool_environment_through_gymnasium_reads_tool_calls_from_the_action_text():
+    from agentrl.plugins import load_environment
+    from agentrl.tool_format import format_assistant_text
+    from agentrl.types import ToolCall
+
+    genv = as_gymnasium(load_environment("calc", num_train=20))
+    check_env(genv, skip_render_check=True)
+    obs, _ = genv.reset(seed=0, options={"task_index": 0})
+    question = obs.rsplit("What is ", 1)[1].split("?")[0]
+    call = format_assistant_text("", [ToolCall("calculator", f'{{"expression": "{question}"}}')])
+    obs, reward, terminated, truncated, _ = genv.step(call)
+    assert obs.startswith("tool") and not terminated and reward == 0.0
+    value = obs.split(":", 1)[1].strip()
+    obs, reward, terminated, truncated, info = genv.step(f"The answer is {value}.")
+    assert terminated and reward == 1.0 and info["error"] is None
+    genv.close()
+
+
+def test_every_installed_environment_can_be_made_through_gymnasium():
+    from agentrl.envs.gym import register_all_gymnasium
+
+    ids = register_all_gymnasium()
+    assert "agentrl/guess-v0" in ids and "agentrl/gym-text-v0" in ids
+    assert register_all_gymnasium() == ids  # idempotent
+    env = gymnasium.make("agentrl/guess-v0", env_args={"num_train": 5, "num_eval": 5})
+    obs, _ = env.reset(seed=0)
+    assert "Make your first guess." in obs
+    env.close()
