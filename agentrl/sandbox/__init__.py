@@ -27,7 +27,7 @@ BACKENDS = ("bwrap", "docker", "local")
 
 __all__ = [
     "Backend", "ExecResult", "Sandbox", "SandboxError", "SandboxLimits", "SandboxPool",
-    "available_backends", "make_sandbox", "resolve_backend",
+    "available_backends", "make_sandbox", "resolve_backend", "why_unavailable",
 ]  # fmt: skip
 
 _probe_lock = threading.Lock()
