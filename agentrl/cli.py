@@ -300,6 +300,21 @@ def model_check_template(
         raise typer.Exit(1)
 
 
+# ----------------------------------------------------------------------------- sandbox prune
+
+
+@sandbox_app.command("prune")
+def sandbox_prune(
+    everything: Annotated[
+        bool, typer.Option("--all", help="Remove every agentrl sandbox, including those of live runs.")
+    ] = False,
+) -> None:
+    """Remove sandboxes (containers, temp dirs) that killed runs left behind."""
+    from agentrl.sandbox.prune import prune
+
+    typer.echo(prune(everything=everything).summary())
+
+
 # ----------------------------------------------------------------------------- main
 
 
