@@ -582,10 +582,14 @@ class TextGymEnv(gymnasium.Env[str, str]):
         state = self._state
         if state is None:
             raise gymnasium.error.ResetNeeded("call reset() before step()")
-        message = self.env.parse_assistant(str(action), state)
-        state.messages.append(message)
-        state.turn += 1
-        reply = list(self._run(self.env.step(state, message)))
+        try:
+            message = self.env.parse_assistant(str(action), state)
+            state.messages.append(message)
+            state.turn += 1
+            reply = list(self._run(self.env.step(state, message)))
+        except Exception:
+            self._end_episode()  # release the episode's resources; the caller must reset
+            raise
         state.messages.extend(reply)
         terminated = bool(self.env.done(state))
         truncated = not terminated and state.turn >= self.max_turns
