@@ -1,0 +1,127 @@
+"""Embedded engine throughput vs HF ``generate`` in static batches (same model, same prompts, same run).
+
+64 concurrent requests with max_tokens spread over 16..256 (eos ignored, so every request
+produces exactly its max_tokens) are sent to the engine over HTTP with the official openai
+client.  The baseline runs ``model.generate`` on the same prompts in static batches of
+``--batch`` (left-padded, sampling, eos disabled); a static batch runs until its longest
+request is done, so only each request's own max_tokens count as useful tokens.
+
+Prints a table and, last, a JSON line: {"engine_tok_s", "hf_tok_s", "ratio", ...}.
+Goal (issue #2): ratio >= 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agentrl.inference import start_embedded_engine
+from agentrl.tiny_model import build_tiny_model
+
+
+def make_workload(tok, n: int, lo: int, hi: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        a, b = rng.randrange(1000), rng.randrange(1000)
+        msgs = [{"role": "user", "content": f"Request {i}: what is {a}+{b}? Show your work."}]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        prompts.append(tok.encode(text, add_special_tokens=False))
+    max_tokens = [round(lo + (hi - lo) * i / (n - 1)) for i in range(n)]
+    rng.shuffle(max_tokens)
+    return prompts, max_tokens
+
+
+async def run_engine(base_url: str, model: str, prompts, max_tokens) -> tuple[float, int]:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=600) as ac:
+        await ac.completions.create(model=model, prompt=prompts[0], max_tokens=4)  # warm-up
+
+        async def one(p, m):
+            r = await ac.completions.create(
+                model=model, prompt=p, max_tokens=m, temperature=1.0, extra_body={"ignore_eos": True}
+            )
+            return r.usage.completion_tokens
+
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(p, m) for p, m in zip(prompts, max_tokens, strict=True)))
+        return time.perf_counter() - t0, sum(counts)
+
+
+def run_hf(model, tok, prompts, max_tokens, batch: int) -> tuple[float, int, int]:
+    pad = tok.pad_token_id
+    model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=True, pad_token_id=pad)  # warm-up
+    useful = generated = 0
+    t0 = time.perf_counter()
+    for s in range(0, len(prompts), batch):
+        ps, ms = prompts[s : s + batch], max_tokens[s : s + batch]
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max(ms), min_new_tokens=max(ms),
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=None,
+        )  # fmt: skip
+        generated += (out.shape[1] - width) * len(ps)
+        useful += sum(ms)
+    return time.perf_counter() - t0, useful, generated
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", default=None, help="HF model dir (default: build the default tiny model)")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--min-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=64, help="HF static batch size (= engine max batch)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = Path(args.model_dir) if args.model_dir else build_tiny_model(Path(tmp.name) / "tiny")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts, max_tokens = make_workload(tok, args.requests, args.min_tokens, args.max_tokens, args.seed)
+    max_len = max(len(p) for p in prompts) + args.max_tokens + 8
+
+    with start_embedded_engine(
+        model_dir, max_batch_size=args.batch, max_model_len=max_len, device=args.device
+    ) as eng:
+        eng_s, eng_tokens = asyncio.run(run_engine(eng.base_url, eng.model, prompts, max_tokens))
+
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(args.device).eval()
+    hf_s, hf_useful, hf_generated = run_hf(model, tok, prompts, max_tokens, args.batch)
+
+    eng_tps, hf_tps = eng_tokens / eng_s, hf_useful / hf_s
+    print(f"{'':24}{'seconds':>10}{'tokens':>10}{'tok/s':>10}")
+    print(f"{'embedded engine (HTTP)':24}{eng_s:>10.2f}{eng_tokens:>10}{eng_tps:>10.0f}")
+    print(f"{'HF generate (static)':24}{hf_s:>10.2f}{hf_useful:>10}{hf_tps:>10.0f}   ({hf_generated} generated)")
+    print(f"ratio engine / HF = {eng_tps / hf_tps:.2f}x  (goal >= 1.5x)")
+    print(
+        json.dumps(
+            {
+                "bench": "engine_throughput",
+                "requests": args.requests,
+                "max_tokens_range": [args.min_tokens, args.max_tokens],
+                "hf_batch": args.batch,
+                "engine_tok_s": round(eng_tps, 1),
+                "hf_tok_s": round(hf_tps, 1),
+                "ratio": round(eng_tps / hf_tps, 3),
+                "device": args.device,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

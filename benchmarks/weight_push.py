@@ -1,0 +1,113 @@
+"""Weight push into a running embedded engine vs an in-process ``load_state_dict``.
+
+Builds a tiny-architecture model of a chosen size (default ~34M parameters, 134 MB fp32),
+starts the embedded engine on it, and times, in the same run:
+
+- baseline: ``model.load_state_dict(new_state)`` inside the trainer process;
+- ``shm`` push: WeightSync pause → copy into the /dev/shm buffer → update route → resume;
+- ``disk`` push: safetensors file + ``/update_weights_from_disk`` (for context).
+
+Medians over ``--reps`` pushes (the first shm push maps the buffer and is reported
+separately).  A greedy completion after the last push is checked against the pushed
+weights.  Prints a table and a JSON line last.  Goal (issue #2): shm / baseline <= 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+import torch
+from transformers import AutoModelForCausalLM
+
+from agentrl.inference import start_embedded_engine
+from agentrl.tiny_model import build_tiny_model
+from agentrl.weights import make_weight_sync
+
+
+def new_states(model, reps: int) -> list[dict[str, torch.Tensor]]:
+    base = model.state_dict()
+    return [{k: v + 0.01 * (i + 1) for k, v in base.items()} for i in range(reps)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = build_tiny_model(Path(tmp.name) / "m", layers=args.layers, hidden=args.hidden, heads=args.heads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    mbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    states = new_states(model, args.reps)
+
+    with start_embedded_engine(model_dir, max_batch_size=4, max_model_len=128, device="cpu") as eng:
+
+        async def run():
+            shm = make_weight_sync(eng.base_url, "shm")
+            first = await shm.push(states[0], 1)
+            disk = make_weight_sync(eng.base_url, "disk", work_dir=tmp.name)
+            base, shm_t, disk_t = [], [], []
+            for i, sd in enumerate(states):  # interleaved, so machine noise hits all three alike
+                t0 = time.perf_counter()
+                model.load_state_dict(sd)
+                base.append(time.perf_counter() - t0)
+                shm_t.append(await shm.push(sd, 2 + i))
+                disk_t.append(await disk.push(sd, 2 + args.reps + i))
+            last = 2 + 2 * args.reps
+            await shm.push(states[-1], last)
+            stats = dict(shm.last_stats)
+            await shm.close()
+            await disk.close()
+            async with openai.AsyncOpenAI(base_url=eng.base_url, api_key="x") as ac:
+                r = await ac.completions.create(
+                    model=eng.model, prompt=[1, 20, 30], max_tokens=8, temperature=0,
+                    extra_body={"return_token_ids": True, "ignore_eos": True},
+                )  # fmt: skip
+            return first, base, shm_t, disk_t, stats, r.choices[0]
+
+        first, base, shm_t, disk_t, stats, choice = asyncio.run(run())
+
+    model.load_state_dict(states[-1])
+    ref = model.generate(
+        torch.tensor([[1, 20, 30]]), max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None
+    )[0, 3:].tolist()
+    verified = ref == choice.token_ids and set(choice.token_versions) == {2 + 2 * args.reps}
+
+    b, s, d = statistics.median(base), statistics.median(shm_t), statistics.median(disk_t)
+    print(f"model: {n_params / 1e6:.1f}M params, {mbytes:.0f} MiB fp32; median of {args.reps}")
+    print(f"{'in-process load_state_dict':30}{b * 1000:>9.1f} ms")
+    print(f"{'engine push, shm':30}{s * 1000:>9.1f} ms   (first push, maps buffer: {first * 1000:.1f} ms)")
+    print(f"{'  of which':30} pause {stats['pause_s'] * 1000:.1f} / write {stats['write_s'] * 1000:.1f} / "
+          f"load+resume {stats['load_s'] * 1000:.1f} ms")  # fmt: skip
+    print(f"{'engine push, disk':30}{d * 1000:>9.1f} ms")
+    print(f"ratio shm / load_state_dict = {s / b:.2f}x  (goal <= 1.5x); disk: {d / b:.2f}x; verified: {verified}")
+    print(
+        json.dumps(
+            {
+                "bench": "weight_push",
+                "params_m": round(n_params / 1e6, 2),
+                "mib": round(mbytes, 1),
+                "load_state_dict_ms": round(b * 1000, 2),
+                "shm_push_ms": round(s * 1000, 2),
+                "disk_push_ms": round(d * 1000, 2),
+                "ratio": round(s / b, 3),
+                "disk_ratio": round(d / b, 3),
+                "verified": verified,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
