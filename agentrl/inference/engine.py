@@ -348,6 +348,11 @@ class Engine:
 
     @torch.no_grad()
     def _step(self) -> None:
+        if any(s.request.future.cancelled() for s in self._active):  # client went away
+            for s in self._active:
+                if s.request.future.cancelled():
+                    s.finish_reason = "abort"
+            self._retire()
         admitted = self._take_admissible()
         if admitted:
             self._prefill(admitted)
