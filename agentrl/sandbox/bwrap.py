@@ -142,7 +142,7 @@ class BwrapSandbox(AgentSandbox):
 
     def _why_dead(self) -> str:
         tail = b"".join(self._stderr_tail).decode("utf-8", "replace").strip()
-        return f"bwrap exited ({self._proc.returncode if self._proc else '?'}): {tail[-500:] or 'no message'}"
+        return f"sandbox {self.id} died: bwrap exited ({self._proc.returncode if self._proc else '?'}): {tail[-500:] or 'no message'}"
 
     async def _request(self, req: dict[str, Any], timeout: float) -> dict[str, Any]:
         proc = self._proc
