@@ -74,6 +74,11 @@ class BufferConfig(Section):
     adaptive: bool = Field(False, description="Adapt η between min/max from idle time and mismatch KL.")
     min_staleness: int = Field(0, ge=0, description="Adaptive mode: lower bound for η.")
     max_staleness_cap: int = Field(4, ge=0, description="Adaptive mode: upper bound for η.")
+    adaptive_idle_max: float = Field(0.1, ge=0, le=1, description="Adaptive mode: raise η when trainer idle share exceeds this.")
+    adaptive_kl_max: float = Field(0.02, ge=0, description="Adaptive mode: lower η when mismatch KL exceeds this.")
+    overprovision: float = Field(
+        0.0, ge=0, description="Admit this many extra groups (fraction of a batch); stragglers past η are dropped."
+    )
 
 
 class LossConfig(Section):
@@ -108,6 +113,7 @@ class TrainerConfig(Section):
     lora_rank: int = Field(0, ge=0, description="LoRA rank (0 = full fine-tuning).")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha.")
     device: str = Field("auto", description="Trainer device: auto | cpu | cuda.")
+    num_threads: int = Field(0, ge=0, description="Torch CPU threads for the trainer and the embedded engine each (0 = half the cores).")
 
 
 class SFTConfig(Section):
@@ -116,6 +122,7 @@ class SFTConfig(Section):
     batch_size: int = Field(64, ge=1, description="Demonstrations per SFT step.")
     lr: float = Field(1e-3, gt=0, description="SFT learning rate.")
     num_demos: int = Field(4096, ge=1, description="Demonstrations drawn from the environment.")
+    demo_args: dict[str, Any] = Field(default_factory=dict, description="Extra kwargs for env.demonstrations().")
 
 
 class EvalConfig(Section):

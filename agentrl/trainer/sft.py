@@ -1,0 +1,169 @@
+"""Warm start: supervised fine-tuning on the environment's demonstrations (cached).
+
+``run_sft(cfg) -> Path`` builds the tiny base model if the config asks for one, renders
+``env.demonstrations(n, seed)`` with the model's chat template (the same template and
+tool schemas the rollouts use) and trains cross-entropy on *assistant tokens only*
+(``return_assistant_tokens_mask`` over the template's ``{% generation %}`` blocks).
+The result is saved under ``<model dir>/../sft-<hash>`` where the hash covers the base
+model's weights, the environment (name, version, args) and the SFT config, so a rerun
+of the quickstart reuses it.  SFT deliberately stops early (``sft.steps``) to leave
+the RL stage headroom.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+MARKER = "SFT_COMPLETE"
+
+
+def ensure_base_model(model_cfg: Any) -> Path:
+    """The base model dir, built (tiny) when missing and ``model.init == "tiny"``."""
+    from agentrl.errors import AgentrlError
+
+    path = Path(model_cfg.path)
+    if (path / "config.json").is_file():
+        return path
+    if model_cfg.init != "tiny":
+        raise AgentrlError(f"no model at {str(path)!r} and model.init = 'none'; point model.path at a HF model dir")
+    from agentrl.tiny_model import build_tiny_model
+
+    tmp = path.with_name(path.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_model(
+        tmp, layers=model_cfg.tiny_layers, hidden=model_cfg.tiny_hidden, heads=model_cfg.tiny_heads, seed=model_cfg.seed
+    )
+    if not (path / "config.json").is_file():  # another process may have won the race
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    return path
+
+
+def _hash_dir(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*")):
+        if f.is_file() and f.suffix in (".json", ".safetensors", ".txt", ".model", ".jinja"):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def sft_cache_key(cfg: Any, base: Path, env: Any) -> str:
+    blob = {
+        "model": _hash_dir(base),
+        "env": [cfg.env.name, getattr(env, "version", ""), cfg.env.args],
+        "sft": cfg.sft.model_dump(mode="json"),
+        "seed": cfg.run.seed,
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def encode_demos(tokenizer: Any, demos: list[list[Any]], tools: list[dict] | None) -> list[tuple[list[int], list[int]]]:
+    """(token ids, assistant mask) per demonstration, rendered with the chat template."""
+    from agentrl.types import Message, messages_to_dicts
+
+    out = []
+    for convo in demos:
+        msgs = messages_to_dicts([Message.from_dict(m) for m in convo])
+        enc = tokenizer.apply_chat_template(
+            msgs, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+        if sum(mask):
+            out.append((ids, mask))
+    return out
+
+
+def run_sft(cfg: Any, *, progress: bool = True) -> Path:
+    """Warm-start model dir for ``cfg`` (the base model itself when SFT is disabled)."""
+    from agentrl.plugins import load_environment
+
+    base = ensure_base_model(cfg.model)
+    if not cfg.sft.enabled or cfg.sft.steps == 0:
+        return base
+    env = load_environment(cfg.env.name, **cfg.env.args)
+    out = base.parent / f"{base.name}-sft-{sft_cache_key(cfg, base, env)}"
+    if (out / MARKER).is_file():
+        _say(progress, f"sft: cached warm start {out}")
+        return out
+    if not hasattr(env, "demonstrations"):
+        from agentrl.errors import AgentrlError
+
+        raise AgentrlError(f"environment {cfg.env.name!r} has no demonstrations(); set sft.enabled = false")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    train_sft(base, env, cfg.sft, seed=cfg.run.seed, out_dir=tmp, device=cfg.trainer.device, progress=progress)
+    (tmp / MARKER).write_text("ok")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def train_sft(base: Path, env: Any, sft: Any, *, seed: int, out_dir: Path, device: str = "auto",
+              progress: bool = True) -> Path:
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.trainer.trainer import resolve_device
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = AutoTokenizer.from_pretrained(base)
+    demos = env.demonstrations(sft.num_demos, seed=seed, **sft.demo_args)
+    data = encode_demos(tok, demos, env.tool_schemas())
+    if not data:
+        from agentrl.errors import AgentrlError
+
+        raise AgentrlError("no demonstration had assistant tokens to train on")
+    dev = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(dev)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    pad = model.config.pad_token_id or 0
+    warmup = max(1, sft.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    t0 = time.perf_counter()
+    log = []
+    for step in range(sft.steps):
+        batch = [data[rng.randrange(len(data))] for _ in range(sft.batch_size)]
+        T = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([i + [pad] * (T - len(i)) for i, _ in batch], device=dev)
+        mask = torch.tensor([m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32, device=dev)
+        attn = torch.tensor([[1] * len(i) + [0] * (T - len(i)) for i, _ in batch], device=dev)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+        m = mask[:, 1:].reshape(-1)
+        loss = (nll * m).sum() / m.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        log.append({"step": step, "loss": float(loss.detach()), "wall_s": time.perf_counter() - t0})
+        if progress and (step % 20 == 0 or step == sft.steps - 1):
+            _say(progress, f"sft step {step + 1}/{sft.steps} loss {float(loss.detach()):.3f} ({time.perf_counter() - t0:.0f}s)")
+        if not math.isfinite(float(loss.detach())):
+            from agentrl.errors import AgentrlError
+
+            raise AgentrlError(f"sft diverged at step {step} (loss {float(loss)}); lower sft.lr")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    with open(out_dir / "sft_metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in log)
+    return out_dir
+
+
+def _say(enabled: bool, text: str) -> None:
+    if enabled:
+        from rich.console import Console
+
+        Console(stderr=True).print(text, highlight=False)
