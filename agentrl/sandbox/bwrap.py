@@ -174,8 +174,9 @@ class BwrapSandbox(AgentSandbox):
             pass
         if self._stderr_task:
             self._stderr_task.cancel()
-        if proc.stdin:
-            proc.stdin.close()
+        transport = getattr(proc, "_transport", None)
+        if transport is not None:
+            transport.close()  # now, not in __del__ after the loop has closed
 
     def kill_sync(self) -> None:
         if self._proc is not None and self._proc.returncode is None:
