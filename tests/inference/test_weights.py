@@ -55,6 +55,8 @@ async def test_update_during_inflight_requests(wengine, model_dir, transport):
         start = (await http.get(wengine.root_url + "/metrics")).json()["total_generated_tokens"]
         inflight = [asyncio.create_task(greedy(ac, wengine, [1, 30 + i], 200)) for i in range(3)]
         await wait_for_tokens(wengine, start + 30)
+        await http.post(wengine.root_url + "/pause")  # freeze them mid-flight; push() resumes
+        assert (await http.get(wengine.root_url + "/metrics")).json()["running"] == 3
         state, new_model = perturbed_state(model_dir, seed=7 + v0)
         seconds = await sync.push(state, version=v0 + 1)
         assert seconds > 0
