@@ -1,0 +1,180 @@
+"""VLLMWeightSync against a recorded copy of vLLM's dev-mode RL routes.
+
+The fake server below mirrors the request shapes of vLLM's router
+(vllm/entrypoints/serve/dev/rlhf/api_router.py): body keys, query params, 400 on missing
+fields. The real path runs only on a GPU machine with vLLM installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+import uvicorn
+from fastapi import Body, FastAPI, HTTPException, Query, Request
+
+from agentrl.inference.vllm import VLLMWeightSync, vllm_serve_command
+from agentrl.weights import WeightSyncError
+
+
+def fake_vllm(world_size: int, *, legacy: bool = False, fail_update: bool = False) -> tuple[FastAPI, list]:
+    app, calls = FastAPI(), []
+
+    @app.get("/get_world_size")
+    async def get_world_size(include_dp: bool = Query(True)):
+        calls.append(("get_world_size", None))
+        return {"world_size": world_size}
+
+    @app.post("/init_weight_transfer_engine")
+    async def init(request: Request):
+        info = (await request.json()).get("init_info")
+        if info is None or set(info) != {"master_address", "master_port", "rank_offset", "world_size"}:
+            raise HTTPException(400, "Missing 'init_info' in request body")
+        calls.append(("init", info))
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/pause")
+    async def pause(mode: str = Query("abort")):
+        calls.append(("pause", mode))
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        calls.append(("resume", None))
+        return {"status": "resumed"}
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request):
+        info = (await request.json()).get("update_info")
+        if info is None:
+            raise HTTPException(400, "Missing 'update_info' in request body")
+        calls.append(("update_weights", info))
+        if fail_update:
+            raise HTTPException(500, "boom")
+        return {"message": "Weights updated"}
+
+    if legacy:
+
+        @app.post("/update_weight_version")
+        async def update_weight_version(new_version: str = Body(embed=True)):
+            calls.append(("update_weight_version", new_version))
+            return {"success": True, "new_version": new_version}
+
+    else:
+
+        @app.post("/start_weight_update")
+        async def start():
+            calls.append(("start_weight_update", None))
+            return {"message": "Weight update started"}
+
+        @app.post("/finish_weight_update")
+        async def finish(weight_version: str | None = Body(None, embed=True)):
+            calls.append(("finish_weight_update", weight_version))
+            return {"message": "Weight update finished"}
+
+    return app, calls
+
+
+class Served:
+    def __init__(self, app: FastAPI):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/v1"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
+WEIGHTS = {"model.embed_tokens.weight": torch.zeros(8, 4), "lm_head.weight": torch.ones(8, 4, dtype=torch.bfloat16)}
+
+
+def make_sync(urls, sent, inits):
+    return VLLMWeightSync(
+        urls,
+        master_address="10.0.0.1",
+        master_port=29555,
+        init_trainer=lambda info: inits.append(info) or "group",
+        send_weights=lambda items, group: sent.append(([n for n, _ in items], group)),
+    )
+
+
+def test_push_follows_vllm_route_contract_across_two_engines():
+    (app1, calls1), (app2, calls2) = fake_vllm(1), fake_vllm(2)
+    sent, inits = [], []
+    with Served(app1) as u1, Served(app2) as u2:
+
+        async def go():
+            sync = make_sync([u1, u2], sent, inits)
+            await sync.push(WEIGHTS, version=1)
+            await sync.push(WEIGHTS, version=2)
+            await sync.close()
+
+        asyncio.run(go())
+    # one rendezvous: trainer rank 0, engine 1 at rank 1, engine 2 (two workers) at ranks 2-3
+    assert inits == [{"master_address": "10.0.0.1", "master_port": 29555, "world_size": 4}]
+    init1 = [c for c in calls1 if c[0] == "init"]
+    init2 = [c for c in calls2 if c[0] == "init"]
+    assert [i[1]["rank_offset"] for i in init1 + init2] == [1, 2]
+    assert all(i[1]["world_size"] == 4 for i in init1 + init2)
+    order = [name for name, _ in calls1 if name not in ("get_world_size", "init")]
+    assert order == ["pause", "start_weight_update", "update_weights", "finish_weight_update", "resume"] * 2
+    assert [a for n, a in calls1 if n == "pause"] == ["keep", "keep"]
+    assert [a for n, a in calls2 if n == "finish_weight_update"] == ["1", "2"]
+    info = next(a for n, a in calls1 if n == "update_weights")
+    assert info == {
+        "names": ["model.embed_tokens.weight", "lm_head.weight"],
+        "dtype_names": ["float32", "bfloat16"],
+        "shapes": [[8, 4], [8, 4]],
+        "packed": True,
+    }
+    assert sent == [(info["names"], "group")] * 2
+
+
+def test_older_vllm_without_start_finish_routes_sets_version_instead():
+    app, calls = fake_vllm(1, legacy=True)
+    with Served(app) as url:
+
+        async def go():
+            sync = make_sync(url, [], [])
+            await sync.push(WEIGHTS, version=7)
+            await sync.close()
+
+        asyncio.run(go())
+    assert ("update_weight_version", "7") in calls
+    assert calls[-1] == ("resume", None)
+
+
+def test_a_failed_update_raises_and_still_resumes_generation():
+    app, calls = fake_vllm(1, fail_update=True)
+    with Served(app) as url:
+
+        async def go():
+            sync = make_sync(url, [], [])
+            try:
+                with pytest.raises(WeightSyncError, match="update_weights"):
+                    await sync.push(WEIGHTS, version=1)
+            finally:
+                await sync.close()
+
+        asyncio.run(go())
+    assert calls[-1] == ("resume", None)
+
+
+def test_serve_command_enables_token_exact_io_tools_and_weight_transfer():
+    cmd = vllm_serve_command("/models/m", port=8001, max_model_len=2048)
+    assert cmd[:3] == ["vllm", "serve", "/models/m"]
+    joined = " ".join(cmd)
+    assert '--weight-transfer-config {"backend": "nccl"}' in joined
+    assert "--logprobs-mode processed_logprobs" in joined
+    assert "--tool-call-parser hermes" in joined
+    assert "--max-model-len 2048" in joined and "--port 8001" in joined
