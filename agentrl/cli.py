@@ -320,14 +320,28 @@ def sandbox_prune(
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors become one line on stderr and exit code 2."""
+    # typer vendors click; its exceptions live here (the `click` package is not used)
+    from typer._click import exceptions as click
+
     try:
-        app(args=argv, standalone_mode=True)
+        rv = app(args=argv, standalone_mode=False)
+    except click.NoArgsIsHelpError as e:  # bare `agentrl` / `agentrl env`: show help
+        typer.echo(e.ctx.get_help() if e.ctx is not None else str(e))
+        sys.exit(2)
+    except click.UsageError as e:  # bad argument/option: one line, not click's boxed usage text
+        where = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+        typer.echo(f"error: {e.format_message()}{where}", err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        typer.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
     except AgentrlError as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":
