@@ -40,7 +40,12 @@ def test_bad_config_is_one_line_exit_2(tmp_path, args):
     assert r.stderr.startswith("error:")
 
 
-def test_unknown_subcommand_exits_2():
-    r = agentrl("frobnicate")
+@pytest.mark.parametrize(
+    "args", [["frobnicate"], ["run"], ["model", "init", "tiny"], ["eval", "calc", "--model", "m", "-n", "-3"]]
+)
+def test_usage_errors_are_one_line_exit_2(args):
+    r = agentrl(*args)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("error:")
