@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 import httpx
 import openai
 
+from agentrl.inference.render import render_chat_ids
 from agentrl.types import Message, SamplingParams, ToolCall
 
 T = TypeVar("T")
@@ -83,6 +85,7 @@ class PolicyClient:
         timeout: float = 120,
         max_retries: int = 3,
         default_version: int = 0,
+        tokenizer: Any = None,
     ):
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
@@ -92,6 +95,13 @@ class PolicyClient:
         # used when a server does not report per-token versions (plain vLLM)
         self.default_version = default_version
         self._endpoints = [_Endpoint(u, api_key, timeout) for u in urls]
+        # A local copy of the served model's tokenizer (a path or a HF tokenizer) renders
+        # prompts in-process: same template, same ids, no /tokenize round trip per turn.
+        if isinstance(tokenizer, str | os.PathLike):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = tokenizer
         self._rr = itertools.count()
 
     @property
@@ -246,6 +256,11 @@ class PolicyClient:
         """Token ids of a prompt string, or of messages rendered by the server's chat template."""
         if (messages is None) == (prompt is None):
             raise ValueError("tokenize needs exactly one of messages= or prompt=")
+        if self.tokenizer is not None:
+            if prompt is not None:
+                return self.tokenizer.encode(prompt, add_special_tokens=False)
+            dicts = [m.to_dict() if isinstance(m, Message) else m for m in messages]
+            return render_chat_ids(self.tokenizer, dicts, tools, add_generation_prompt)
         body: dict[str, Any] = {"model": self.model}
         if messages is not None:
             body["messages"] = [m.to_dict() if isinstance(m, Message) else m for m in messages]

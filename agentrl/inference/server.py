@@ -44,6 +44,7 @@ from agentrl.inference.engine import (
     SharedWeights,
     load_safetensors_path,
 )
+from agentrl.inference.render import render_chat_ids
 from agentrl.tool_format import parse_tool_calls
 from agentrl.types import new_id
 
@@ -180,25 +181,18 @@ class EngineServer:
 
     def render_chat(self, req: ChatRequest | TokenizeRequest) -> list[int]:
         messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
-        for m in messages:
-            if m["role"] == "developer":
-                m["role"] = "system"
-            if m.get("content") is None:
-                m["content"] = ""
-        kwargs = dict(req.chat_template_kwargs or {})
         gen = req.add_generation_prompt and not req.continue_final_message
         try:
-            text = self.tok.apply_chat_template(
+            return render_chat_ids(
+                self.tok,
                 messages,
-                tools=req.tools or None,
-                add_generation_prompt=gen,
+                req.tools,
+                gen,
                 continue_final_message=req.continue_final_message,
-                tokenize=False,
-                **kwargs,
+                **dict(req.chat_template_kwargs or {}),
             )
         except Exception as e:  # template errors are the caller's malformed input
             raise APIError(400, f"could not apply the chat template to these messages: {e}", param="messages") from e
-        return self.tok.encode(text, add_special_tokens=False)
 
     def sampling(self, req: _SamplingBody, top_logprobs: int) -> Sampling:
         if req.stream:

@@ -85,3 +85,25 @@ def test_launcher_stop_ends_the_child(model_dir):
     eng.stop()
     assert not eng.alive
     eng.stop()  # idempotent
+
+
+async def test_local_tokenizer_renders_exactly_what_the_server_renders(engine, model_dir, tool_prompt, tools):
+    convo = [
+        {"role": "system", "content": "Be brief."},
+        *tool_prompt,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12+30"}'}}
+        ]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "42"},
+        {"role": "developer", "content": None},
+    ]  # fmt: skip
+    async with PolicyClient(engine.base_url, engine.model) as remote, PolicyClient(
+        engine.base_url, engine.model, tokenizer=str(model_dir)
+    ) as local:
+        for k in range(1, len(convo) + 1):
+            for gen in (True, False):
+                for tl in (None, tools):
+                    want = await remote.tokenize(messages=convo[:k], tools=tl, add_generation_prompt=gen)
+                    assert await local.tokenize(messages=convo[:k], tools=tl, add_generation_prompt=gen) == want
+        assert await local.tokenize(prompt="12+30 <tool_call>") == await remote.tokenize(prompt="12+30 <tool_call>")
