@@ -37,6 +37,10 @@ from typing import Any
 from agentrl.types import Group, Trajectory
 
 
+class BufferStalled(RuntimeError):
+    """Too many finished groups in a row were untrainable (e.g. every reward equal)."""
+
+
 @dataclass
 class Ledger:
     """Episode fates. ``in_flight`` = started minus every final fate."""
@@ -111,6 +115,7 @@ class StalenessBuffer:
         adaptive: AdaptiveStaleness | None = None,
         min_valid_episodes: int = 2,
         overprovision: float = 0.0,
+        stall_groups: int = 0,
     ) -> None:
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
@@ -118,6 +123,9 @@ class StalenessBuffer:
         self.adaptive = adaptive
         self.min_valid_episodes = min_valid_episodes
         self.overprovision = overprovision
+        self.stall_groups = stall_groups  # 0 = never give up waiting
+        self._untrainable_run = 0
+        self._recent_rewards: list[float] = []
         self.version = 0
         self.ledger = Ledger()
         self._ready: list[Group] = []
@@ -154,12 +162,16 @@ class StalenessBuffer:
         valid = [t for t in group.trajectories if not t.errored]
         self._settle("errored", errored)
         group.trajectories = valid
+        self._recent_rewards = ([t.reward for t in valid] + self._recent_rewards)[:256]
         if len(valid) < self.min_valid_episodes:
             self._settle("filtered", valid)
+            self._untrainable_run += 1
         elif self.filter_zero_variance and len({t.reward for t in valid}) == 1:
             self._settle("filtered", valid)
+            self._untrainable_run += 1
         else:
             self._ready.append(group)
+            self._untrainable_run = 0
         self._changed.set()
 
     # ------------------------------------------------------------------ training side
@@ -171,6 +183,12 @@ class StalenessBuffer:
             self._drop_stale()
             if len(self._ready) >= self.batch_groups:
                 break
+            if self.stall_groups and self._untrainable_run >= self.stall_groups:
+                r = self._recent_rewards
+                raise BufferStalled(
+                    f"the last {self._untrainable_run} finished groups were all untrainable (equal rewards or "
+                    f"errors; recent mean reward {sum(r) / max(1, len(r)):.3f})"
+                )
             self._changed.clear()
             await self._changed.wait()
         self._ready.sort(key=lambda g: _min_version(g, self.version))

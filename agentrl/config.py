@@ -76,6 +76,9 @@ class BufferConfig(Section):
     max_staleness_cap: int = Field(4, ge=0, description="Adaptive mode: upper bound for η.")
     adaptive_idle_max: float = Field(0.1, ge=0, le=1, description="Adaptive mode: raise η when trainer idle share exceeds this.")
     adaptive_kl_max: float = Field(0.02, ge=0, description="Adaptive mode: lower η when mismatch KL exceeds this.")
+    stall_groups: int = Field(
+        200, ge=0, description="Stop the run when this many finished groups in a row were untrainable (0 = wait forever)."
+    )
     overprovision: float = Field(
         0.0, ge=0, description="Admit this many extra groups (fraction of a batch); stragglers past η are dropped."
     )
@@ -123,6 +126,11 @@ class SFTConfig(Section):
     lr: float = Field(1e-3, gt=0, description="SFT learning rate.")
     num_demos: int = Field(4096, ge=1, description="Demonstrations drawn from the environment.")
     demo_args: dict[str, Any] = Field(default_factory=dict, description="Extra kwargs for env.demonstrations().")
+    target_reward: float | None = Field(
+        None, description="Stop SFT once greedy held-out reward reaches this (leaves RL headroom); None = run all steps."
+    )
+    eval_every: int = Field(10, ge=1, description="With target_reward: evaluate every N SFT steps.")
+    eval_tasks: int = Field(100, ge=1, description="With target_reward: held-out tasks per SFT evaluation.")
 
 
 class EvalConfig(Section):

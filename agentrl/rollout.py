@@ -244,19 +244,11 @@ class RolloutManager:
 
     async def evaluate(self, tasks: Sequence[Task], sampling: SamplingParams, concurrency: int = 64) -> list[Trajectory]:
         """Run one scored episode per task outside the buffer and ledger (held-out eval)."""
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one(i: int, task: Task) -> Trajectory:
-            async with sem:
-                ep = self.endpoints[i % len(self.endpoints)]
-                traj = await run_episode(
-                    self.env, ManagedClient(ep, self.max_retries), task, sampling,
-                    timeout_s=self.episode_timeout_s, max_turns=self.max_turns,
-                )
-                await score_group(self.env, [traj])
-                return traj
-
-        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+        clients = [ManagedClient(ep, self.max_retries) for ep in self.endpoints]
+        return await evaluate_tasks(
+            self.env, clients, tasks, sampling, concurrency=concurrency,
+            timeout_s=self.episode_timeout_s, max_turns=self.max_turns,
+        )
 
 
 # ----------------------------------------------------------------------------- episode helpers
@@ -277,6 +269,24 @@ async def run_episode(
         traj = Trajectory(task=task, error=f"{type(e).__name__}: {e}"[:500], stop_reason="error")
     traj.timing.setdefault("episode_s", time.perf_counter() - t0)
     return traj
+
+
+async def evaluate_tasks(
+    env: Any, clients: Sequence[Any], tasks: Sequence[Task], sampling: SamplingParams, *,
+    concurrency: int = 64, timeout_s: float = 120.0, max_turns: int | None = None,
+) -> list[Trajectory]:
+    """One scored episode per task, spread over ``clients`` (never raises)."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, task: Task) -> Trajectory:
+        async with sem:
+            traj = await run_episode(
+                env, clients[i % len(clients)], task, sampling, timeout_s=timeout_s, max_turns=max_turns
+            )
+            await score_group(env, [traj])
+            return traj
+
+    return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 
 
 async def score_group(env: Any, trajs: list[Trajectory]) -> None:

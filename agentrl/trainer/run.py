@@ -82,7 +82,7 @@ class _Run:
                 self.engine.stop()
 
     async def _main(self) -> None:
-        from agentrl.buffer import AdaptiveStaleness, StalenessBuffer
+        from agentrl.buffer import AdaptiveStaleness, BufferStalled, StalenessBuffer
         from agentrl.inference.client import PolicyClient
         from agentrl.metrics import JSONLLogger, LiveProgress, truncate_jsonl
         from agentrl.plugins import load_environment
@@ -109,6 +109,7 @@ class _Run:
         buffer = StalenessBuffer(
             cfg.trainer.batch_groups, bc.max_staleness, filter_zero_variance=bc.filter_zero_variance,
             adaptive=adaptive if bc.adaptive else None, overprovision=bc.overprovision,
+            stall_groups=bc.stall_groups,
         )
         sampler = TaskSampler(train_tasks, seed=cfg.run.seed)
         start_step = 0
@@ -238,11 +239,18 @@ class _Run:
 
         deadline = cfg.run.max_wall_s
         try:
-            await rl_loop(
-                buffer, manager, start_step=start_step, steps=cfg.trainer.steps, train=train, push=push,
-                on_step=on_step, push_every=cfg.trainer.push_every,
-                should_stop=lambda: bool(deadline) and time.perf_counter() - t_start > deadline,
-            )
+            try:
+                await rl_loop(
+                    buffer, manager, start_step=start_step, steps=cfg.trainer.steps, train=train, push=push,
+                    on_step=on_step, push_every=cfg.trainer.push_every,
+                    should_stop=lambda: bool(deadline) and time.perf_counter() - t_start > deadline,
+                )
+            except BufferStalled as e:
+                raise AgentrlError(
+                    f"training stalled at step {buffer.version}: {e}. The policy produced no learning signal: "
+                    "strengthen the warm start (sft.steps / sft.target_reward) or lower trainer.lr; "
+                    "checkpoints and logs so far are kept"
+                ) from None
             if self.eval_task is not None:
                 self.eval_task.cancel()
             # -- finish
@@ -269,7 +277,7 @@ class _Run:
         trajs = await self.manager.evaluate(self.eval_tasks, self.eval_sampling)
         ok = [t for t in trajs if not t.errored]
         return {
-            "eval_reward_mean": statistics.fmean(t.reward for t in ok) if ok else 0.0,
+            "eval_reward_mean": sum(t.reward for t in ok) / len(trajs) if trajs else 0.0,  # errored = 0
             "eval_errored": len(trajs) - len(ok),
             "eval_version": version,
             "eval_s": time.perf_counter() - t0,

@@ -12,9 +12,11 @@ the RL stage headroom.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -99,7 +101,13 @@ def run_sft(cfg: Any, *, progress: bool = True) -> Path:
         raise AgentrlError(f"environment {cfg.env.name!r} has no demonstrations(); set sft.enabled = false")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    train_sft(base, env, cfg.sft, seed=cfg.run.seed, out_dir=tmp, device=cfg.trainer.device, progress=progress)
+    evaluator = _GreedyEvaluator(base, env, cfg) if cfg.sft.target_reward is not None else None
+    try:
+        train_sft(base, env, cfg.sft, seed=cfg.run.seed, out_dir=tmp, device=cfg.trainer.device,
+                  progress=progress, evaluator=evaluator)
+    finally:
+        if evaluator is not None:
+            evaluator.close()
     (tmp / MARKER).write_text("ok")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -107,7 +115,8 @@ def run_sft(cfg: Any, *, progress: bool = True) -> Path:
 
 
 def train_sft(base: Path, env: Any, sft: Any, *, seed: int, out_dir: Path, device: str = "auto",
-              progress: bool = True) -> Path:
+              progress: bool = True, evaluator: Any = None) -> Path:
+    """SFT loop; with an ``evaluator`` it stops once greedy reward ≥ ``sft.target_reward``."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -154,12 +163,66 @@ def train_sft(base: Path, env: Any, sft: Any, *, seed: int, out_dir: Path, devic
             from agentrl.errors import AgentrlError
 
             raise AgentrlError(f"sft diverged at step {step} (loss {float(loss)}); lower sft.lr")
+        if evaluator is not None and (step + 1) % sft.eval_every == 0:
+            reward = evaluator.score(model, step + 1)
+            log[-1]["eval_reward_mean"] = reward
+            _say(progress, f"sft step {step + 1}: greedy held-out reward {reward:.3f} (target {sft.target_reward})")
+            if reward >= sft.target_reward:
+                break
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
     with open(out_dir / "sft_metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in log)
     return out_dir
+
+
+class _GreedyEvaluator:
+    """Greedy held-out reward of the model being fine-tuned, on an embedded engine.
+
+    The engine starts once on the base weights; each evaluation pushes the current SFT
+    weights (shared memory) and runs the env's held-out tasks at temperature 0.
+    """
+
+    def __init__(self, base: Path, env: Any, cfg: Any) -> None:
+        from agentrl.inference.launcher import start_embedded_engine
+
+        self.env, self.cfg = env, cfg
+        self.tasks = list(env.eval_dataset() or env.dataset())[: cfg.sft.eval_tasks]
+        threads = cfg.trainer.num_threads or max(1, (os.cpu_count() or 2) // 2)
+        self.engine = start_embedded_engine(
+            base, max_batch_size=cfg.inference.max_batch_size, max_model_len=cfg.inference.max_model_len,
+            device=cfg.inference.device, env={"OMP_NUM_THREADS": str(threads)},
+        )
+
+    def score(self, model: Any, version: int) -> float:
+        return asyncio.run(self._score(model, version))
+
+    async def _score(self, model: Any, version: int) -> float:
+        from agentrl.inference.client import PolicyClient
+        from agentrl.rollout import evaluate_tasks
+        from agentrl.types import SamplingParams
+        from agentrl.weights import make_weight_sync
+
+        ws = make_weight_sync([self.engine.base_url], self.cfg.inference.weight_transport)
+        try:
+            await ws.push({k: v.detach().cpu() for k, v in model.state_dict().items()}, version)
+        finally:
+            await ws.close()
+        client = PolicyClient(self.engine.base_url, self.engine.model)
+        try:
+            ro = self.cfg.rollout
+            trajs = await evaluate_tasks(
+                self.env, [client], self.tasks, SamplingParams(max_tokens=ro.max_tokens, temperature=0.0),
+                timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns,
+            )
+        finally:
+            await client.close()
+        ok = [t.reward for t in trajs if not t.errored]
+        return sum(ok) / len(trajs) if trajs else 0.0
+
+    def close(self) -> None:
+        self.engine.stop()
 
 
 def _say(enabled: bool, text: str) -> None:
