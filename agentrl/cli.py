@@ -315,6 +315,17 @@ def sandbox_prune(
     typer.echo(prune(everything=everything).summary())
 
 
+@app.command()
+def view(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (RUN_DIR of `agentrl run`).")],
+    rollouts: Annotated[int, typer.Option("--rollouts", help="How many recent rollouts to show.")] = 3,
+) -> None:
+    """Summarise a run: eval curve, last step's metrics, episode ledger, recent rollouts."""
+    from agentrl.metrics import summarize_run
+
+    typer.echo(summarize_run(run_dir, last_rollouts=rollouts))
+
+
 # ----------------------------------------------------------------------------- main
 
 

@@ -120,3 +120,47 @@ class LiveProgress:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+
+# ----------------------------------------------------------------------------- run summary
+
+
+def summarize_run(run_dir: str | Path, last_rollouts: int = 3) -> str:
+    """Readable summary of a run directory (``agentrl view``)."""
+    from agentrl.errors import AgentrlError
+
+    run = Path(run_dir)
+    rows = read_jsonl(run / "metrics.jsonl")
+    if not (run / "config.toml").is_file() and not rows:
+        raise AgentrlError(f"{run} is not a run directory (no config.toml or metrics.jsonl)")
+    lines = [f"run {run}"]
+    if not rows:
+        lines.append("  no training steps logged yet")
+        return "\n".join(lines)
+    last = rows[-1]
+    lines.append(
+        f"  steps {len(rows)} (version {last['version']}), wall {last.get('wall_s', 0):.0f}s, "
+        f"tokens/s {last.get('tokens_per_s', 0):.0f}, weight push {last.get('weight_push_s', 0) * 1000:.0f} ms"
+    )
+    evals = [(r["eval_version"], r["eval_reward_mean"]) for r in rows if r.get("eval_reward_mean") is not None]
+    if evals:
+        curve = "  ".join(f"v{v}:{x:.3f}" for v, x in evals)
+        lines.append(f"  eval reward (held-out): {curve}")
+        lines.append(f"  change from first eval: {evals[-1][1] - evals[0][1]:+.3f}")
+    keys = ("reward_mean", "rollout_reward_mean", "staleness_mean", "mismatch_kl", "masked_frac", "ess",
+            "entropy", "trainer_idle_frac")
+    lines.append("  last step: " + ", ".join(f"{k} {last[k]:.3g}" for k in keys if last.get(k) is not None))
+    ledger = {k[len("episodes_"):]: v for k, v in last.items() if k.startswith("episodes_")}
+    lines.append("  episodes: " + ", ".join(f"{k} {v}" for k, v in ledger.items()))
+    tail = read_jsonl(run / "rollouts.jsonl")[-last_rollouts:]
+    for r in tail:
+        msgs = " | ".join(
+            f"{m['role']}: {(m.get('content') or '')[:60]}"
+            + "".join(f" <call {c['function']['name']}({c['function']['arguments'][:40]})>" for c in m.get("tool_calls") or [])
+            for m in r.get("messages", [])
+        )
+        lines.append(f"  rollout reward {r.get('reward')} {'ERROR ' + r['error'] if r.get('error') else ''}: {msgs}")
+    summary = run / "summary.json"
+    if summary.is_file():
+        lines.append(f"  final model: {json.loads(summary.read_text()).get('final_model')}")
+    return "\n".join(lines)

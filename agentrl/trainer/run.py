@@ -158,7 +158,11 @@ class _Run:
         ledger_log = JSONLLogger(run_dir / "ledger.jsonl")
         rollouts = JSONLLogger(run_dir / "rollouts.jsonl")
 
+        finished_rewards: list[float] = []  # every finished episode since the last step (unfiltered)
+
         def on_trajectory(t) -> None:
+            if not t.errored:
+                finished_rewards.append(t.reward)
             rollouts.log({"version_min": t.min_version(), "trainer_version": buffer.version, **t.to_dict()})
 
         ro = cfg.rollout
@@ -202,6 +206,8 @@ class _Run:
                 "version": rep.version,
                 "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
                 "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+                # reward_mean is over the trained (non-filtered) groups; this one over everything sampled
+                "rollout_reward_mean": statistics.fmean(finished_rewards) if finished_rewards else None,
                 **buffer.ledger.as_metrics(),
                 "staleness_mean": statistics.fmean(st) if st else 0.0,
                 "staleness_max": max(st, default=0),
@@ -220,6 +226,7 @@ class _Run:
             if buffer.adaptive is not None:
                 row["adaptive_reason"] = buffer.adaptive.last_reason
             last.update(t=now, tokens=tokens)
+            finished_rewards.clear()
             final = rep.version == cfg.trainer.steps
             if cfg.eval.every > 0 and (final or rep.version % cfg.eval.every == 0):
                 if final:  # rollouts stop after this step: evaluate the final weights right away
