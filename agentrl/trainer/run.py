@@ -227,7 +227,9 @@ class _Run:
                 row["adaptive_reason"] = buffer.adaptive.last_reason
             last.update(t=now, tokens=tokens)
             finished_rewards.clear()
-            final = rep.version == cfg.trainer.steps
+            out_of_time = bool(cfg.run.max_wall_s) and now - t_start > cfg.run.max_wall_s
+            final = rep.version == cfg.trainer.steps or out_of_time
+            self.stop_requested = out_of_time
             if cfg.eval.every > 0 and (final or rep.version % cfg.eval.every == 0):
                 if final:  # rollouts stop after this step: evaluate the final weights right away
                     manager.stop()
@@ -244,13 +246,13 @@ class _Run:
             if final or (every and rep.version % every == 0):
                 await self._checkpoint(trainer, buffer, sampler, rep.version)
 
-        deadline = cfg.run.max_wall_s
+        self.stop_requested = False
         try:
             try:
                 await rl_loop(
                     buffer, manager, start_step=start_step, steps=cfg.trainer.steps, train=train, push=push,
                     on_step=on_step, push_every=cfg.trainer.push_every,
-                    should_stop=lambda: bool(deadline) and time.perf_counter() - t_start > deadline,
+                    should_stop=lambda: self.stop_requested,
                 )
             except BufferStalled as e:
                 raise AgentrlError(
