@@ -72,6 +72,8 @@ def test_staleness_is_a_bound_and_the_ledger_adds_up(tiny_model, tmp_path, eta):
     assert len(trained) == len(set(trained)) == rows[-1]["episodes_trained"] == 5 * 2 * 4
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ledger"]["episodes_trained"] == rows[-1]["episodes_trained"]
+    view = subprocess.run([sys.executable, "-m", "agentrl.cli", "view", str(run_dir)], capture_output=True, text=True)
+    assert view.returncode == 0 and "steps 5" in view.stdout and "trained 40" in view.stdout
 
 
 def test_sigkill_then_resume_continues_without_retraining(tiny_model, tmp_path):

@@ -7,6 +7,7 @@ from rl_fakes import FakeClient, FakeEngine, FakeEnv, FakeRubric
 
 from agentrl.buffer import StalenessBuffer
 from agentrl.rollout import RolloutManager, TaskSampler
+from agentrl.trainer.loop import rl_loop
 from agentrl.types import SamplingParams
 
 
@@ -34,12 +35,27 @@ async def _train(buf, engines, mgr, steps, on_batch=None):
 
 
 async def _run(eta, steps=8, heavy=True, filter_zero=True):
+    """The real scheduler (rl_loop) with a stand-in train step and push."""
     engines = [FakeEngine(latency_s=0.004, heavy_tail=heavy), FakeEngine(latency_s=0.004, heavy_tail=heavy)]
     buf = StalenessBuffer(batch_groups=3, max_staleness=eta, filter_zero_variance=filter_zero)
     mgr = _manager(FakeEnv(), engines, buf, max_in_flight=16)
-    runner = asyncio.create_task(mgr.run())
-    staleness = await _train(buf, engines, mgr, steps)
-    await asyncio.wait_for(runner, 5)
+    staleness, versions = [], []
+
+    async def train(batch):
+        staleness.extend(batch.staleness)
+        await asyncio.sleep(0.005)
+        return {}
+
+    async def push(version):
+        for e in engines:
+            e.version = version
+        return 0.0
+
+    async def on_step(rep):
+        versions.append(rep.version)
+
+    nxt = await rl_loop(buf, mgr, start_step=0, steps=steps, train=train, push=push, on_step=on_step)
+    assert nxt == steps and versions == list(range(1, steps + 1))
     return buf, mgr, engines, staleness
 
 
