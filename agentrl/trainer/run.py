@@ -146,8 +146,18 @@ class _Run:
             wsync = make_weight_sync(urls, cfg.inference.weight_transport)
         except ValueError as e:
             raise AgentrlError(f"weight sync: {e}") from None
+        # Render prompts in-process with the served model's own tokenizer (no /tokenize round
+        # trips: they cost more CPU than the tiny model's decode step).
+        tokenizer = None
+        if (self.start_model / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.start_model)
         clients = [
-            PolicyClient(u, model_name, timeout=cfg.inference.request_timeout_s, max_retries=cfg.inference.max_retries)
+            PolicyClient(
+                u, model_name, timeout=cfg.inference.request_timeout_s, max_retries=cfg.inference.max_retries,
+                tokenizer=tokenizer,
+            )
             for u in urls
         ]
         if start_step > 0:  # the engine starts from the warm-start weights: bring it to the checkpoint
