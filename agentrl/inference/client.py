@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 import openai
 
 from agentrl.inference.render import render_chat_ids
@@ -65,12 +66,52 @@ def _is_context_error(e: openai.APIStatusError) -> bool:
     return code == "context_length_exceeded" or "maximum context length" in text or "context length" in text
 
 
+def _error_message(text: str) -> str:
+    """The ``error.message`` of an OpenAI-style error body, else the raw text."""
+    try:
+        body = json.loads(text)
+        err = body.get("error", body) if isinstance(body, dict) else body
+        return str(err.get("message", text) if isinstance(err, dict) else err)[:300]
+    except ValueError:
+        return text[:300]
+
+
+class _HTTPStatus(Exception):
+    def __init__(self, status: int, text: str):
+        super().__init__(f"HTTP {status}: {text[:300]}")
+        self.status, self.text = status, text
+
+
 class _Endpoint:
     def __init__(self, base_url: str, api_key: str, timeout: float):
         self.root = _root(base_url)
         self.openai = openai.AsyncOpenAI(base_url=self.root + "/v1", api_key=api_key, timeout=timeout, max_retries=0)
-        self.http = httpx.AsyncClient(base_url=self.root, timeout=timeout, headers={"Authorization": f"Bearer {api_key}"})
+        self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.in_flight = 0
+
+    async def post(self, path: str, body: dict[str, Any]) -> Any:
+        """POST JSON, return parsed JSON; non-2xx raises :class:`_HTTPStatus`."""
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            # (a session is bound to one event loop; a client reused under a new loop gets a new one)
+            # no connection cap: every in-flight request needs its own HTTP/1.1 connection
+            self._loop = loop
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout, headers=self.headers
+            )
+        async with self._session.post(self.root + path, data=json.dumps(body, separators=(",", ":"))) as r:
+            text = await r.text()
+            if r.status >= 400:
+                raise _HTTPStatus(r.status, text)
+            return json.loads(text)
+
+    async def close(self) -> None:
+        await self.openai.close()
+        if self._session is not None and self._loop is asyncio.get_running_loop():
+            await self._session.close()
 
 
 class PolicyClient:
@@ -136,14 +177,13 @@ class PolicyClient:
                         raise ContextLengthExceeded(f"{what}: {e.message}") from e
                     raise EndpointError(f"{what} rejected by {ep.root}: {e.message}") from e
                 last = e
-            except httpx.HTTPStatusError as e:
-                if e.response.status_code < 500 and e.response.status_code != 429:
-                    text = e.response.text
-                    if "context_length_exceeded" in text or "maximum context length" in text:
-                        raise ContextLengthExceeded(f"{what}: {text[:300]}") from e
-                    raise EndpointError(f"{what} rejected by {ep.root}: {text[:300]}") from e
+            except _HTTPStatus as e:
+                if e.status < 500 and e.status not in (408, 409, 429):
+                    if "context_length_exceeded" in e.text or "maximum context length" in e.text:
+                        raise ContextLengthExceeded(f"{what}: {_error_message(e.text)}") from e
+                    raise EndpointError(f"{what} rejected by {ep.root}: {_error_message(e.text)}") from e
                 last = e
-            except (openai.APIConnectionError, openai.APITimeoutError, httpx.TransportError) as e:
+            except (openai.APIConnectionError, openai.APITimeoutError, aiohttp.ClientError, TimeoutError) as e:
                 last = e
             finally:
                 ep.in_flight -= 1
@@ -172,29 +212,31 @@ class PolicyClient:
     # ------------------------------------------------------------------ sampling
 
     async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
-        """Sample continuations of an exact token-id prompt (``/v1/completions``)."""
+        """Sample continuations of an exact token-id prompt (``/v1/completions``).
+
+        The hot path of every rollout, so it speaks the OpenAI wire format directly over
+        aiohttp instead of through the SDK's request/response models (~10× less CPU).
+        """
         kwargs, extra = self._sampling_kwargs(sampling, n)
-
-        async def go(ep: _Endpoint):
-            return await ep.openai.completions.create(
-                model=self.model, prompt=prompt_ids, logprobs=0, extra_body=extra, **kwargs
-            )
-
-        resp = await self._call(go, "completion")
+        body = {"model": self.model, "prompt": prompt_ids, "logprobs": 0, **kwargs, **extra}
+        resp = await self._call(lambda ep: ep.post("/v1/completions", body), "completion")
         out = []
-        for ch in sorted(resp.choices, key=lambda c: c.index):
-            ids = list(getattr(ch, "token_ids", None) or [])
-            lps = list(ch.logprobs.token_logprobs) if ch.logprobs and ch.logprobs.token_logprobs else []
+        for ch in sorted(resp["choices"], key=lambda c: c.get("index", 0)):
+            ids = ch.get("token_ids") or []
+            lps = (ch.get("logprobs") or {}).get("token_logprobs") or []
             if len(lps) != len(ids):
                 raise EndpointError(f"endpoint returned {len(ids)} token ids but {len(lps)} logprobs")
+            versions = ch.get("token_versions")
+            if not (isinstance(versions, list) and len(versions) == len(ids)):
+                versions = [self.default_version] * len(ids)
             out.append(
                 Completion(
-                    text=ch.text,
+                    text=ch.get("text") or "",
                     token_ids=ids,
-                    logprobs=[float(x) for x in lps],
-                    versions=self._versions(ch, len(ids)),
-                    finish_reason=ch.finish_reason,
-                    prompt_token_ids=list(getattr(ch, "prompt_token_ids", None) or prompt_ids),
+                    logprobs=lps,
+                    versions=versions,
+                    finish_reason=ch.get("finish_reason"),
+                    prompt_token_ids=ch.get("prompt_token_ids") or resp.get("prompt_token_ids") or prompt_ids,
                 )
             )
         return out
@@ -271,25 +313,15 @@ class PolicyClient:
             body["prompt"] = prompt
             body["add_special_tokens"] = False
 
-        async def go(ep: _Endpoint):
-            r = await ep.http.post("/tokenize", json=body)
-            r.raise_for_status()
-            return r.json()
-
-        return list((await self._call(go, "tokenize"))["tokens"])
+        return list((await self._call(lambda ep: ep.post("/tokenize", body), "tokenize"))["tokens"])
 
     async def detokenize(self, ids: list[int]) -> str:
-        async def go(ep: _Endpoint):
-            r = await ep.http.post("/detokenize", json={"model": self.model, "tokens": list(ids)})
-            r.raise_for_status()
-            return r.json()
-
-        return (await self._call(go, "detokenize"))["prompt"]
+        body = {"model": self.model, "tokens": list(ids)}
+        return (await self._call(lambda ep: ep.post("/detokenize", body), "detokenize"))["prompt"]
 
     async def close(self) -> None:
         for ep in self._endpoints:
-            await ep.openai.close()
-            await ep.http.aclose()
+            await ep.close()
 
     async def __aenter__(self) -> PolicyClient:
         return self
