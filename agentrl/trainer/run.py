@@ -131,6 +131,18 @@ class _Run:
         # -- engines, clients, weight sync
         if cfg.inference.base_url:
             urls, model_name = list(cfg.inference.base_url), cfg.inference.model_name or self.start_model.name
+        elif cfg.cluster.backend == "ray":  # embedded engines as Ray actors, one address each
+            from agentrl.distributed.ray_backend import start_inference_actors
+
+            self.progress.note(f"starting {cfg.cluster.num_inference} inference actor(s) on Ray ...")
+            self.engine = await asyncio.to_thread(
+                start_inference_actors, self.start_model, num_engines=cfg.cluster.num_inference,
+                ray_address=cfg.cluster.ray_address, local_only=cfg.cluster.ray_address is None,
+                max_batch_size=cfg.inference.max_batch_size, max_model_len=cfg.inference.max_model_len,
+                device=cfg.inference.device, served_model_name=cfg.inference.model_name,
+                env={"OMP_NUM_THREADS": str(self.threads)},
+            )
+            urls, model_name = self.engine.base_urls, cfg.inference.model_name or self.start_model.name
         else:
             from agentrl.inference.launcher import start_embedded_engine
 
