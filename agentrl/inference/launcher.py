@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from agentrl.errors import AgentrlError
@@ -108,21 +109,43 @@ def start_embedded_engine(
         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     )
     log.close()
-    deadline = time.monotonic() + startup_timeout
-    bound = None
+
+    def bound_port() -> int | None:
+        return json.loads(port_file.read_text())["port"] if port_file.exists() else None
+
+    port = wait_for_health(proc, host, bound_port, log_path, timeout=startup_timeout, what="embedded engine")
+    return EngineHandle(proc, host, port, name, log_path)
+
+
+def wait_for_health(
+    proc: subprocess.Popen,
+    host: str,
+    port: Callable[[], int | None],
+    log_path: Path,
+    *,
+    timeout: float,
+    what: str,
+    poll_s: float = 0.1,
+) -> int:
+    """Poll ``/health`` until a server child answers 200; return its port.
+
+    ``port()`` returns the port once known (None while the child is still binding).
+    Raises :class:`EngineStartError` with the log's tail if the child dies, and kills it
+    if it does not answer within ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-            raise EngineStartError(f"embedded engine exited with code {proc.returncode} during startup:\n{tail}")
-        if bound is None and port_file.exists():
-            bound = json.loads(port_file.read_text())["port"]
+            raise EngineStartError(f"{what} exited with code {proc.returncode} during startup:\n{tail}")
+        bound = port()
         if bound is not None:
             try:
                 with urllib.request.urlopen(f"http://{host}:{bound}/health", timeout=2) as r:
                     if r.status == 200:
-                        return EngineHandle(proc, host, bound, name, log_path)
+                        return bound
             except OSError:
                 pass
-        time.sleep(0.1)
+        time.sleep(poll_s)
     proc.kill()
-    raise EngineStartError(f"embedded engine did not answer /health within {startup_timeout:.0f}s (log: {log_path})")
+    raise EngineStartError(f"{what} did not answer /health within {timeout:.0f}s (log: {log_path})")

@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,7 @@ from typing import Any
 import httpx
 import torch
 
-from agentrl.inference.launcher import EngineHandle, EngineStartError
+from agentrl.inference.launcher import EngineHandle, EngineStartError, wait_for_health
 from agentrl.weights import NamedTensors, WeightSyncError, _items, _root
 
 # Sender(named_tensors list, group) — the trainer-side NCCL broadcast; Init(info) -> group.
@@ -108,20 +107,8 @@ def start_vllm_server(
             stdin=subprocess.DEVNULL,
             env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"},
         )
-    deadline = time.monotonic() + startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-            raise EngineStartError(f"vllm serve exited with code {proc.returncode}:\n{tail}")
-        try:
-            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return EngineHandle(proc, host, port, name, log_path)
-        except OSError:
-            pass
-        time.sleep(1.0)
-    proc.kill()
-    raise EngineStartError(f"vllm serve did not answer /health within {startup_timeout:.0f}s (log: {log_path})")
+    port = wait_for_health(proc, host, lambda: port, log_path, timeout=startup_timeout, what="vllm serve", poll_s=1.0)
+    return EngineHandle(proc, host, port, name, log_path)
 
 
 def _nccl_init_trainer(info: dict[str, Any]) -> Any:
