@@ -1,8 +1,23 @@
 """Rubrics: reward functions asked for by argument name, weighted, plugin-discoverable."""
 
-from agentrl.rubrics.rubric import Rubric, RubricGroup, as_reward, episode_args, last_assistant_text
+from agentrl.rubrics.rubric import (
+    Rubric,
+    RubricGroup,
+    as_reward,
+    completion_text,
+    episode_args,
+    last_assistant_text,
+)
 
-__all__ = ["Rubric", "RubricGroup", "as_reward", "episode_args", "last_assistant_text", "JudgeRubric"]
+__all__ = [
+    "JudgeRubric",
+    "Rubric",
+    "RubricGroup",
+    "as_reward",
+    "completion_text",
+    "episode_args",
+    "last_assistant_text",
+]
 
 
 def __getattr__(name: str):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,25 @@ _PLURALS = {
     "trajectories": "trajectory",
     "messages_list": "messages",
 }
+
+
+def completion_text(completion: Any) -> str:
+    """The text of the model's final reply, from whatever a reward function received as
+    ``completion``: a string, a list of messages (:class:`Message` or OpenAI dicts), or ``None``."""
+    if completion is None:
+        return ""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return str(completion.get("content") or "")
+    if isinstance(completion, Iterable):
+        for m in reversed(list(completion)):
+            role = m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
+            if role == "assistant":
+                content = m.get("content") if isinstance(m, dict) else getattr(m, "content", "")
+                return str(content or "")
+        return ""
+    return str(getattr(completion, "content", completion) or "")
 
 
 def last_assistant_text(traj: Trajectory) -> str:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Literal
+
+from agentrl.rubrics import completion_text
 
 if TYPE_CHECKING:
     from agentrl.rubrics import Rubric
@@ -40,29 +42,6 @@ Mode = Literal["auto", "exact", "numeric"]
 
 
 # ----------------------------------------------------------------------------- reading the reply
-
-
-def completion_text(completion: Any) -> str:
-    """The text of the model's final reply.
-
-    ``completion`` is whatever a rubric receives: a string, a list of messages
-    (:class:`agentrl.types.Message` or OpenAI dicts), or ``None``.
-    """
-    if completion is None:
-        return ""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        return str(completion.get("content") or "")
-    if isinstance(completion, Iterable):
-        msgs = list(completion)
-        for m in reversed(msgs):
-            role = m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
-            if role == "assistant":
-                content = m.get("content") if isinstance(m, dict) else getattr(m, "content", "")
-                return str(content or "")
-        return ""
-    return str(getattr(completion, "content", completion) or "")
 
 
 _TAG_CACHE: dict[str, re.Pattern[str]] = {}

@@ -23,10 +23,11 @@ import asyncio
 import multiprocessing
 import re
 import threading
-from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
+
+from agentrl.rubrics import completion_text
 
 if TYPE_CHECKING:
     from agentrl.rubrics import Rubric
@@ -34,24 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["completion_text", "answer_text", "is_equivalent", "math_equivalent", "has_answer", "load_rubric"]
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-
-
-def completion_text(completion: Any) -> str:
-    """The text of the model's final reply (string, list of messages/dicts, or ``None``)."""
-    if completion is None:
-        return ""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        return str(completion.get("content") or "")
-    if isinstance(completion, Iterable):
-        for m in reversed(list(completion)):
-            role = m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
-            if role == "assistant":
-                content = m.get("content") if isinstance(m, dict) else getattr(m, "content", "")
-                return str(content or "")
-        return ""
-    return str(getattr(completion, "content", completion) or "")
 
 
 def answer_text(text: str) -> str:
