@@ -97,6 +97,7 @@ class Batch:
     version: int
     wait_s: float
     staleness: list[int] = field(default_factory=list)  # per trained token: version - token version
+    max_staleness: int = 0  # the η this batch was admitted and drop-checked under
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -198,7 +199,10 @@ class StalenessBuffer:
         staleness = [
             self.version - v for g in groups for t in g.trajectories for s in t.sequences for v in s.sampled_versions()
         ]
-        return Batch(groups=groups, version=self.version, wait_s=time.perf_counter() - t0, staleness=staleness)
+        return Batch(
+            groups=groups, version=self.version, wait_s=time.perf_counter() - t0, staleness=staleness,
+            max_staleness=self.max_staleness,
+        )
 
     def commit_step(self, new_version: int) -> list[str]:
         """The batch in training was applied and pushed; returns its episode ids."""

@@ -233,7 +233,8 @@ class _Run:
                 **buffer.ledger.as_metrics(),
                 "staleness_mean": statistics.fmean(st) if st else 0.0,
                 "staleness_max": max(st, default=0),
-                "max_staleness": buffer.max_staleness,
+                "max_staleness": rep.batch.max_staleness,  # the bound this step's batch obeyed
+                "max_staleness_next": buffer.max_staleness,  # adaptive mode may have moved it since
                 **{k: rep.stats.get(k, 0.0) for k in
                    ("mismatch_kl", "masked_frac", "ess", "clip_frac", "grad_norm", "entropy", "loss", "lr")},
                 "tokens_per_s": (tokens - last["tokens"]) / max(now - last["t"], 1e-9),

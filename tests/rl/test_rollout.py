@@ -70,6 +70,34 @@ async def test_no_trained_token_is_more_than_eta_stale_and_the_ledger_adds_up(et
     assert all(e.calls > 0 for e in engines)  # both endpoints were used
 
 
+async def test_adaptive_staleness_moves_eta_and_every_batch_obeys_its_own_bound():
+    """Adaptive mode: η changes between steps; each batch's staleness stays within the η it was taken under."""
+    from agentrl.buffer import AdaptiveStaleness
+
+    engines = [FakeEngine(latency_s=0.004, heavy_tail=True)]
+    # idle_max 0: the trainer always counts as idle, so η climbs one step at a time to the cap
+    buf = StalenessBuffer(
+        batch_groups=2, max_staleness=0, filter_zero_variance=False,
+        adaptive=AdaptiveStaleness(0, 3, idle_max=0.0, kl_max=1.0),
+    )  # fmt: skip
+    mgr = _manager(FakeEnv(), engines, buf, max_in_flight=16)
+    seen: list[tuple[int, int]] = []
+
+    async def train(batch):
+        seen.append((batch.max_staleness, max(batch.staleness, default=0)))
+        await asyncio.sleep(0.005)
+        return {}
+
+    async def push(version):
+        engines[0].version = version
+        return 0.0
+
+    await rl_loop(buf, mgr, start_step=0, steps=10, train=train, push=push, on_step=lambda rep: asyncio.sleep(0))
+    bounds = [b for b, _ in seen]
+    assert bounds[0] == 0 and max(bounds) == 3 and bounds == sorted(bounds)
+    assert all(worst <= bound for bound, worst in seen)
+
+
 async def test_eta_zero_is_synchronous():
     buf, _, _, staleness = await _run(0)
     assert set(staleness) == {0}
