@@ -165,14 +165,20 @@ class SandboxPool:
             except (SandboxError, OSError):
                 keep = False
         if keep:
-            async with self._cond:
-                if not self._closed:
-                    self._idle.append(sb)
-                    self._cond.notify()
-                    return
-        await self._destroy(sb)
+            await self._park(sb)
+        else:
+            await self._destroy(sb)
 
     # --- internals
+    async def _park(self, sb: AgentSandbox) -> None:
+        """Keep a ready sandbox for the next get(), or destroy it if the pool has closed."""
+        async with self._cond:
+            if not self._closed:
+                self._idle.append(sb)
+                self._cond.notify()
+                return
+        await self._destroy(sb)
+
     async def _destroy(self, sb: AgentSandbox) -> None:
         await sb.close()  # outside the lock: a docker removal takes a round trip
         async with self._cond:
@@ -251,12 +257,7 @@ class SandboxPool:
             if isinstance(e, Exception):
                 return  # a failed pre-warm is not an error: get() will try (and report) itself
             raise
-        async with self._cond:
-            if not self._closed:
-                self._idle.append(sb)
-                self._cond.notify()
-                return
-        await self._destroy(sb)
+        await self._park(sb)
 
     def snapshot(self) -> PoolStats:
         self.stats.live = len(self._all)
