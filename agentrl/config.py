@@ -41,7 +41,9 @@ class InferenceConfig(Section):
         default_factory=list,
         description="OpenAI-compatible endpoints (e.g. vLLM). Empty: start the embedded engine.",
     )
-    engine: Literal["embedded", "vllm"] = Field("embedded", description="Engine kind behind base_url.")
+    engine: Literal["embedded", "vllm"] = Field(
+        "embedded", description="Engine behind base_url: vllm pushes weights over its NCCL weight-transfer routes."
+    )
     model_name: str | None = Field(None, description="Served model name (default: the model dir's name).")
     port: int = Field(0, ge=0, description="Embedded engine port (0 = pick a free one).")
     max_batch_size: int = Field(64, ge=1, description="Embedded engine: sequences decoded together.")

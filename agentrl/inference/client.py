@@ -219,6 +219,7 @@ class PolicyClient:
         """
         kwargs, extra = self._sampling_kwargs(sampling, n)
         body = {"model": self.model, "prompt": prompt_ids, "logprobs": 0, **kwargs, **extra}
+        start_version = self.default_version  # for servers without per-token versions (vLLM)
         resp = await self._call(lambda ep: ep.post("/v1/completions", body), "completion")
         out = []
         for ch in sorted(resp["choices"], key=lambda c: c.get("index", 0)):
@@ -228,7 +229,7 @@ class PolicyClient:
                 raise EndpointError(f"endpoint returned {len(ids)} token ids but {len(lps)} logprobs")
             versions = ch.get("token_versions")
             if not (isinstance(versions, list) and len(versions) == len(ids)):
-                versions = [self.default_version] * len(ids)
+                versions = [start_version] * len(ids)
             out.append(
                 Completion(
                     text=ch.get("text") or "",

@@ -154,8 +154,14 @@ class _Run:
                 env={"OMP_NUM_THREADS": str(self.threads)},
             )
             urls, model_name = [self.engine.base_url], self.engine.model
+        on_vllm = bool(cfg.inference.base_url) and cfg.inference.engine == "vllm"
         try:
-            wsync = make_weight_sync(urls, cfg.inference.weight_transport)
+            if on_vllm:  # vLLM's native NCCL weight-transfer routes (VLLM_SERVER_DEV_MODE=1)
+                from agentrl.inference.vllm import VLLMWeightSync
+
+                wsync = VLLMWeightSync(urls)
+            else:
+                wsync = make_weight_sync(urls, cfg.inference.weight_transport)
         except ValueError as e:
             raise AgentrlError(f"weight sync: {e}") from None
         # Render prompts in-process with the served model's own tokenizer (no /tokenize round
@@ -172,6 +178,14 @@ class _Run:
             )
             for u in urls
         ]
+
+        def set_client_version(version: int) -> None:
+            # vLLM reports no per-token versions: clients tag tokens with the version current
+            # when each request started (never newer than the truth: the bound stays a bound)
+            for c in clients:
+                c.default_version = version
+
+        set_client_version(start_step)
         if start_step > 0:  # the engine starts from the warm-start weights: bring it to the checkpoint
             await wsync.push(trainer.named_tensors(), start_step)
 
@@ -216,7 +230,9 @@ class _Run:
             if self.eval_task is not None:  # eval runs on one fixed version: finish it first
                 self.pending_eval = await self.eval_task
                 self.eval_task = None
-            return await wsync.push(tensors, version)
+            seconds = await wsync.push(tensors, version)
+            set_client_version(version)
+            return seconds
 
         async def on_step(rep) -> None:
             now = time.perf_counter()

@@ -178,3 +178,38 @@ def test_serve_command_enables_token_exact_io_tools_and_weight_transfer():
     assert "--logprobs-mode processed_logprobs" in joined
     assert "--tool-call-parser hermes" in joined
     assert "--max-model-len 2048" in joined and "--port 8001" in joined
+
+
+def test_tokens_from_a_server_without_versions_get_the_version_current_at_request_start():
+    """vLLM returns no per-token versions: a request spanning a push keeps the older version."""
+    from agentrl.inference import PolicyClient
+    from agentrl.types import SamplingParams
+
+    app = FastAPI()
+    started = threading.Event()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        started.set()
+        await asyncio.sleep(0.3)
+        return {"choices": [{
+            "index": 0, "text": "ab", "finish_reason": "stop", "token_ids": [7, 8],
+            "prompt_token_ids": body["prompt"], "logprobs": {"token_logprobs": [-0.1, -0.2]},
+        }]}  # fmt: skip
+
+    with Served(app) as url:
+
+        async def go():
+            client = PolicyClient(url, "m", default_version=3)
+            task = asyncio.create_task(client.complete([1, 2], SamplingParams(max_tokens=2)))
+            await asyncio.to_thread(started.wait, 5)
+            client.default_version = 4  # a weight push lands while the request is in flight
+            (out,) = await task
+            later = await client.complete([1, 2], SamplingParams(max_tokens=2))
+            await client.close()
+            return out, later[0]
+
+        out, later = asyncio.run(go())
+    assert out.versions == [3, 3] and out.token_ids == [7, 8] and out.logprobs == [-0.1, -0.2]
+    assert later.versions == [4, 4]
