@@ -202,6 +202,7 @@ class Engine:
         self._token_times: deque[tuple[float, int]] = deque()
         self.total_generated = 0
         self.steps = 0
+        self.requests_aborted = 0  # cancelled by their client (disconnect) before finishing
         self._thread = threading.Thread(target=self._loop, name="agentrl-engine", daemon=True)
         self._thread.start()
 
@@ -296,11 +297,12 @@ class Engine:
             window = (now - recent[0][0]) if len(recent) > 1 else 0.0
             toks = sum(n for _, n in recent[1:]) if len(recent) > 1 else 0
             return {
-                "queue_depth": len(self._waiting),
+                "queue_depth": sum(1 for r in self._waiting if not r.future.cancelled()),
                 "running": len(self._active),
                 "tokens_per_s": toks / window if window > 0 else 0.0,
                 "total_generated_tokens": self.total_generated,
                 "steps": self.steps,
+                "requests_aborted": self.requests_aborted,
                 "version": self.version,
                 "paused": self._paused,
                 "max_batch_size": self.max_batch_size,
@@ -349,9 +351,11 @@ class Engine:
     @torch.no_grad()
     def _step(self) -> None:
         if any(s.request.future.cancelled() for s in self._active):  # client went away
+            gone = {id(s.request) for s in self._active if s.request.future.cancelled()}
             for s in self._active:
                 if s.request.future.cancelled():
                     s.finish_reason = "abort"
+            self.requests_aborted += len(gone)
             self._retire()
         admitted = self._take_admissible()
         if admitted:
@@ -369,6 +373,7 @@ class Engine:
                 req = self._waiting[0]
                 if req.future.cancelled():
                     self._waiting.popleft()
+                    self.requests_aborted += 1
                     continue
                 if req.n > free or (out and len(req.prompt_ids) > budget):
                     break

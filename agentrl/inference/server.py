@@ -157,6 +157,32 @@ def _from_engine(e: EngineRequestError) -> APIError:
 # ----------------------------------------------------------------------------- app
 
 
+async def _unless_disconnected(work: Any, http: Request) -> Any:
+    """Await a generation route's work, aborting it in the engine if the client goes away.
+
+    Uvicorn does not cancel a plain handler on disconnect, so without this a client that
+    timed out (or an episode the rollout manager cancelled) would keep its engine slots
+    busy until ``max_tokens``.  The body has been read, so the next ASGI message is
+    ``http.disconnect``: waiting on it costs nothing while the request is alive.
+    """
+    job = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not job.done():
+            job.cancel()  # -> generate() cancels the engine future -> slots freed next step
+        gone.cancel()
+    if not job.done() or job.cancelled():
+        return JSONResponse(status_code=499, content={"error": {"message": "client closed the request"}})
+    return job.result()
+
+
 class EngineServer:
     """Request handling shared by the routes (tokenization, sampling, response shapes)."""
 
@@ -373,12 +399,12 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         return _error(400, str(e).splitlines()[0])
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
-        return await srv.chat(req)
+    async def chat(req: ChatRequest, http: Request):
+        return await _unless_disconnected(srv.chat(req), http)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await srv.completions(req)
+    async def completions(req: CompletionRequest, http: Request):
+        return await _unless_disconnected(srv.completions(req), http)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -239,3 +239,34 @@ def test_bad_raw_requests_are_4xx(engine, path, body):
     assert r.json()["error"]["message"]
     assert httpx.get(engine.root_url + "/health").status_code == 200
     assert httpx.get(engine.root_url + "/get_weight_version").json()["weight_version"] == 0
+
+
+async def test_client_disconnect_aborts_the_request_in_the_engine(engine):
+    """A client that goes away (timeout, cancelled episode) must not keep engine slots busy."""
+    async with httpx.AsyncClient(base_url=engine.root_url, timeout=30) as http:
+
+        async def stats() -> dict:
+            return (await http.get("/metrics")).json()
+
+        before = await stats()
+        await http.post("/pause")  # hold the request in the queue so it cannot finish first
+        try:
+            body = {"model": engine.model, "prompt": [1, 2], "max_tokens": 200, "ignore_eos": True}
+            doomed = asyncio.create_task(httpx.AsyncClient(base_url=engine.base_url, timeout=30).post("/completions", json=body))
+            while (await stats())["queue_depth"] == 0:
+                await asyncio.sleep(0.01)
+            doomed.cancel()  # closes the connection mid-request
+            await asyncio.gather(doomed, return_exceptions=True)
+            for _ in range(500):  # the server notices the disconnect and cancels the queued request
+                if (await stats())["queue_depth"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await http.post("/resume")
+        while (s := await stats())["queue_depth"] or s["running"]:
+            await asyncio.sleep(0.01)
+        assert s["requests_aborted"] == before["requests_aborted"] + 1
+        assert s["total_generated_tokens"] == before["total_generated_tokens"], "an aborted request generated tokens"
+        # and the server still serves
+        r = await http.post("/v1/completions", json={**body, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
