@@ -15,7 +15,9 @@ the trainer at ``v`` learns from them.  ``η = max_staleness`` bounds that lag t
   utilisation.
 * **hard drop**: at take time any group whose *oldest sampled token* is more than η
   versions behind is dropped (a straggler that outlived the bound), so no trained token
-  is ever more than η stale.
+  is ever more than η stale.  The rollout manager cancels a running group as soon as it
+  holds such a token (:meth:`StalenessBuffer.oldest_trainable_version`), which frees its
+  admission slot and its engine slots early instead of finishing doomed work.
 
 The :class:`Ledger` gives every started episode exactly one fate — trained,
 dropped-stale, filtered (zero-variance group or too few valid episodes), errored, or
@@ -34,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agentrl.types import Group, Trajectory
+from agentrl.types import Group, Trajectory, new_id
 
 
 class BufferStalled(RuntimeError):
@@ -149,6 +151,24 @@ class StalenessBuffer:
         self._running_groups += 1
         self._running_episodes += n_episodes
         self.ledger.started += n_episodes
+
+    def oldest_trainable_version(self) -> int:
+        """Tokens sampled by weights older than this can never be trained.
+
+        A group still running is trained at the next take at the earliest, which happens
+        at ``version + 1`` when a batch is in training.  In adaptive mode η may still rise
+        by then, so the bound uses its ceiling.
+        """
+        eta = self.adaptive.high if self.adaptive is not None else self.max_staleness
+        return self.version + (1 if self._in_training else 0) - eta
+
+    def drop_running_group(self, n_episodes: int) -> None:
+        """A running group was cancelled because it could no longer be trained: stale."""
+        self._running_groups -= 1
+        self._running_episodes -= n_episodes
+        self.ledger.stale += n_episodes
+        self._fates["stale"].extend(new_id("ep_") for _ in range(n_episodes))  # never finished: no rollout row
+        self._changed.set()
 
     def abandon_group(self, n_episodes: int) -> None:
         """A reserved group never produced a result (cancelled at shutdown): stays in flight."""

@@ -62,13 +62,17 @@ class ManagedClient:
     """What an episode talks to: the endpoint's client plus throttle and retries.
 
     Everything but ``complete`` is forwarded to the underlying client unchanged.
+    ``group`` (optional) learns the oldest weight version among the sampled tokens.
     """
 
-    def __init__(self, endpoint: Endpoint, max_retries: int = 3, backoff_s: float = 0.2) -> None:
+    def __init__(
+        self, endpoint: Endpoint, max_retries: int = 3, backoff_s: float = 0.2, group: _RunningGroup | None = None
+    ) -> None:
         self._endpoint = endpoint
         self._max_retries = max_retries
         self._backoff_s = backoff_s
         self._transient = _transient_errors()
+        self._group = group
 
     async def complete(self, *args: Any, **kwargs: Any) -> Any:
         ep = self._endpoint
@@ -78,7 +82,10 @@ class ManagedClient:
             ep.calls += 1
             try:
                 out = ep.client.complete(*args, **kwargs)
-                return await out if inspect.isawaitable(out) else out
+                out = await out if inspect.isawaitable(out) else out
+                if self._group is not None:
+                    self._group.saw(out)
+                return out
             except self._transient as e:
                 if attempt == self._max_retries or _is_permanent(e):
                     raise
@@ -126,6 +133,25 @@ class TaskSampler:
 TrajectorySink = Callable[[Trajectory], None]
 
 
+class _RunningGroup:
+    """A group's task and the oldest weight version any of its episodes sampled with."""
+
+    __slots__ = ("task", "oldest_version", "doomed")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None
+        self.oldest_version: int | None = None
+        self.doomed = False
+
+    def saw(self, completions: Any) -> None:
+        for c in completions or ():
+            vs = getattr(c, "versions", None)
+            if vs:
+                v = min(vs)
+                if self.oldest_version is None or v < self.oldest_version:
+                    self.oldest_version = v
+
+
 class RolloutManager:
     """Runs groups of episodes under admission control until stopped."""
 
@@ -162,6 +188,8 @@ class RolloutManager:
         self.episodes_finished = 0
         self.sampled_tokens = 0
         self._groups: set[asyncio.Task] = set()
+        self._running: list[_RunningGroup] = []
+        self.groups_cancelled_stale = 0
         self._stopping = False
 
     # ------------------------------------------------------------------ main loop
@@ -170,6 +198,7 @@ class RolloutManager:
         """Admit groups whenever the buffer and the in-flight cap allow; runs until stop()."""
         try:
             while not self._stopping:
+                self._cancel_doomed()
                 while self._can_admit():
                     self._start_group(self.sampler.next())
                 await self.buffer.wait_change()
@@ -186,21 +215,38 @@ class RolloutManager:
         # a group larger than the cap may run alone
         return self.active_episodes + self.group_size <= self.max_in_flight or self.active_episodes == 0
 
+    def _cancel_doomed(self) -> None:
+        """Stop groups that already hold a token too stale to ever be trained.
+
+        The buffer would drop them on arrival anyway; cancelling now frees their admission
+        slot (so a fresh group starts a step earlier) and their engine slots (the client
+        disconnects, the engine aborts the request).
+        """
+        oldest_ok = self.buffer.oldest_trainable_version()
+        for run in self._running:
+            if not run.doomed and run.oldest_version is not None and run.oldest_version < oldest_ok:
+                run.doomed = True
+                self.groups_cancelled_stale += 1
+                if run.task is not None:
+                    run.task.cancel()
+
     def _start_group(self, task: Task) -> None:
         self.buffer.start_group(self.group_size)
         self.active_episodes += self.group_size
-        t = asyncio.create_task(self._run_group(task))
+        run = _RunningGroup()
+        run.task = t = asyncio.create_task(self._run_group(task, run))
+        self._running.append(run)
         self._groups.add(t)
         t.add_done_callback(self._groups.discard)
 
-    async def _run_group(self, task: Task) -> None:
+    async def _run_group(self, task: Task, run: _RunningGroup) -> None:
         group = Group(task=task)
         endpoint = min(self.endpoints, key=lambda e: e.active_episodes)
         endpoint.active_episodes += self.group_size
         done = False
         try:
             trajs = await asyncio.gather(
-                *(self._episode(endpoint, task, self.sampling) for _ in range(self.group_size))
+                *(self._episode(endpoint, task, self.sampling, run) for _ in range(self.group_size))
             )
             group.trajectories = list(trajs)
             for t in group.trajectories:
@@ -215,15 +261,22 @@ class RolloutManager:
             done = True
         finally:
             endpoint.active_episodes -= self.group_size
-            if not done:  # cancelled at shutdown: its episodes stay in flight in the ledger
+            self._running.remove(run)
+            if done:
+                pass
+            elif run.doomed:  # cancelled by _cancel_doomed: dropped as stale in the ledger
+                self.buffer.drop_running_group(self.group_size)
+            else:  # cancelled at shutdown: its episodes stay in flight in the ledger
                 self.buffer.abandon_group(self.group_size)
 
-    async def _episode(self, endpoint: Endpoint, task: Task, sampling: SamplingParams) -> Trajectory:
+    async def _episode(
+        self, endpoint: Endpoint, task: Task, sampling: SamplingParams, run: _RunningGroup | None = None
+    ) -> Trajectory:
         """One episode; frees its in-flight slot as soon as it ends (before group scoring)."""
         try:
             return await run_episode(
                 self.env,
-                ManagedClient(endpoint, self.max_retries),
+                ManagedClient(endpoint, self.max_retries, group=run),
                 task,
                 sampling,
                 timeout_s=self.episode_timeout_s,

@@ -259,6 +259,7 @@ class _Run:
                 "weight_push_s": rep.push_s,
                 "buffer_ready": buffer.ready_groups,
                 "rollouts_in_flight": manager.active_episodes,
+                "groups_cancelled_stale": manager.groups_cancelled_stale,  # stopped mid-run: untrainable
                 "wall_s": now - t_start,
                 "rl_wall_s": now - t_loop,
             }

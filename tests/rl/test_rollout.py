@@ -170,3 +170,47 @@ def test_task_sampler_resumes_its_order():
     c = TaskSampler(env.dataset(), seed=3)
     c.load_state_dict(b.state_dict())
     assert [c.next().answer for _ in range(40)] == first[30:]
+
+
+class _FirstGroupStalls(FakeEnv):
+    """The first task's episodes sample one turn, then hang (a straggler that never ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stalled_task: str | None = None
+        self.cancelled = 0
+
+    async def rollout(self, client, task, sampling, *, max_turns=None):
+        self.stalled_task = self.stalled_task or task.id
+        if task.id != self.stalled_task:
+            return await super().rollout(client, task, sampling, max_turns=max_turns)
+        await client.complete([1, 2, 3], sampling)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+async def test_a_group_that_can_no_longer_be_trained_is_cancelled_and_counted_stale():
+    env = _FirstGroupStalls()
+    engine = FakeEngine(latency_s=0.002)
+    buf = StalenessBuffer(batch_groups=1, max_staleness=1, filter_zero_variance=False)
+    mgr = _manager(env, [engine], buf, group_size=2, max_in_flight=8)
+
+    async def train(batch):
+        assert max(batch.staleness) <= 1
+        await asyncio.sleep(0.005)
+        return {}
+
+    async def push(version):
+        engine.version = version
+        return 0.0
+
+    await rl_loop(buf, mgr, start_step=0, steps=5, train=train, push=push)
+    # its version-0 tokens became untrainable at version 2: cancelled then, not at shutdown
+    assert mgr.groups_cancelled_stale == 1 and env.cancelled == 2
+    lg = buf.ledger
+    assert lg.stale == 2 and lg.trained == 5 * 2
+    assert lg.started == lg.trained + lg.stale + lg.filtered + lg.errored + lg.in_flight
+    assert len(buf.drain_fates()["stale"]) == 2
