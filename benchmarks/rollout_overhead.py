@@ -5,8 +5,10 @@ counted): ``/v1/completions`` answers every token-id prompt after a fixed latenc
 (default 20 ms) — a tool call on turns 1–2, a final answer on turn 3 — with token ids,
 logprobs and versions like the embedded engine; ``/tokenize`` renders the tiny model's
 real chat template.  The orchestrator is the real stack: RolloutManager → ToolEnv
-(token-exact multi-turn loop, tool-call parsing, a Python tool) → PolicyClient (openai
-SDK) → rubric scoring → StalenessBuffer.
+(token-exact multi-turn loop, tool-call parsing, a Python tool) → PolicyClient → rubric
+scoring → StalenessBuffer.  ``--render local`` (the default, as in ``agentrl run``)
+renders chat prompts in the orchestrator with the model's tokenizer; ``--render server``
+asks the endpoint's ``/tokenize`` instead (what a client without a tokenizer does).
 
 Prints episodes/s, CPU-ms of the orchestrator process per model call (and per HTTP
 request, tokenize included), and the latency-bound ideal (every episode needs 3
@@ -124,7 +126,7 @@ def answer_is_50(completion) -> float:
     return float("50" in str(completion))
 
 
-async def drive(base_url: str, episodes: int, concurrency: int, group_size: int) -> dict[str, float]:
+async def drive(base_url: str, episodes: int, concurrency: int, group_size: int, render: str) -> dict[str, float]:
     from agentrl.buffer import StalenessBuffer
     from agentrl.envs import ToolEnv
     from agentrl.inference.client import PolicyClient
@@ -136,7 +138,10 @@ async def drive(base_url: str, episodes: int, concurrency: int, group_size: int)
         tools=[add], dataset=[f"What is 12+30+8? (#{i})" for i in range(episodes // group_size)],
         rubric=Rubric([answer_is_50]), max_turns=3, show_tools=True,
     )
-    client = PolicyClient(base_url, "stand-in", max_retries=0)
+    from agentrl.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer() if render == "local" else None
+    client = PolicyClient(base_url, "stand-in", max_retries=0, tokenizer=tokenizer)
     n_groups = episodes // group_size
     buffer = StalenessBuffer(batch_groups=n_groups, max_staleness=0, filter_zero_variance=False)
     errors: list[str] = []
@@ -179,6 +184,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--latency-ms", type=float, default=20.0)
+    p.add_argument("--render", choices=["local", "server"], default="local",
+                   help="where chat prompts become token ids (local = agentrl run's default)")
     p.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
@@ -200,8 +207,8 @@ def main() -> None:
             except OSError:
                 time.sleep(0.1)
         base = f"http://127.0.0.1:{port}/v1"
-        asyncio.run(drive(base, 64, 64, args.group_size))  # warm-up: imports, connections, caches
-        r = asyncio.run(drive(base, args.episodes, args.concurrency, args.group_size))
+        asyncio.run(drive(base, 64, 64, args.group_size, args.render))  # warm-up: imports, connections, caches
+        r = asyncio.run(drive(base, args.episodes, args.concurrency, args.group_size, args.render))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats") as resp:
             served = json.loads(resp.read())
     finally:
@@ -216,6 +223,7 @@ def main() -> None:
         "episodes": args.episodes,
         "concurrency": args.concurrency,
         "latency_ms": args.latency_ms,
+        "render": args.render,
         "episodes_per_s": args.episodes / r["wall_s"],
         "ideal_episodes_per_s": ideal_eps,
         "ratio_to_ideal": (args.episodes / r["wall_s"]) / ideal_eps,
@@ -228,7 +236,8 @@ def main() -> None:
         "cores": os.cpu_count(),
     }
     print(f"rollout overhead: {args.episodes} episodes x 3 turns, concurrency {args.concurrency}, "
-          f"stand-in latency {args.latency_ms:g} ms (separate process)")
+          f"stand-in latency {args.latency_ms:g} ms (separate process), prompts rendered "
+          f"{'in the orchestrator' if args.render == 'local' else 'by the server (/tokenize)'}")
     print(f"  episodes/s           {out['episodes_per_s']:8.1f}   (latency-bound ideal {ideal_eps:.0f}, "
           f"ratio {out['ratio_to_ideal']:.2f})")
     print(f"  CPU-ms per model call {out['cpu_ms_per_call']:7.2f}   (goal <= 1.5; includes "
