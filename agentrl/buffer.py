@@ -142,6 +142,8 @@ class StalenessBuffer:
 
     def capacity(self) -> int:
         """Groups the rollout manager may start now (never negative)."""
+        if self.oldest_trainable_version() > self.version:
+            return 0  # η = 0 while a batch trains: anything sampled now is stale on arrival
         committed = len(self._in_training) + len(self._ready) + self._running_groups
         cap = (self.max_staleness + 1) * self.batch_groups + int(self.overprovision * self.batch_groups)
         return max(0, cap - committed)

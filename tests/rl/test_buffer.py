@@ -37,15 +37,18 @@ async def test_admission_cap_is_eta_plus_one_batches_of_uncommitted_groups():
     _ledger_adds_up(buf)
 
 
-async def test_eta_zero_admits_nothing_while_a_batch_trains():
-    buf = StalenessBuffer(batch_groups=1, max_staleness=0)
+@pytest.mark.parametrize("overprovision", [0.0, 2.0])
+async def test_eta_zero_admits_nothing_while_a_batch_trains(overprovision):
+    # even with spare (over-provisioned) slots: tokens sampled now would be stale on arrival
+    buf = StalenessBuffer(batch_groups=1, max_staleness=0, overprovision=overprovision)
     buf.start_group(2)
-    assert buf.capacity() == 0
+    assert buf.capacity() == int(overprovision)
     buf.put(_group([0]))
     await buf.take()
     assert buf.capacity() == 0
+    assert buf.oldest_trainable_version() == 1
     buf.commit_step(1)
-    assert buf.capacity() == 1
+    assert buf.capacity() == 1 + int(overprovision)
 
 
 async def test_groups_older_than_eta_are_dropped_at_take_time():
