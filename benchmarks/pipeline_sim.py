@@ -10,6 +10,9 @@ engine and the trainer are timed stand-ins:
 * trainer: a fixed ``train_ms`` per optimizer step (a worker-thread sleep, as the real
   step runs in a thread), plus ``push_ms`` per push.
 
+The manager cancels a running group as soon as it holds a token too stale to ever be
+trained (counted as dropped), which frees its admission slot early.
+
 Prints, per η: trainer busy fraction (train time / wall time once the first batch has
 arrived; the JSON also has it including the initial pipeline fill), trained episodes/s,
 ratio of throughput to η = 0, mean/max staleness and episodes dropped as stale.  The
