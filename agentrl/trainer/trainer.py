@@ -13,7 +13,9 @@ One :meth:`Trainer.step` per weight version:
 5. clip the global grad norm, AdamW step, LR schedule step.
 
 Optional LoRA (peft): only adapters train; :meth:`named_tensors` returns just the merged
-weights of the adapted modules (W + s·B·A), so a push moves only what changed.
+weights of the adapted modules (W + s·B·A), so a push moves only what changed, and
+:meth:`adapter_tensors` returns only the factors (A, s·B) for an engine that merges them
+itself (the embedded engine; see ``agentrl.inference.lora``).
 """
 
 from __future__ import annotations
@@ -192,13 +194,28 @@ class Trainer:
         """Weights to push, named as in the plain HF model (CPU, contiguous)."""
         if not self.lora:
             return {k: v.detach().to("cpu").contiguous() for k, v in self.model.state_dict().items()}
+        return {
+            name + ".weight": (base + b @ a * scale).to("cpu").contiguous()
+            for name, base, a, b, scale in self._adapted_modules()
+        }
+
+    @torch.no_grad()
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """LoRA factors to push, ``{module}.lora_A`` and ``{module}.lora_B`` (scaling folded into B)."""
+        if not self.lora:
+            raise ValueError("adapter_tensors() needs a LoRA trainer (trainer.lora_rank > 0)")
         out = {}
+        for name, _, a, b, scale in self._adapted_modules():
+            out[name + ".lora_A"] = a.detach().to("cpu").contiguous()
+            out[name + ".lora_B"] = (b.detach() * scale).to("cpu").contiguous()
+        return out
+
+    def _adapted_modules(self):
+        """(hf module name, base weight, A, B, scaling) for every LoRA-adapted linear."""
         for name, mod in self.model.named_modules():
             if hasattr(mod, "lora_A") and hasattr(mod, "base_layer") and "default" in mod.lora_A:
-                base = mod.base_layer.weight
-                delta = mod.lora_B["default"].weight @ mod.lora_A["default"].weight * mod.scaling["default"]
-                out[_hf_name(name) + ".weight"] = (base + delta).to("cpu").contiguous()
-        return out
+                yield (_hf_name(name), mod.base_layer.weight, mod.lora_A["default"].weight,
+                       mod.lora_B["default"].weight, mod.scaling["default"])
 
     def merged_model(self):
         """A plain HF model with the current weights (LoRA merged into a copy)."""

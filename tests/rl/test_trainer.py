@@ -84,6 +84,37 @@ def test_lora_trains_adapters_only_and_pushes_merged_adapted_weights(tiny):
     assert torch.allclose(merged[k], after[k], atol=1e-6)
 
 
+def test_adapter_push_merges_to_the_same_weights_and_never_accumulates(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.inference.engine import EngineRequestError
+    from agentrl.inference.lora import AdapterMerger
+
+    tr = Trainer(tiny, _cfg(lora_rank=4, lora_alpha=8))
+    served = AutoModelForCausalLM.from_pretrained(tiny)  # what the engine holds: the base
+    merger = AdapterMerger()
+    for _ in range(2):  # two pushes: each is W0 + B·A, not (W0 + B·A) + B·A
+        tr.step(_groups())
+        adapters = tr.adapter_tensors()
+        merged = tr.named_tensors()
+        assert merger.apply(served, adapters.items()) == len(merged)
+        state = served.state_dict()
+        for k, v in merged.items():
+            assert torch.allclose(state[k], v, atol=1e-6), k
+    sent = sum(t.numel() for t in adapters.values())
+    assert sent < sum(t.numel() for t in merged.values()) / 3  # only the factors travel
+
+    name = next(iter(adapters)).removesuffix(".lora_A").removesuffix(".lora_B")
+    before = served.state_dict()[name + ".weight"].clone()
+    with pytest.raises(EngineRequestError, match="needs both"):
+        merger.apply(served, [(name + ".lora_A", adapters[name + ".lora_A"])])
+    with pytest.raises(EngineRequestError, match="do not fit"):
+        merger.apply(served, [(name + ".lora_A", torch.zeros(4, 3)), (name + ".lora_B", adapters[name + ".lora_B"])])
+    with pytest.raises(EngineRequestError, match="unknown adapted matrix"):
+        merger.apply(served, [("nope.lora_A", torch.zeros(1, 1)), ("nope.lora_B", torch.zeros(1, 1))])
+    assert torch.equal(served.state_dict()[name + ".weight"], before)  # refused pushes change nothing
+
+
 def test_checkpoint_roundtrip_and_incomplete_ones_are_ignored(tiny, tmp_path):
     tr = Trainer(tiny, _cfg())
     tr.step(_groups())

@@ -1,0 +1,72 @@
+"""Adapter-only weight pushes: the engine merges LoRA factors into its own base weights.
+
+A LoRA trainer changes ``W = W0 + B·A`` only through the small factors ``A`` (r × in) and
+``B`` (out × r, with the LoRA scaling folded in).  Pushing those instead of merged weights
+moves ``r·(in + out)`` numbers per adapted matrix instead of ``in·out``: for a 7B model at
+rank 16 that is well under 1% of the bytes.  The engine keeps a copy of each adapted
+matrix's base ``W0`` (taken at the first adapter push) and recomputes ``W0 + B·A`` in
+place on every push, so repeated pushes never accumulate.
+
+Tensor names: ``{module}.lora_A`` and ``{module}.lora_B`` where ``{module}.weight`` is a
+weight of the served (plain HF) model, e.g. ``model.layers.0.self_attn.q_proj.lora_A``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from agentrl.inference.engine import EngineRequestError
+
+SUFFIX_A, SUFFIX_B = ".lora_A", ".lora_B"
+
+
+def split_adapter_name(name: str) -> tuple[str, str]:
+    """``"m.q_proj.lora_A"`` → ``("m.q_proj", "A")``; anything else is a request error."""
+    for suffix, part in ((SUFFIX_A, "A"), (SUFFIX_B, "B")):
+        if name.endswith(suffix):
+            return name[: -len(suffix)], part
+    raise EngineRequestError(f"adapter tensor {name!r} must end in {SUFFIX_A!r} or {SUFFIX_B!r}")
+
+
+class AdapterMerger:
+    """Applies adapter pushes to a model: ``W = W0 + B·A`` for every adapted matrix."""
+
+    def __init__(self) -> None:
+        self._base: dict[str, torch.Tensor] = {}  # weight name -> W0 (the weights before any adapter)
+
+    def reset(self) -> None:
+        """The base weights were replaced (a full push): forget the saved ``W0``."""
+        self._base.clear()
+
+    @torch.no_grad()
+    def apply(self, model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Merge every (A, B) pair; validates everything before changing any weight."""
+        factors: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in tensors:
+            module, part = split_adapter_name(name)
+            factors.setdefault(module, {})[part] = t
+        params = dict(model.named_parameters())
+        plan = []
+        for module, ab in factors.items():
+            if set(ab) != {"A", "B"}:
+                raise EngineRequestError(f"adapter for {module!r} needs both lora_A and lora_B")
+            w = params.get(module + ".weight")
+            if w is None or w.dim() != 2:
+                raise EngineRequestError(f"unknown adapted matrix {module + '.weight'!r}")
+            a, b = ab["A"], ab["B"]
+            out_f, in_f = w.shape
+            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
+                raise EngineRequestError(
+                    f"adapter shapes for {module!r} do not fit {tuple(w.shape)}: "
+                    f"A {tuple(a.shape)}, B {tuple(b.shape)}"
+                )
+            plan.append((module + ".weight", w, a, b))
+        for wname, w, a, b in plan:
+            base = self._base.get(wname)
+            if base is None:
+                base = self._base[wname] = w.detach().clone()
+            merged = torch.addmm(base.float(), b.to(w.device, torch.float32), a.to(w.device, torch.float32))
+            w.data.copy_(merged.to(w.dtype))
+        return len(plan)
