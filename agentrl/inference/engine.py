@@ -25,6 +25,13 @@ of the drawn token (vLLM's ``processed_logprobs``).  ``temperature == 0`` is gre
 reports the raw (T=1, unfiltered) log-softmax.  A terminating eos token is sampled like
 any other and is returned in ``token_ids`` with its logprob.
 
+Streaming: ``submit(..., on_tokens=cb)`` makes the engine thread call ``cb(events)`` once per
+step for that request, with one :class:`TokenEvent` per choice that sampled a token in the
+step (the last event of a choice carries its ``finish_reason`` and final ``text``), always
+before the request's future resolves.  ``cb`` runs on the engine thread, so it must only
+hand the batch off (e.g. ``loop.call_soon_threadsafe``).  Requests without a callback do
+no per-token streaming work.
+
 Weights: :meth:`Engine.update_weights` waits for the current step to end, swaps the
 tensors, bumps ``version`` and lets the loop continue.  In-flight sequences keep their KV
 cache (vLLM ``pause(mode="keep")`` semantics) and every token records the version that
@@ -85,6 +92,22 @@ class SequenceResult:
 
 
 @dataclass
+class TokenEvent:
+    """One token one choice sampled in one step, as handed to a request's ``on_tokens``."""
+
+    index: int  # the choice
+    token_id: int
+    logprob: float
+    version: int
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: str | None = None  # set on the choice's last token
+    text: str | None = None  # the choice's whole final text, with finish_reason
+
+
+TokenCallback = Callable[[list[TokenEvent]], None]
+
+
+@dataclass
 class _Sequence:
     request: _Request
     index: int
@@ -107,6 +130,7 @@ class _Request:
     future: concurrent.futures.Future
     seqs: list[_Sequence] = field(default_factory=list)
     arrived: float = field(default_factory=time.monotonic)
+    on_tokens: TokenCallback | None = None
 
 
 class _SlotCache:
@@ -223,8 +247,14 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
 
-    def submit(self, prompt_ids: list[int], sampling: Sampling, n: int = 1) -> concurrent.futures.Future:
-        """Queue a request; the future resolves to ``list[SequenceResult]`` (one per choice)."""
+    def submit(
+        self, prompt_ids: list[int], sampling: Sampling, n: int = 1, on_tokens: TokenCallback | None = None
+    ) -> concurrent.futures.Future:
+        """Queue a request; the future resolves to ``list[SequenceResult]`` (one per choice).
+
+        ``on_tokens``: called on the engine thread with each step's :class:`TokenEvent` batch
+        for this request (see the module docstring); cancel the future to abort.
+        """
         if not prompt_ids:
             raise EngineRequestError("prompt must contain at least one token", param="prompt")
         vocab = self.model.config.vocab_size
@@ -242,7 +272,7 @@ class Engine:
             raise EngineRequestError(f"n must be between 1 and {self.max_batch_size}, got {n}", param="n")
         sampling.max_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        req = _Request(list(prompt_ids), sampling, n, fut)
+        req = _Request(list(prompt_ids), sampling, n, fut, on_tokens=on_tokens)
         for i in range(n):
             seq = _Sequence(req, i)
             if sampling.seed is not None:
@@ -298,7 +328,8 @@ class Engine:
             toks = sum(n for _, n in recent[1:]) if len(recent) > 1 else 0
             return {
                 "queue_depth": sum(1 for r in self._waiting if not r.future.cancelled()),
-                "running": len(self._active),
+                # live sequences: a cancelled request's are only dropped at the next step
+                "running": sum(1 for s in self._active if not s.request.future.cancelled()),
                 "tokens_per_s": toks / window if window > 0 else 0.0,
                 "total_generated_tokens": self.total_generated,
                 "steps": self.steps,
@@ -447,6 +478,7 @@ class Engine:
         tokens, logps, tops = sample(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], self._rng)
         version = self.version
         now = time.monotonic()
+        streams: dict[int, tuple[_Request, list[TokenEvent]]] | None = None  # id(request) -> step's events
         for k, s in enumerate(seqs):
             tok = tokens[k]
             s.token_ids.append(tok)
@@ -455,11 +487,33 @@ class Engine:
             if tops is not None:
                 s.top_logprobs.append(tops[k])
             self._check_finished(s, tok)
+            if s.request.on_tokens is not None:
+                if streams is None:
+                    streams = {}
+                if s.finish_reason is not None and s.text is None:
+                    s.text = self._detokenize(s.token_ids)  # _result reuses it
+                ev = TokenEvent(s.index, tok, logps[k], version, tops[k] if tops is not None else None, s.finish_reason,
+                                s.text if s.finish_reason is not None else None)  # fmt: skip
+                streams.setdefault(id(s.request), (s.request, []))[1].append(ev)
+        if streams is not None:
+            self._emit(streams)
         with self._cv:
             self.total_generated += len(seqs)
             self._token_times.append((now, len(seqs)))
             while self._token_times and now - self._token_times[0][0] > 10.0:
                 self._token_times.popleft()
+
+    @staticmethod
+    def _emit(streams: dict[int, tuple[_Request, list[TokenEvent]]]) -> None:
+        """Hand each streaming request its step's events (one callback per request)."""
+        for req, events in streams.values():
+            try:
+                req.on_tokens(events)
+            except Exception:  # the consumer is gone (e.g. its event loop closed): abort
+                req.future.cancel()
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _check_finished(self, s: _Sequence, tok: int) -> None:
         sp = s.request.sampling
@@ -467,7 +521,7 @@ class Engine:
             s.finish_reason = "stop"
             return
         if sp.stop:
-            text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+            text = self._detokenize(s.token_ids)
             window = max(len(x) for x in sp.stop) + 16
             tail_start = max(0, len(text) - window)
             for stop in sp.stop:
@@ -496,7 +550,10 @@ class Engine:
         for s in done:
             req = s.request
             if all(x.finish_reason is not None for x in req.seqs) and not req.future.done():
-                req.future.set_result([self._result(x) for x in req.seqs])
+                try:
+                    req.future.set_result([self._result(x) for x in req.seqs])
+                except concurrent.futures.InvalidStateError:  # cancelled by its client meanwhile
+                    pass
 
     def _copy_slot(self, src: int, dst: int, length: int) -> None:
         if src != dst and length > 0:
@@ -504,7 +561,7 @@ class Engine:
             self._v[:, dst, :, :length] = self._v[:, src, :, :length]
 
     def _result(self, s: _Sequence) -> SequenceResult:
-        text = s.text if s.text is not None else self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+        text = s.text if s.text is not None else self._detokenize(s.token_ids)
         return SequenceResult(
             token_ids=s.token_ids,
             logprobs=s.logprobs,

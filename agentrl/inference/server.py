@@ -14,6 +14,21 @@ Routes (vLLM names and fields where vLLM has them):
   ``POST /update_weights_from_shm`` ``{path, size, manifest, weight_version?}``,
   ``GET /get_weight_version``, ``POST /update_weight_version`` ``{weight_version}``.
 
+Streaming (``stream: true`` on both generation routes) answers ``text/event-stream``: one
+``data: {chunk}`` event per engine step that produced text (OpenAI ``chat.completion.chunk``
+/ ``text_completion`` chunks; the first chat chunk per choice has ``role``; the last one per
+choice has ``finish_reason``), an optional ``usage`` chunk (``stream_options.include_usage``)
+and ``data: [DONE]``.  Text is detokenized incrementally and never splits a UTF-8 character
+or sends text a stop string would cut off, so the deltas concatenate to the non-streamed
+text for the same seed.  A chunk carries the tokens sampled since the previous chunk
+(``logprobs``, ``token_versions`` and, with ``return_token_ids``, ``token_ids``; chat puts
+``prompt_token_ids`` on its first chunks, completions on each choice's first chunk).  With
+``tools`` (and ``tool_choice`` not ``"none"``) a chat choice's text is buffered and sent in
+one delta at its end, parsed into ``tool_calls`` exactly as the non-streamed reply is.
+Errors known before generation starts are ordinary JSON 4xx responses; an engine failure
+mid-stream is sent as a ``data: {"error": ...}`` event before ``[DONE]``.  A client that
+disconnects mid-stream aborts its request in the engine.
+
 Every bad request gets an OpenAI-style JSON error (``{"error": {message, type, param,
 code}}``) with a 4xx status; an over-long prompt gets code ``context_length_exceeded``.
 """
@@ -21,18 +36,22 @@ code}}``) with a 4xx status; an over-long prompt gets code ``context_length_exce
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import socket
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -42,6 +61,7 @@ from agentrl.inference.engine import (
     Sampling,
     SequenceResult,
     SharedWeights,
+    TokenEvent,
     load_safetensors_path,
 )
 from agentrl.inference.render import render_chat_ids
@@ -63,6 +83,10 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
 class _SamplingBody(_Body):
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -77,6 +101,7 @@ class _SamplingBody(_Body):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
 
@@ -183,6 +208,175 @@ async def _unless_disconnected(work: Any, http: Request) -> Any:
     return job.result()
 
 
+# ----------------------------------------------------------------------------- streaming
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing list of token ids (vLLM-style prefix/read offsets).
+
+    Each step decodes a short window ``ids[prefix:]`` and compares it with the window's
+    already-read part ``ids[prefix:read]``, so the cost does not grow with the text.  A
+    token that ends inside a multi-byte character (byte-level BPE) decodes to a trailing
+    U+FFFD: its text is held until a later token completes the character.  ``hold`` more
+    characters stay back so that the start of a stop string is never sent before the engine
+    has seen (and cut off) the whole stop string.  :meth:`finish` sends the rest of the
+    engine's final text, which is authoritative (eos, stop truncation, a dangling byte).
+    """
+
+    def __init__(self, tokenizer: Any, hold: int = 0):
+        self.tok, self.hold = tokenizer, hold
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+        self.text = ""  # clean text of ids[:read]
+        self.sent = 0  # characters of text already returned
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
+        end = len(self.text) - self.hold
+        if end <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent : end], end
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        delta, self.sent = final_text[self.sent :], len(final_text)
+        return delta
+
+
+class _EngineStream:
+    """Streamed engine requests (one per prompt) feeding one asyncio queue.
+
+    The engine thread hands over each step's events with one ``call_soon_threadsafe`` per
+    request; a request's done-callback queues ``(prompt, None)`` after its last events.
+    """
+
+    def __init__(self, engine: Engine, jobs: list[tuple[list[int], Sampling]], n: int):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, list[TokenEvent] | None]] = asyncio.Queue()
+        self.futures: list[concurrent.futures.Future] = []
+        try:
+            for p, (prompt_ids, sampling) in enumerate(jobs):
+                fut = engine.submit(prompt_ids, sampling, n, on_tokens=partial(self._handoff, loop, p))
+                fut.add_done_callback(lambda _f, p=p: self._handoff(loop, p, None))
+                self.futures.append(fut)
+        except EngineRequestError as e:
+            self.cancel()
+            raise _from_engine(e) from e
+
+    def _handoff(self, loop: asyncio.AbstractEventLoop, prompt: int, events: list[TokenEvent] | None) -> None:
+        try:
+            loop.call_soon_threadsafe(self.queue.put_nowait, (prompt, events))
+        except RuntimeError:  # the loop is closed (server shutting down)
+            if events is not None:
+                raise  # the engine aborts the request
+
+    def cancel(self) -> None:
+        """Abort whatever is still running (a no-op for finished requests)."""
+        for f in self.futures:
+            f.cancel()
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, list[TokenEvent]]]]:
+        """Everything that has arrived, in order, until every request is done.
+
+        A consumer that falls behind gets fewer, larger batches (one write each).
+        """
+        running = len(self.futures)
+        while running:
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            out = []
+            for p, events in items:
+                if events is not None:
+                    out.append((p, events))
+                    continue
+                running -= 1
+                err = None if self.futures[p].cancelled() else self.futures[p].exception()
+                if err is not None:
+                    raise err
+            if out:
+                yield out
+
+    def results(self) -> list[SequenceResult]:
+        return [r for f in self.futures for r in f.result()]
+
+
+@dataclass
+class _ChoiceStream:
+    """One choice being streamed: its detokenizer and the tokens no chunk has carried yet."""
+
+    detok: IncrementalDetokenizer
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    offset: int = 0  # completions text_offset of the next token
+    started: bool = False
+
+    def take(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            self.ids.append(ev.token_id)
+            self.logprobs.append(ev.logprob)
+            self.versions.append(ev.version)
+            self.tops.append(ev.top_logprobs)
+
+    def flush(self, choice: dict[str, Any], token_ids: bool) -> dict[str, Any]:
+        """Attach the pending tokens to ``choice`` and forget them."""
+        choice["token_versions"] = self.versions
+        if token_ids:
+            choice["token_ids"] = self.ids
+        self.ids, self.logprobs, self.versions, self.tops = [], [], [], []
+        return choice
+
+
+def _by_choice(batch: list[tuple[int, list[TokenEvent]]], n: int) -> dict[int, list[TokenEvent]]:
+    """Group a batch's events by global choice index (prompt * n + choice), keeping order."""
+    out: dict[int, list[TokenEvent]] = {}
+    for p, events in batch:
+        for ev in events:
+            out.setdefault(p * n + ev.index, []).append(ev)
+    return out
+
+
+def _sse(body: Any) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that aborts its engine requests however the response ends.
+
+    On a client disconnect Starlette cancels the body iterator (ASGI spec < 2.4) or the
+    send fails (>= 2.4); either way ``__call__`` ends and ``on_close`` cancels the engine
+    futures, which the engine drops at its next step (``requests_aborted``).
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except RuntimeError:  # already closing
+                    pass
+
+
 class EngineServer:
     """Request handling shared by the routes (tokenization, sampling, response shapes)."""
 
@@ -221,8 +415,8 @@ class EngineServer:
             raise APIError(400, f"could not apply the chat template to these messages: {e}", param="messages") from e
 
     def sampling(self, req: _SamplingBody, top_logprobs: int) -> Sampling:
-        if req.stream:
-            raise APIError(400, "stream=true is not supported by the embedded engine", param="stream")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options can only be given with stream=true", param="stream_options")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         max_tokens = req.max_completion_tokens or req.max_tokens or self.engine.max_model_len
         return Sampling(
@@ -294,11 +488,15 @@ class EngineServer:
         return body
 
     def chat_logprobs(self, r: SequenceResult, req: ChatRequest) -> dict[str, Any]:
-        as_ids = req.return_tokens_as_token_ids
+        tops = [r.top_logprobs[j] if j < len(r.top_logprobs) else [] for j in range(len(r.token_ids))]
+        return {"content": self.chat_logprob_entries(r.token_ids, r.logprobs, tops, req.return_tokens_as_token_ids)}
+
+    def chat_logprob_entries(
+        self, token_ids: list[int], logprobs: list[float], tops: list[Any], as_ids: bool
+    ) -> list[dict[str, Any]]:
         content = []
-        for j, (tid, lp) in enumerate(zip(r.token_ids, r.logprobs, strict=True)):
+        for tid, lp, top in zip(token_ids, logprobs, tops, strict=True):
             s = self.token_str(tid, as_ids)
-            tops = r.top_logprobs[j] if j < len(r.top_logprobs) else []
             content.append(
                 {
                     "token": s,
@@ -306,11 +504,88 @@ class EngineServer:
                     "bytes": list(s.encode()),
                     "top_logprobs": [
                         {"token": self.token_str(t, as_ids), "logprob": v, "bytes": list(self.token_str(t, as_ids).encode())}
-                        for t, v in tops
+                        for t, v in top or []
                     ],
                 }
             )
-        return {"content": content}
+        return content
+
+    def chat_stream(self, req: ChatRequest) -> StreamingResponse:
+        """Validate and submit now (errors stay JSON 4xx), then stream the chunks."""
+        self.check_model(req.model)
+        prompt_ids = self.render_chat(req)
+        k = (req.top_logprobs or 0) if req.logprobs else 0
+        sampling = self.sampling(req, k)
+        stream = _EngineStream(self.engine, [(prompt_ids, sampling)], req.n)
+        return _EventStream(self._chat_events(req, prompt_ids, sampling, stream), stream.cancel)
+
+    async def _chat_events(
+        self, req: ChatRequest, prompt_ids: list[int], sampling: Sampling, stream: _EngineStream
+    ) -> AsyncIterator[str]:
+        rid, created = new_id("chatcmpl-"), int(time.time())
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        # buffered: the whole text is needed to tell tool calls from content
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        hold = max((len(x) for x in sampling.stop), default=1) - 1
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name, "choices": choices}
+            if usage:
+                body["usage"] = None
+            return _sse({**body, **extra})
+
+        first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
+        yield "".join(
+            chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **first)
+            for i in range(req.n)
+        )
+        choices = [_ChoiceStream(IncrementalDetokenizer(self.tok, hold)) for _ in range(req.n)]
+        try:
+            async for batch in stream.batches():
+                out = []
+                for i, events in _by_choice(batch, req.n).items():
+                    c = choices[i]
+                    c.take(events)
+                    last = events[-1]
+                    finish = last.finish_reason
+                    if finish is None:
+                        if parse_tools:
+                            continue
+                        text = c.detok.add([ev.token_id for ev in events])
+                        if not text:
+                            continue  # held back; its tokens ride on the next chunk
+                        delta: dict[str, Any] = {"content": text}
+                    elif parse_tools:
+                        delta, finish = self._tool_delta(last.text or "", finish)
+                    else:
+                        delta = {"content": c.detok.finish(last.text or "")}
+                    logprobs = None
+                    if req.logprobs:
+                        entries = self.chat_logprob_entries(c.ids, c.logprobs, c.tops, req.return_tokens_as_token_ids)
+                        logprobs = {"content": entries}
+                    choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                    out.append(chunk([c.flush(choice, req.return_token_ids)]))
+                if out:
+                    yield "".join(out)
+        except Exception as e:  # the engine failed mid-stream: the status line is long gone
+            yield _sse({"error": {"message": str(e), "type": "internal_server_error", "param": None, "code": 500}})
+        else:
+            if usage:
+                yield chunk([], usage=self.usage(len(prompt_ids), stream.results()))
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _tool_delta(text: str, finish: str) -> tuple[dict[str, Any], str]:
+        """A tools-enabled choice's one delta: what the non-streamed message would hold."""
+        parsed = parse_tool_calls(text)
+        if not parsed.tool_calls:
+            return {"content": text}, finish
+        delta: dict[str, Any] = {}
+        content = (parsed.content or None) if not parsed.errors else text
+        if content is not None:
+            delta["content"] = content
+        delta["tool_calls"] = [{"index": j, **tc.to_dict()} for j, tc in enumerate(parsed.tool_calls)]
+        return delta, "tool_calls" if finish == "stop" else finish
 
     # -- completions
 
@@ -345,6 +620,62 @@ class EngineServer:
             "usage": self.usage(sum(len(p) for p in prompts), [r for b in batches for r in b]),
         }
 
+    def completions_stream(self, req: CompletionRequest) -> StreamingResponse:
+        """Validate and submit every prompt now (errors stay JSON 4xx), then stream."""
+        self.check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo=true is not supported by the embedded engine", param="echo")
+        prompts = self.prompts(req.prompt)
+        k = req.logprobs or 0
+        stream = _EngineStream(self.engine, [(p, self.sampling(req, k)) for p in prompts], req.n)
+        return _EventStream(self._completion_events(req, prompts, stream), stream.cancel)
+
+    async def _completion_events(
+        self, req: CompletionRequest, prompts: list[list[int]], stream: _EngineStream
+    ) -> AsyncIterator[str]:
+        rid, created = new_id("cmpl-"), int(time.time())
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        stop = [req.stop] if isinstance(req.stop, str) else [x for x in req.stop or [] if x]
+        hold = max((len(x) for x in stop), default=1) - 1
+        as_ids = req.return_tokens_as_token_ids
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = {"id": rid, "object": "text_completion", "created": created, "model": self.name, "choices": choices}
+            if usage:
+                body["usage"] = None
+            return _sse({**body, **extra})
+
+        choices = [_ChoiceStream(IncrementalDetokenizer(self.tok, hold)) for _ in range(len(prompts) * req.n)]
+        try:
+            async for batch in stream.batches():
+                out = []
+                for i, events in _by_choice(batch, req.n).items():
+                    c = choices[i]
+                    c.take(events)
+                    last = events[-1]
+                    if last.finish_reason is None:
+                        text = c.detok.add([ev.token_id for ev in events])
+                        if not text:
+                            continue  # held back; its tokens ride on the next chunk
+                    else:
+                        text = c.detok.finish(last.text or "")
+                    choice: dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+                    if req.logprobs is not None:
+                        choice["logprobs"] = lp = self.completion_logprob_fields(c.ids, c.logprobs, c.tops, as_ids, c.offset)
+                        c.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else c.offset
+                    if req.return_token_ids and not c.started:
+                        choice["prompt_token_ids"] = prompts[i // req.n]
+                    c.started = True
+                    out.append(chunk([c.flush(choice, req.return_token_ids)]))
+                if out:
+                    yield "".join(out)
+        except Exception as e:  # the engine failed mid-stream: the status line is long gone
+            yield _sse({"error": {"message": str(e), "type": "internal_server_error", "param": None, "code": 500}})
+        else:
+            if usage:
+                yield chunk([], usage=self.usage(sum(len(p) for p in prompts), stream.results()))
+        yield "data: [DONE]\n\n"
+
     def prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
             return [self.tok.encode(prompt, add_special_tokens=False)]
@@ -358,14 +689,24 @@ class EngineServer:
         return out
 
     def completion_logprobs(self, r: SequenceResult, req: CompletionRequest) -> dict[str, Any]:
-        as_ids = req.return_tokens_as_token_ids
-        tokens = [self.token_str(t, as_ids) for t in r.token_ids]
-        offsets, pos = [], 0
+        tops = r.top_logprobs or None
+        return self.completion_logprob_fields(
+            r.token_ids, r.logprobs, tops or [None] * len(r.token_ids), req.return_tokens_as_token_ids, 0
+        )
+
+    def completion_logprob_fields(
+        self, token_ids: list[int], logprobs: list[float], tops: list[Any], as_ids: bool, offset: int
+    ) -> dict[str, Any]:
+        """Legacy completions logprobs; ``offset`` is where these tokens' text starts."""
+        tokens = [self.token_str(t, as_ids) for t in token_ids]
+        offsets, pos = [], offset
         for s in tokens:
             offsets.append(pos)
             pos += len(s)
-        tops = [{self.token_str(t, as_ids): v for t, v in row} for row in r.top_logprobs] if r.top_logprobs else None
-        return {"tokens": tokens, "token_logprobs": r.logprobs, "top_logprobs": tops, "text_offset": offsets}
+        top_dicts = None
+        if any(row is not None for row in tops):
+            top_dicts = [{self.token_str(t, as_ids): v for t, v in row or []} for row in tops]
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top_dicts, "text_offset": offsets}
 
     @staticmethod
     def usage(prompt_tokens: int, results: list[SequenceResult]) -> dict[str, int]:
@@ -400,10 +741,14 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, http: Request):
+        if req.stream:
+            return srv.chat_stream(req)
         return await _unless_disconnected(srv.chat(req), http)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request):
+        if req.stream:
+            return srv.completions_stream(req)
         return await _unless_disconnected(srv.completions(req), http)
 
     @app.post("/tokenize")

@@ -202,7 +202,6 @@ async def test_short_requests_do_not_wait_for_long_ones(engine, aclient_factory)
         ({"messages": [{"role": "user", "content": "x " * 400}]}, 400, "context_length_exceeded"),
         ({"n": 1000}, 400, None),
         ({"temperature": -1}, 400, None),
-        ({"stream": True}, 400, None),
     ],
 )
 def test_bad_chat_requests_get_openai_errors(engine, client, kwargs, status, code):
