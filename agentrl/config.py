@@ -117,6 +117,11 @@ class TrainerConfig(Section):
     push_every: int = Field(1, ge=1, description="Push weights to the engines every K steps.")
     lora_rank: int = Field(0, ge=0, description="LoRA rank (0 = full fine-tuning).")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha.")
+    lora_push: Literal["adapters", "merged"] = Field(
+        "adapters",
+        description="LoRA weight push to the embedded engine: adapters = only the A/B factors, merged by the "
+        "engine (r*(in+out) numbers per matrix); merged = the merged matrices (vLLM always gets these).",
+    )
     device: str = Field("auto", description="Trainer device: auto | cpu | cuda.")
     num_threads: int = Field(0, ge=0, description="Torch CPU threads for the trainer and the embedded engine each (0 = half the cores).")
 

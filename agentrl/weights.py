@@ -13,6 +13,10 @@ Transports (``make_weight_sync(..., transport=...)``):
   plus three small HTTP calls; a CUDA engine copies from the mapping to the device.
 - ``"disk"``: a safetensors file in ``work_dir`` and ``/update_weights_from_disk``; works
   across hosts that share a filesystem.
+
+``push(..., lora=True)`` sends LoRA factors (``{module}.lora_A`` / ``.lora_B``) instead of
+weights over the same transports; the engine merges them into its base weights
+(``agentrl.inference.lora``), so a LoRA run moves only the adapters.
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ class EmbeddedWeightSync:
 
     # ------------------------------------------------------------------ push
 
-    async def push(self, named_tensors: NamedTensors, version: int) -> float:
+    async def push(self, named_tensors: NamedTensors, version: int, *, lora: bool = False) -> float:
+        """``lora=True``: the tensors are LoRA factors for the engine to merge (adapter-only push)."""
         t0 = time.perf_counter()
         items = _items(named_tensors)
         http = self._client()
@@ -106,12 +111,15 @@ class EmbeddedWeightSync:
             if self.transport == "shm":
                 manifest, size = await asyncio.to_thread(self._write_shm, items)
                 t_written = time.perf_counter()
-                body = {"path": str(self._shm_path), "size": size, "manifest": manifest, "weight_version": version}
+                body = {
+                    "path": str(self._shm_path), "size": size, "manifest": manifest, "weight_version": version,
+                    "lora": lora,
+                }
                 await self._all(http, "POST", "/update_weights_from_shm", json=body)
             else:
                 path = await asyncio.to_thread(self._write_disk, items, version)
                 t_written = time.perf_counter()
-                body = {"model_path": str(path), "weight_version": version}
+                body = {"model_path": str(path), "weight_version": version, "lora": lora}
                 await self._all(http, "POST", "/update_weights_from_disk", json=body)
                 self._drop_old_disk(path)
         finally:
@@ -122,6 +130,7 @@ class EmbeddedWeightSync:
             "write_s": t_written - t_paused,
             "load_s": t1 - t_written,
             "total_s": t1 - t0,
+            "bytes": float(sum(t.numel() * t.element_size() for _, t in items)),
         }
         return t1 - t0
 

@@ -640,14 +640,26 @@ def copy_named_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torc
     return n
 
 
-def load_safetensors_path(model: torch.nn.Module, path: str | Path) -> int:
-    """Load every tensor from a .safetensors file, or all such files in a directory."""
-    from safetensors import safe_open
-
+def _safetensors_files(path: str | Path) -> list[Path]:
     p = Path(path)
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
     if not files or not all(f.is_file() for f in files):
         raise EngineRequestError(f"no safetensors weights at {str(p)!r}", code="weights_not_found", param="model_path")
+    return files
+
+
+def read_safetensors(path: str | Path) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a .safetensors file (or of all such files in a directory), on the CPU."""
+    from safetensors.torch import load_file
+
+    return [item for f in _safetensors_files(path) for item in load_file(str(f)).items()]
+
+
+def load_safetensors_path(model: torch.nn.Module, path: str | Path) -> int:
+    """Load every tensor from a .safetensors file, or all such files in a directory."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(path)
     n = 0
     device = next(model.parameters()).device
     for f in files:
@@ -682,36 +694,40 @@ class SharedWeights:
         self.aliased: set[str] = set()
 
     def apply(self, model: torch.nn.Module, path: str, manifest: list[dict[str, Any]], size: int) -> int:
+        targets = _named_targets(model)
+        n = 0
+        for name, view in self.views(path, manifest, size):
+            dst = targets.get(name)
+            if dst is None:
+                raise EngineRequestError(f"unknown weight name {name!r}")
+            if tuple(dst.shape) != tuple(view.shape):
+                raise EngineRequestError(f"shape mismatch for {name!r}: model {tuple(dst.shape)}, got {tuple(view.shape)}")
+            if name not in self.aliased:
+                if dst.device.type == "cpu" and dst.dtype == view.dtype:
+                    dst.data = view
+                    self.aliased.add(name)
+                else:
+                    dst.data.copy_(view)
+            n += 1
+        return n
+
+    def views(self, path: str, manifest: list[dict[str, Any]], size: int) -> list[tuple[str, torch.Tensor]]:
+        """Map the file (once per path/size) and return a checked view per manifest entry."""
         if self.path != path or self.size != size:
             if not Path(path).is_file():
                 raise EngineRequestError(f"no shared-memory weights file {path!r}", code="weights_not_found")
             self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
             self.path, self.size, self.aliased = path, size, set()
         assert self.buffer is not None
-        targets = _named_targets(model)
-        n = 0
+        out = []
         for entry in manifest:
             name = entry["name"]
-            dst = targets.get(name)
-            if dst is None:
-                raise EngineRequestError(f"unknown weight name {name!r}")
             dtype = _SHM_DTYPES.get(entry["dtype"])
-            shape = tuple(entry["shape"])
             if dtype is None:
                 raise EngineRequestError(f"unsupported dtype {entry['dtype']!r} for {name!r}")
-            if tuple(dst.shape) != shape:
-                raise EngineRequestError(f"shape mismatch for {name!r}: model {tuple(dst.shape)}, got {shape}")
+            shape = tuple(entry["shape"])
             offset, nbytes = int(entry["offset"]), dtype.itemsize * int(torch.Size(shape).numel())
-            if offset < 0 or offset + nbytes > size:
-                raise EngineRequestError(f"manifest entry {name!r} lies outside the shared buffer")
-            if name in self.aliased:
-                n += 1
-                continue
-            view = self.buffer[offset : offset + nbytes].view(dtype).view(shape)
-            if dst.device.type == "cpu" and dst.dtype == dtype and offset % dtype.itemsize == 0:
-                dst.data = view
-                self.aliased.add(name)
-            else:
-                dst.data.copy_(view)
-            n += 1
-        return n
+            if offset < 0 or offset + nbytes > size or offset % dtype.itemsize:
+                raise EngineRequestError(f"manifest entry {name!r} lies outside the shared buffer or is misaligned")
+            out.append((name, self.buffer[offset : offset + nbytes].view(dtype).view(shape)))
+        return out

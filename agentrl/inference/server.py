@@ -10,8 +10,9 @@ Routes (vLLM names and fields where vLLM has them):
 - ``POST /tokenize`` (``prompt`` or ``messages`` + ``tools``), ``POST /detokenize``.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (JSON).
 - weights: ``POST /pause`` (mode=keep), ``POST /resume``, ``GET /is_paused``,
-  ``POST /update_weights_from_disk`` ``{model_path, weight_version?}``,
-  ``POST /update_weights_from_shm`` ``{path, size, manifest, weight_version?}``,
+  ``POST /update_weights_from_disk`` ``{model_path, weight_version?, lora?}``,
+  ``POST /update_weights_from_shm`` ``{path, size, manifest, weight_version?, lora?}``
+  (``lora: true``: the tensors are LoRA factors the engine merges into its base weights),
   ``GET /get_weight_version``, ``POST /update_weight_version`` ``{weight_version}``.
 
 Streaming (``stream: true`` on both generation routes) answers ``text/event-stream``: one
@@ -63,7 +64,9 @@ from agentrl.inference.engine import (
     SharedWeights,
     TokenEvent,
     load_safetensors_path,
+    read_safetensors,
 )
+from agentrl.inference.lora import AdapterMerger
 from agentrl.inference.render import render_chat_ids
 from agentrl.tool_format import parse_tool_calls
 from agentrl.types import new_id
@@ -148,6 +151,7 @@ class DetokenizeRequest(_Body):
 class DiskWeightsRequest(_Body):
     model_path: str
     weight_version: int | None = None
+    lora: bool = False  # the tensors are LoRA factors to merge (agentrl.inference.lora)
 
 
 class ShmWeightsRequest(_Body):
@@ -155,6 +159,7 @@ class ShmWeightsRequest(_Body):
     size: int = Field(ge=0)
     manifest: list[dict[str, Any]]
     weight_version: int | None = None
+    lora: bool = False
 
 
 class VersionRequest(_Body):
@@ -385,6 +390,7 @@ class EngineServer:
         self.name = served_model_name
         self.tok = engine.tokenizer
         self.shared = SharedWeights()
+        self.adapters = AdapterMerger()
         self.started = time.time()
 
     # -- helpers
@@ -828,13 +834,29 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         return {"success": True, "weight_version": new, "num_tensors": count[0] if count else 0,
                 "seconds": time.perf_counter() - t0}
 
+    def full_weights(load):  # new base weights: adapters merged earlier no longer apply
+        def apply(model):
+            n = load(model)
+            srv.adapters.reset()
+            return n
+
+        return apply
+
     @app.post("/update_weights_from_disk")
     async def update_from_disk(req: DiskWeightsRequest):
-        return await _update(lambda m: load_safetensors_path(m, req.model_path), req.weight_version)
+        if req.lora:
+            apply = lambda m: srv.adapters.apply(m, read_safetensors(req.model_path))  # noqa: E731
+        else:
+            apply = full_weights(lambda m: load_safetensors_path(m, req.model_path))
+        return await _update(apply, req.weight_version)
 
     @app.post("/update_weights_from_shm")
     async def update_from_shm(req: ShmWeightsRequest):
-        return await _update(lambda m: srv.shared.apply(m, req.path, req.manifest, req.size), req.weight_version)
+        if req.lora:
+            apply = lambda m: srv.adapters.apply(m, srv.shared.views(req.path, req.manifest, req.size))  # noqa: E731
+        else:
+            apply = full_weights(lambda m: srv.shared.apply(m, req.path, req.manifest, req.size))
+        return await _update(apply, req.weight_version)
 
     return app
 

@@ -185,9 +185,20 @@ class _Run:
             for c in clients:
                 c.default_version = version
 
+        # A LoRA run pushes only the adapter factors to engines that merge them (the embedded
+        # engine); vLLM's weight routes take whole tensors, so it gets the merged matrices.
+        # (Same-host shm on a CPU is the one place merged is faster: benchmarks/weight_push.py.)
+        adapter_push = trainer.lora and not on_vllm and cfg.trainer.lora_push == "adapters"
+
+        async def push_weights(version: int) -> float:
+            if adapter_push:
+                tensors = await asyncio.to_thread(trainer.adapter_tensors)
+                return await wsync.push(tensors, version, lora=True)
+            return await wsync.push(await asyncio.to_thread(trainer.named_tensors), version)
+
         set_client_version(start_step)
         if start_step > 0:  # the engine starts from the warm-start weights: bring it to the checkpoint
-            await wsync.push(trainer.named_tensors(), start_step)
+            await push_weights(start_step)
 
         # -- logs
         metrics = JSONLLogger(run_dir / "metrics.jsonl")
@@ -226,11 +237,10 @@ class _Run:
             return await asyncio.to_thread(trainer.step, batch.groups)
 
         async def push(version: int) -> float:
-            tensors = await asyncio.to_thread(trainer.named_tensors)
             if self.eval_task is not None:  # eval runs on one fixed version: finish it first
                 self.pending_eval = await self.eval_task
                 self.eval_task = None
-            seconds = await wsync.push(tensors, version)
+            seconds = await push_weights(version)
             set_client_version(version)
             return seconds
 
@@ -257,6 +267,7 @@ class _Run:
                 "trainer_idle_frac": rep.wait_s / max(rep.step_wall_s, 1e-9),
                 "train_s": rep.train_s,
                 "weight_push_s": rep.push_s,
+                "weight_push_mb": getattr(wsync, "last_stats", {}).get("bytes", 0.0) / 2**20,
                 "buffer_ready": buffer.ready_groups,
                 "rollouts_in_flight": manager.active_episodes,
                 "groups_cancelled_stale": manager.groups_cancelled_stale,  # stopped mid-run: untrainable

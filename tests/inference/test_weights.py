@@ -110,3 +110,36 @@ async def test_pause_holds_generation_until_resume(wengine):
             await asyncio.sleep(0.02)
         await http.post(wengine.root_url + "/resume")
         assert len((await task).token_ids) == 5
+
+
+@pytest.mark.parametrize("transport", ["shm", "disk"])
+async def test_adapter_only_push_is_merged_by_the_engine(wengine, model_dir, transport):
+    """lora=True sends only LoRA factors; the engine serves exactly W0 + B·A, push after push."""
+    sync = make_weight_sync(wengine.base_url, transport)
+    async with httpx.AsyncClient() as http, openai.AsyncOpenAI(base_url=wengine.base_url, api_key="x") as ac:
+        v = (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"]
+        base_state, ref = perturbed_state(model_dir, seed=100)
+        await sync.push(base_state, version=v + 1)  # a known base W0 (a full push resets adapters)
+        modules = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+        prompt = [1, 40, 41, 42]
+        for k, seed in enumerate((1, 2)):  # the second push replaces the first, never adds to it
+            g = torch.Generator().manual_seed(seed)
+            factors, merged = {}, dict(base_state)
+            for m in modules:
+                out_f, in_f = base_state[m + ".weight"].shape
+                a, b = torch.randn(4, in_f, generator=g), torch.randn(out_f, 4, generator=g)
+                factors[m + ".lora_A"], factors[m + ".lora_B"] = a, b
+                merged[m + ".weight"] = base_state[m + ".weight"] + b @ a
+            await sync.push(factors, version=v + 2 + k, lora=True)
+            assert sync.last_stats["bytes"] < 0.1 * sum(t.numel() * 4 for t in base_state.values())
+            ref.load_state_dict(merged)
+            out = await greedy(ac, wengine, prompt, 12)
+            assert out.token_versions == [v + 2 + k] * 12
+            with torch.no_grad():
+                logits = ref(torch.tensor([prompt + out.token_ids])).logits[0]
+            assert out.token_ids == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+        bad = {modules[0] + ".lora_A": torch.zeros(4, 3), modules[0] + ".lora_B": torch.zeros(3, 4)}
+        with pytest.raises(WeightSyncError, match="do not fit"):
+            await sync.push(bad, version=v + 9, lora=True)
+        assert (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"] == v + 3
+    await sync.close()

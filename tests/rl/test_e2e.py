@@ -120,3 +120,15 @@ def test_existing_run_dir_needs_resume(tiny_model, tmp_path):
         [sys.executable, "-m", "agentrl.cli", "run", *_overrides(tiny_model, run_dir)], capture_output=True, text=True
     )
     assert res.returncode == 2 and "--resume" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_lora_run_pushes_only_adapters(tiny_model, tmp_path):
+    run_dir = tmp_path / "lora"
+    cfg = load_config([], _overrides(tiny_model, run_dir, **{"trainer.steps": 3, "trainer.lora_rank": 4}))
+    run_training(cfg, progress=False)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    full_mb = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors")) / 2**20
+    assert all(0 < r["weight_push_mb"] < full_mb / 3 for r in rows), (full_mb, [r["weight_push_mb"] for r in rows])
+    staleness = _trained_staleness(run_dir)
+    assert staleness and max(staleness) <= 1  # the engine kept up with the adapter pushes
