@@ -187,6 +187,18 @@ def _from_engine(e: EngineRequestError) -> APIError:
 # ----------------------------------------------------------------------------- app
 
 
+def _chunk_writer(rid: str, kind: str, created: int, model: str, usage: bool) -> Callable[..., str]:
+    """One SSE event per chunk; ``usage: null`` on every chunk when the final usage chunk is asked for."""
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        body: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+        if usage:
+            body["usage"] = None
+        return _sse({**body, **extra})
+
+    return chunk
+
+
 async def _unless_disconnected(work: Any, http: Request) -> Any:
     """Await a generation route's work, aborting it in the engine if the client goes away.
 
@@ -534,11 +546,7 @@ class EngineServer:
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         hold = max((len(x) for x in sampling.stop), default=1) - 1
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name, "choices": choices}
-            if usage:
-                body["usage"] = None
-            return _sse({**body, **extra})
+        chunk = _chunk_writer(rid, "chat.completion.chunk", created, self.name, usage)
 
         first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
         yield "".join(
@@ -645,11 +653,7 @@ class EngineServer:
         hold = max((len(x) for x in stop), default=1) - 1
         as_ids = req.return_tokens_as_token_ids
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            body = {"id": rid, "object": "text_completion", "created": created, "model": self.name, "choices": choices}
-            if usage:
-                body["usage"] = None
-            return _sse({**body, **extra})
+        chunk = _chunk_writer(rid, "text_completion", created, self.name, usage)
 
         choices = [_ChoiceStream(IncrementalDetokenizer(self.tok, hold)) for _ in range(len(prompts) * req.n)]
         try:
