@@ -187,7 +187,6 @@ class RolloutManager:
         self.active_episodes = 0
         self.episodes_finished = 0
         self.sampled_tokens = 0
-        self._groups: set[asyncio.Task] = set()
         self._running: list[_RunningGroup] = []
         self.groups_cancelled_stale = 0
         self._stopping = False
@@ -234,10 +233,8 @@ class RolloutManager:
         self.buffer.start_group(self.group_size)
         self.active_episodes += self.group_size
         run = _RunningGroup()
-        run.task = t = asyncio.create_task(self._run_group(task, run))
+        run.task = asyncio.create_task(self._run_group(task, run))
         self._running.append(run)
-        self._groups.add(t)
-        t.add_done_callback(self._groups.discard)
 
     async def _run_group(self, task: Task, run: _RunningGroup) -> None:
         group = Group(task=task)
@@ -262,12 +259,11 @@ class RolloutManager:
         finally:
             endpoint.active_episodes -= self.group_size
             self._running.remove(run)
-            if done:
-                pass
-            elif run.doomed:  # cancelled by _cancel_doomed: dropped as stale in the ledger
-                self.buffer.drop_running_group(self.group_size)
-            else:  # cancelled at shutdown: its episodes stay in flight in the ledger
-                self.buffer.abandon_group(self.group_size)
+            if not done:
+                if run.doomed:  # cancelled by _cancel_doomed: dropped as stale in the ledger
+                    self.buffer.drop_running_group(self.group_size)
+                else:  # cancelled at shutdown: its episodes stay in flight in the ledger
+                    self.buffer.abandon_group(self.group_size)
 
     async def _episode(
         self, endpoint: Endpoint, task: Task, sampling: SamplingParams, run: _RunningGroup | None = None
@@ -287,7 +283,7 @@ class RolloutManager:
             self.buffer.notify()
 
     async def _cancel_all(self) -> None:
-        tasks = list(self._groups)
+        tasks = [r.task for r in self._running if r.task is not None]
         for t in tasks:
             t.cancel()
         if tasks:

@@ -381,10 +381,10 @@ class Engine:
 
     @torch.no_grad()
     def _step(self) -> None:
-        if any(s.request.future.cancelled() for s in self._active):  # client went away
-            gone = {id(s.request) for s in self._active if s.request.future.cancelled()}
+        gone = {id(s.request) for s in self._active if s.request.future.cancelled()}  # client went away
+        if gone:
             for s in self._active:
-                if s.request.future.cancelled():
+                if id(s.request) in gone:
                     s.finish_reason = "abort"
             self.requests_aborted += len(gone)
             self._retire()

@@ -367,6 +367,34 @@ def _sse(body: Any) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+ChoiceBuilder = Callable[[int, _ChoiceStream, list[TokenEvent]], "dict[str, Any] | None"]
+
+
+async def _stream_chunks(
+    stream: _EngineStream, n: int, choices: list[_ChoiceStream], chunk: Callable[..., str], build: ChoiceBuilder,
+    *, token_ids: bool, usage: Callable[[], dict[str, Any]] | None,
+) -> AsyncIterator[str]:
+    """What chat and completions streams share: per engine step, one chunk for each choice
+    ``build`` has something to say about (None = hold it back), then usage and ``[DONE]``."""
+    try:
+        async for batch in stream.batches():
+            out = []
+            for i, events in _by_choice(batch, n).items():
+                c = choices[i]
+                c.take(events)
+                choice = build(i, c, events)
+                if choice is not None:
+                    out.append(chunk([c.flush(choice, token_ids)]))
+            if out:
+                yield "".join(out)
+    except Exception as e:  # the engine failed mid-stream: the status line is long gone
+        yield _sse({"error": {"message": str(e), "type": "internal_server_error", "param": None, "code": 500}})
+    else:
+        if usage is not None:
+            yield chunk([], usage=usage())
+    yield "data: [DONE]\n\n"
+
+
 class _EventStream(StreamingResponse):
     """An SSE response that aborts its engine requests however the response ends.
 
@@ -554,39 +582,32 @@ class EngineServer:
             for i in range(req.n)
         )
         choices = [_ChoiceStream(IncrementalDetokenizer(self.tok, hold)) for _ in range(req.n)]
-        try:
-            async for batch in stream.batches():
-                out = []
-                for i, events in _by_choice(batch, req.n).items():
-                    c = choices[i]
-                    c.take(events)
-                    last = events[-1]
-                    finish = last.finish_reason
-                    if finish is None:
-                        if parse_tools:
-                            continue
-                        text = c.detok.add([ev.token_id for ev in events])
-                        if not text:
-                            continue  # held back; its tokens ride on the next chunk
-                        delta: dict[str, Any] = {"content": text}
-                    elif parse_tools:
-                        delta, finish = self._tool_delta(last.text or "", finish)
-                    else:
-                        delta = {"content": c.detok.finish(last.text or "")}
-                    logprobs = None
-                    if req.logprobs:
-                        entries = self.chat_logprob_entries(c.ids, c.logprobs, c.tops, req.return_tokens_as_token_ids)
-                        logprobs = {"content": entries}
-                    choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                    out.append(chunk([c.flush(choice, req.return_token_ids)]))
-                if out:
-                    yield "".join(out)
-        except Exception as e:  # the engine failed mid-stream: the status line is long gone
-            yield _sse({"error": {"message": str(e), "type": "internal_server_error", "param": None, "code": 500}})
-        else:
-            if usage:
-                yield chunk([], usage=self.usage(len(prompt_ids), stream.results()))
-        yield "data: [DONE]\n\n"
+
+        def build(i: int, c: _ChoiceStream, events: list[TokenEvent]) -> dict[str, Any] | None:
+            last = events[-1]
+            finish = last.finish_reason
+            if finish is None:
+                if parse_tools:
+                    return None
+                text = c.detok.add([ev.token_id for ev in events])
+                if not text:
+                    return None  # held back; its tokens ride on the next chunk
+                delta: dict[str, Any] = {"content": text}
+            elif parse_tools:
+                delta, finish = self._tool_delta(last.text or "", finish)
+            else:
+                delta = {"content": c.detok.finish(last.text or "")}
+            logprobs = None
+            if req.logprobs:
+                entries = self.chat_logprob_entries(c.ids, c.logprobs, c.tops, req.return_tokens_as_token_ids)
+                logprobs = {"content": entries}
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+        async for event in _stream_chunks(
+            stream, req.n, choices, chunk, build, token_ids=req.return_token_ids,
+            usage=(lambda: self.usage(len(prompt_ids), stream.results())) if usage else None,
+        ):
+            yield event
 
     @staticmethod
     def _tool_delta(text: str, finish: str) -> tuple[dict[str, Any], str]:
@@ -640,51 +661,44 @@ class EngineServer:
         if req.echo:
             raise APIError(400, "echo=true is not supported by the embedded engine", param="echo")
         prompts = self.prompts(req.prompt)
-        k = req.logprobs or 0
-        stream = _EngineStream(self.engine, [(p, self.sampling(req, k)) for p in prompts], req.n)
-        return _EventStream(self._completion_events(req, prompts, stream), stream.cancel)
+        samplings = [self.sampling(req, req.logprobs or 0) for _ in prompts]  # one each: submit() trims max_tokens
+        stream = _EngineStream(self.engine, list(zip(prompts, samplings, strict=True)), req.n)
+        return _EventStream(self._completion_events(req, prompts, samplings[0], stream), stream.cancel)
 
     async def _completion_events(
-        self, req: CompletionRequest, prompts: list[list[int]], stream: _EngineStream
+        self, req: CompletionRequest, prompts: list[list[int]], sampling: Sampling, stream: _EngineStream
     ) -> AsyncIterator[str]:
         rid, created = new_id("cmpl-"), int(time.time())
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        stop = [req.stop] if isinstance(req.stop, str) else [x for x in req.stop or [] if x]
-        hold = max((len(x) for x in stop), default=1) - 1
+        hold = max((len(x) for x in sampling.stop), default=1) - 1
         as_ids = req.return_tokens_as_token_ids
 
         chunk = _chunk_writer(rid, "text_completion", created, self.name, usage)
 
         choices = [_ChoiceStream(IncrementalDetokenizer(self.tok, hold)) for _ in range(len(prompts) * req.n)]
-        try:
-            async for batch in stream.batches():
-                out = []
-                for i, events in _by_choice(batch, req.n).items():
-                    c = choices[i]
-                    c.take(events)
-                    last = events[-1]
-                    if last.finish_reason is None:
-                        text = c.detok.add([ev.token_id for ev in events])
-                        if not text:
-                            continue  # held back; its tokens ride on the next chunk
-                    else:
-                        text = c.detok.finish(last.text or "")
-                    choice: dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
-                    if req.logprobs is not None:
-                        choice["logprobs"] = lp = self.completion_logprob_fields(c.ids, c.logprobs, c.tops, as_ids, c.offset)
-                        c.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else c.offset
-                    if req.return_token_ids and not c.started:
-                        choice["prompt_token_ids"] = prompts[i // req.n]
-                    c.started = True
-                    out.append(chunk([c.flush(choice, req.return_token_ids)]))
-                if out:
-                    yield "".join(out)
-        except Exception as e:  # the engine failed mid-stream: the status line is long gone
-            yield _sse({"error": {"message": str(e), "type": "internal_server_error", "param": None, "code": 500}})
-        else:
-            if usage:
-                yield chunk([], usage=self.usage(sum(len(p) for p in prompts), stream.results()))
-        yield "data: [DONE]\n\n"
+
+        def build(i: int, c: _ChoiceStream, events: list[TokenEvent]) -> dict[str, Any] | None:
+            last = events[-1]
+            if last.finish_reason is None:
+                text = c.detok.add([ev.token_id for ev in events])
+                if not text:
+                    return None  # held back; its tokens ride on the next chunk
+            else:
+                text = c.detok.finish(last.text or "")
+            choice: dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+            if req.logprobs is not None:
+                choice["logprobs"] = lp = self.completion_logprob_fields(c.ids, c.logprobs, c.tops, as_ids, c.offset)
+                c.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else c.offset
+            if req.return_token_ids and not c.started:
+                choice["prompt_token_ids"] = prompts[i // req.n]
+            c.started = True
+            return choice
+
+        async for event in _stream_chunks(
+            stream, req.n, choices, chunk, build, token_ids=req.return_token_ids,
+            usage=(lambda: self.usage(sum(len(p) for p in prompts), stream.results())) if usage else None,
+        ):
+            yield event
 
     def prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -828,7 +842,16 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         version = await asyncio.to_thread(engine.update_weights, lambda m: None, req.weight_version)
         return {"success": True, "weight_version": version}
 
-    async def _update(apply, version: int | None) -> dict[str, Any]:
+    async def _update(version: int | None, lora: bool, load: Callable, read_factors: Callable) -> dict[str, Any]:
+        """Full weights (``load(model)``) or LoRA factors (``read_factors()``) as ``version``."""
+
+        def apply(model) -> int:
+            if lora:
+                return srv.adapters.apply(model, read_factors())
+            n = load(model)
+            srv.adapters.reset()  # new base weights: adapters merged before no longer apply
+            return n
+
         t0 = time.perf_counter()
         count: list[int] = []
         try:
@@ -838,29 +861,20 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         return {"success": True, "weight_version": new, "num_tensors": count[0] if count else 0,
                 "seconds": time.perf_counter() - t0}
 
-    def full_weights(load):  # new base weights: adapters merged earlier no longer apply
-        def apply(model):
-            n = load(model)
-            srv.adapters.reset()
-            return n
-
-        return apply
-
     @app.post("/update_weights_from_disk")
     async def update_from_disk(req: DiskWeightsRequest):
-        if req.lora:
-            apply = lambda m: srv.adapters.apply(m, read_safetensors(req.model_path))  # noqa: E731
-        else:
-            apply = full_weights(lambda m: load_safetensors_path(m, req.model_path))
-        return await _update(apply, req.weight_version)
+        return await _update(
+            req.weight_version, req.lora,
+            lambda m: load_safetensors_path(m, req.model_path), lambda: read_safetensors(req.model_path),
+        )
 
     @app.post("/update_weights_from_shm")
     async def update_from_shm(req: ShmWeightsRequest):
-        if req.lora:
-            apply = lambda m: srv.adapters.apply(m, srv.shared.views(req.path, req.manifest, req.size))  # noqa: E731
-        else:
-            apply = full_weights(lambda m: srv.shared.apply(m, req.path, req.manifest, req.size))
-        return await _update(apply, req.weight_version)
+        return await _update(
+            req.weight_version, req.lora,
+            lambda m: srv.shared.apply(m, req.path, req.manifest, req.size),
+            lambda: srv.shared.views(req.path, req.manifest, req.size),
+        )
 
     return app
 
