@@ -78,7 +78,10 @@ def test_staleness_is_a_bound_and_the_ledger_adds_up(tiny_model, tmp_path, eta):
 
 def test_sigkill_then_resume_continues_without_retraining(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
-    args = _overrides(tiny_model, run_dir, **{"trainer.steps": 8, "trainer.checkpoint_every": 2})
+    # enough steps that the poll below sees checkpoint 2 long before the run could finish
+    # (a tiny-model step takes well under a second: with 8 steps the run sometimes ended first)
+    n_steps = 40
+    args = _overrides(tiny_model, run_dir, **{"trainer.steps": n_steps, "trainer.checkpoint_every": 2})
     cmd = [sys.executable, "-m", "agentrl.cli", "run", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -87,7 +90,7 @@ def test_sigkill_then_resume_continues_without_retraining(tiny_model, tmp_path):
             steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
             if steps and max(steps) >= 2 and (run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists():
                 break
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         os.killpg(proc.pid, signal.SIGKILL)  # the run and its engine, no chance to clean up
         proc.wait()
@@ -95,15 +98,15 @@ def test_sigkill_then_resume_continues_without_retraining(tiny_model, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     before = read_jsonl(run_dir / "metrics.jsonl")
-    assert before and max(r["step"] for r in before) < 7
+    assert before and max(r["step"] for r in before) < n_steps - 1
 
     res = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "resumed from" in res.stderr
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(8))  # continues; no step twice
+    assert [r["step"] for r in rows] == list(range(n_steps))  # continues; no step twice
     trained = [e for r in read_jsonl(run_dir / "ledger.jsonl") for e in r["trained"]]
-    assert len(trained) == len(set(trained)) == 8 * 2 * 4  # no episode trained twice
+    assert len(trained) == len(set(trained)) == n_steps * 2 * 4  # no episode trained twice
     _ledger_adds_up(rows[-1])
 
     from transformers import AutoModelForCausalLM
