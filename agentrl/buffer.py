@@ -60,13 +60,13 @@ class Ledger:
 
     def as_metrics(self) -> dict[str, int]:
         return {
-            "episodes_started": self.started,
-            "episodes_trained": self.trained,
-            "episodes_stale": self.stale,
-            "episodes_filtered": self.filtered,
-            "episodes_errored": self.errored,
-            "episodes_interrupted": self.interrupted,
-            "episodes_in_flight": self.in_flight,
+            "ledger/started": self.started,
+            "ledger/trained": self.trained,
+            "ledger/stale": self.stale,
+            "ledger/filtered": self.filtered,
+            "ledger/errored": self.errored,
+            "ledger/interrupted": self.interrupted,
+            "ledger/in_flight": self.in_flight,
         }
 
 
@@ -214,13 +214,11 @@ class StalenessBuffer:
                 )
             self._changed.clear()
             await self._changed.wait()
-        self._ready.sort(key=lambda g: _min_version(g, self.version))
+        self._ready.sort(key=lambda g: _oldest_version(g, self.version))
         groups, self._ready = self._ready[: self.batch_groups], self._ready[self.batch_groups :]
         self._in_training = groups
         self._changed.set()
-        staleness = [
-            self.version - v for g in groups for t in g.trajectories for s in t.sequences for v in s.sampled_versions()
-        ]
+        staleness = [x for g in groups for x in g.staleness(self.version)]
         return Batch(
             groups=groups, version=self.version, wait_s=time.perf_counter() - t0, staleness=staleness,
             max_staleness=self.max_staleness,
@@ -260,8 +258,8 @@ class StalenessBuffer:
     def _drop_stale(self) -> None:
         keep = []
         for g in self._ready:
-            mv = g.min_version()
-            if mv is not None and self.version - mv > self.max_staleness:
+            oldest = g.oldest_version()
+            if oldest is not None and self.version - oldest > self.max_staleness:
                 self._settle("stale", g.trajectories)
             else:
                 keep.append(g)
@@ -303,6 +301,6 @@ class StalenessBuffer:
         self._in_training = []
 
 
-def _min_version(group: Group, default: int) -> int:
-    mv = group.min_version()
-    return default if mv is None else mv
+def _oldest_version(group: Group, default: int) -> int:
+    oldest = group.oldest_version()
+    return default if oldest is None else oldest

@@ -14,6 +14,9 @@ from typing import Annotated
 import typer
 
 from agentrl.errors import AgentrlError
+from agentrl.inference.engine_args import EngineArgs
+
+_ENGINE = EngineArgs()
 
 app = typer.Typer(
     name="agentrl",
@@ -53,9 +56,9 @@ def run(
     if dry_run:
         typer.echo(cfg.to_toml())
         return
-    from agentrl.trainer.run import run_training
+    from agentrl.recipes.rl import train
 
-    run_training(cfg, resume=resume)
+    train(cfg, resume=resume)
 
 
 @app.command(context_settings=_EXTRA)
@@ -65,9 +68,9 @@ def sft(
 ) -> None:
     """Supervised warm start on the environment's demonstrations (cached by config)."""
     from agentrl.config import load_config, split_files_and_overrides
-    from agentrl.trainer.sft import run_sft
+    from agentrl.recipes.sft import warm_start
 
-    path = run_sft(load_config(*split_files_and_overrides([*configs, *ctx.args])))
+    path = warm_start(load_config(*split_files_and_overrides([*configs, *ctx.args])))
     typer.echo(str(path))
 
 
@@ -104,9 +107,9 @@ def serve(
     model_dir: Annotated[str, typer.Argument(help="HF model directory (e.g. built by `agentrl model init tiny`).")],
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0 = a free one, printed at start).")] = 8000,
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
-    max_batch_size: Annotated[int, typer.Option(min=1, help="Sequences decoded together.")] = 64,
-    max_model_len: Annotated[int, typer.Option(min=16, help="Longest prompt+completion in tokens.")] = 1024,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:i].")] = "auto",
+    max_batch_size: Annotated[int, typer.Option(min=1, help="Sequences decoded together.")] = _ENGINE.max_batch_size,
+    max_model_len: Annotated[int, typer.Option(min=16, help="Longest prompt+completion in tokens.")] = _ENGINE.max_model_len,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:i].")] = _ENGINE.device,
     served_model_name: Annotated[str | None, typer.Option(help="Model name in the API (default: dir name).")] = None,
 ) -> None:
     """Serve a model with the embedded OpenAI-compatible engine (continuous batching, live weights)."""
@@ -118,17 +121,9 @@ def serve(
         raise AgentrlError(f"unknown device {device!r}; use auto, cpu or cuda")
     from agentrl.inference.server import serve as run_server
 
+    args = EngineArgs(max_batch_size=max_batch_size, max_model_len=max_model_len, device=device)
     try:
-        run_server(
-            model_dir,
-            host=host,
-            port=port,
-            max_batch_size=max_batch_size,
-            max_model_len=max_model_len,
-            device=device,
-            served_model_name=served_model_name,
-            log_level="info",
-        )
+        run_server(model_dir, host=host, port=port, args=args, served_model_name=served_model_name, log_level="info")
     except OSError as e:
         raise AgentrlError(f"cannot serve on {host}:{port}: {e.strerror or e}") from e
 
@@ -156,13 +151,23 @@ def eval_cmd(
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Use /v1/chat/completions (endpoints without /tokenize).")] = False,
     pass_threshold: Annotated[float, typer.Option("--pass-threshold", help="Reward counted as a pass.")] = 1.0,
+    tokenizer: Annotated[
+        str | None, typer.Option("--tokenizer", help="Local tokenizer dir to render prompts (default: the model dir).")
+    ] = None,
+    max_error_rate: Annotated[
+        float, typer.Option("--max-error-rate", min=0.0, max=1.0, help="Exit 1 above this share of errored episodes.")
+    ] = 0.5,
 ) -> None:
-    """Evaluate a model on an environment; one JSON line per episode, summary table at the end."""
-    from agentrl.evaluation import run_eval_command
+    """Evaluate a model on an environment; one JSON line per episode, summary table at the end.
+
+    Exit status: 0 ok; 1 more than --max-error-rate of the episodes errored; 3 all of them
+    did; 2 bad input (arguments, environment, an endpoint that cannot serve the eval).
+    """
     from agentrl.plugins import parse_env_args
+    from agentrl.recipes.eval import run as run_eval
     from agentrl.types import SamplingParams
 
-    run_eval_command(
+    status = run_eval(
         env,
         model=model,
         base_url=base_url,
@@ -177,7 +182,11 @@ def eval_cmd(
         max_turns=max_turns,
         chat=chat,
         pass_threshold=pass_threshold,
+        tokenizer=tokenizer,
+        max_error_rate=max_error_rate,
     )
+    if status:
+        raise typer.Exit(status)
 
 
 @env_app.command("init")
@@ -229,21 +238,18 @@ def env_test(
     from agentrl.types import SamplingParams
 
     environment = load_environment(env, **parse_env_args(env_args))
-    handle = None
-    if model is not None and base_url is None:
-        if not (Path(model) / "config.json").is_file():
-            raise AgentrlError(f"--model {model!r} is not a local model dir; pass --base-url for a remote endpoint")
-        from agentrl.inference.launcher import start_embedded_engine
+    policy = None
+    if model is not None:
+        from agentrl.inference import open_policy
 
-        handle = start_embedded_engine(model)
-        base_url, model = handle.base_url, handle.model
+        policy = open_policy(model, base_url)
 
     async def go():
         client = None
-        if model is not None:
-            from agentrl.inference.client import PolicyClient
+        if policy is not None:
+            from agentrl.inference import PolicyClient
 
-            client = PolicyClient(base_url, model)
+            client = PolicyClient(policy.base_urls, policy.model)
         try:
             return await check_environment(
                 environment, client, num_episodes=num_episodes, sampling=SamplingParams(max_tokens=max_tokens)
@@ -255,8 +261,8 @@ def env_test(
     try:
         report = asyncio.run(go())
     finally:
-        if handle is not None:
-            handle.stop()
+        if policy is not None:
+            policy.stop()
     table = Table(title=f"{environment.name} {environment.version}", show_header=True)
     for col in ("check", "ok", "detail"):
         table.add_column(col)

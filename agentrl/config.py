@@ -16,11 +16,11 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agentrl.errors import AgentrlError
+from agentrl.errors import ConfigError
+from agentrl.inference.engine_args import EngineArgs
+from agentrl.types import SamplingParams
 
-
-class ConfigError(AgentrlError):
-    """A bad config file, key or value (the CLI exits 2 with this message)."""
+_ENGINE = EngineArgs()  # the embedded engine's defaults, in one place
 
 
 class Section(BaseModel):
@@ -46,9 +46,9 @@ class InferenceConfig(Section):
     )
     model_name: str | None = Field(None, description="Served model name (default: the model dir's name).")
     port: int = Field(0, ge=0, description="Embedded engine port (0 = pick a free one).")
-    max_batch_size: int = Field(64, ge=1, description="Embedded engine: sequences decoded together.")
-    max_model_len: int = Field(1024, ge=16, description="Longest prompt+completion the engine accepts.")
-    device: str = Field("auto", description="Embedded engine device: auto | cpu | cuda.")
+    max_batch_size: int = Field(_ENGINE.max_batch_size, ge=1, description="Embedded engine: sequences decoded together.")
+    max_model_len: int = Field(_ENGINE.max_model_len, ge=16, description="Longest prompt+completion the engine accepts.")
+    device: str = Field(_ENGINE.device, description="Embedded engine device: auto | cpu | cuda.")
     weight_transport: Literal["shm", "disk"] = Field("shm", description="How weights reach a same-host engine.")
     request_timeout_s: float = Field(120.0, gt=0, description="Per-request client timeout.")
     max_retries: int = Field(3, ge=0, description="Client retries on transient endpoint errors.")
@@ -68,6 +68,15 @@ class RolloutConfig(Section):
     max_tokens: int = Field(64, ge=1, description="Sampled tokens per model turn.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature for training rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for training rollouts.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling for training rollouts (-1 or 0 = off).")
+    min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling: keep tokens with p ≥ min_p · p_max (0 = off).")
+
+    def sampling(self) -> SamplingParams:
+        """How training rollouts sample (the trainer mirrors it: agentrl.inference.sampling)."""
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p,
+        )
 
 
 class BufferConfig(Section):

@@ -1,12 +1,29 @@
-"""Errors a user can fix. The CLI prints their message on one line and exits with code 2.
+"""Every error a user or a boundary can see, in one place.
 
-Errors are named by the boundary they crossed (STYLE.md #8); inside a run, failures of
-one episode become data on that episode instead (``Trajectory.error``).
+Two families:
+
+- :class:`AgentrlError`: something the user can fix (a config value, a CLI argument, a
+  missing plugin, their own code raising).  The CLI prints its message on one line and
+  exits with code 2.
+- :class:`EpisodeFailure`: something went wrong inside one episode.  It never crashes a
+  run: the episode loop (``agentrl.episode``) records it on the trajectory as ``error``
+  with an ``error_kind`` (the boundary it crossed, STYLE.md #8) and the ledger counts the
+  episode as errored.  Exceptions of other types raised inside an episode are classified
+  by where they were raised (an env hook → ``env``, the policy client → ``endpoint``).
 """
+
+from __future__ import annotations
+
+# The kinds an errored episode can have (README: "Fates, error kinds and exit codes").
+ERROR_KINDS = ("endpoint", "parse", "context_length", "env", "tool", "sandbox", "rubric", "timeout")
 
 
 class AgentrlError(Exception):
     """Base for errors caused by user input (config, CLI argument, missing plugin ...)."""
+
+
+class ConfigError(AgentrlError):
+    """A bad config file, key or value."""
 
 
 class EnvironmentNotFound(AgentrlError):
@@ -15,3 +32,100 @@ class EnvironmentNotFound(AgentrlError):
 
 class RubricNotFound(AgentrlError):
     """No installed rubric plugin by that name."""
+
+
+class UserCodeError(AgentrlError):
+    """User code (``load_environment``, a dataset, a rubric factory) raised outside an episode."""
+
+
+class RunDirExists(AgentrlError):
+    """The run directory already holds a run and --resume was not given."""
+
+
+class EngineStartError(AgentrlError):
+    """An inference engine did not come up (bad model dir, port in use, crash at load)."""
+
+
+class EndpointProbeError(AgentrlError):
+    """An endpoint is unusable for the chosen path (wrong model name, missing routes)."""
+
+
+# ----------------------------------------------------------------------------- episode failures
+
+
+class EpisodeFailure(Exception):
+    """A failure inside one episode; ``error_kind`` names the boundary it crossed."""
+
+    error_kind = "env"
+
+
+class EpisodeError(EpisodeFailure):
+    """Raise from an env hook (or a tool) to end the episode as errored; not shown to the model."""
+
+    error_kind = "env"
+
+
+class ToolError(EpisodeError):
+    """A tool failed in a way the model did not cause (raised as :class:`EpisodeError` inside it)."""
+
+    error_kind = "tool"
+
+
+class EndpointError(EpisodeFailure):
+    """The inference endpoint failed (after the client's retries) or rejected the request."""
+
+    error_kind = "endpoint"
+
+
+class ContextLengthExceeded(EndpointError):
+    """The prompt does not fit the model's context window."""
+
+    error_kind = "context_length"
+
+
+class MalformedResponse(EndpointError):
+    """The endpoint answered, but not in the shape the request asked for."""
+
+    error_kind = "parse"
+
+
+class RequestError(ValueError):
+    """A request an engine cannot serve (a weight update that does not fit, a bad prompt);
+    the HTTP layer answers it with an OpenAI-style 4xx."""
+
+    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+class WeightSyncError(RuntimeError):
+    """An engine refused or failed a weight update (names/shapes wrong, engine down)."""
+
+
+def error_kind_of(e: BaseException, default: str = "env") -> str:
+    """The ``error_kind`` an exception carries (sandbox and rubric errors set their own)."""
+    kind = getattr(type(e), "error_kind", None)
+    return kind if isinstance(kind, str) else default
+
+
+__all__ = [
+    "ERROR_KINDS",
+    "AgentrlError",
+    "ConfigError",
+    "ContextLengthExceeded",
+    "EndpointError",
+    "EndpointProbeError",
+    "EngineStartError",
+    "EnvironmentNotFound",
+    "EpisodeError",
+    "EpisodeFailure",
+    "MalformedResponse",
+    "RequestError",
+    "RubricNotFound",
+    "RunDirExists",
+    "ToolError",
+    "UserCodeError",
+    "WeightSyncError",
+    "error_kind_of",
+]

@@ -1,9 +1,11 @@
-"""One small logger protocol (JSONL file or nothing) and the live progress line.
+"""Metrics: one namespaced schema, one logger protocol, the live status line.
 
-``MetricsLogger.log(row)`` appends one JSON object per call; :class:`NullLogger` drops
-rows (tests, benchmarks).  :class:`LiveProgress` shows step, reward, eval reward,
-tokens/s, staleness and buffer depth on one rich status line (stderr), and falls back
-to a plain line per step when stderr is not a terminal.
+:data:`SCHEMA` names every metric a run writes (``rollout/…``, ``train/…``, ``buffer/…``,
+``weights/…``, ``eval/…``, ``ledger/…``, ``time/…``) with one line saying what it is; the
+writer refuses names outside it, and the live status line and ``agentrl view`` read the same
+names.  ``MetricsLogger.log(row)`` appends one JSON object per call; :class:`NullLogger`
+drops rows (tests, benchmarks).  :class:`LiveProgress` shows a run on one rich status line
+(stderr), and falls back to a plain line per step when stderr is not a terminal.
 """
 
 from __future__ import annotations
@@ -13,6 +15,70 @@ import math
 import os
 from pathlib import Path
 from typing import Any, Protocol
+
+SCHEMA: dict[str, str] = {
+    "step": "optimizer step just applied (0-based)",
+    "version": "trainer weight version after the step (= step + 1)",
+    # rollout: everything sampled since the previous step
+    "rollout/reward_mean": "mean reward of the episodes finished since the last step (errored ones excluded)",
+    "rollout/episodes": "episodes finished since the last step",
+    "rollout/tokens_per_s": "sampled tokens per second since the last step",
+    "rollout/in_flight": "episodes running now",
+    "rollout/groups_cancelled_stale": "running groups cancelled because a token became too stale (cumulative)",
+    # train: the optimizer step
+    "train/reward_mean": "mean reward of the trained batch (after filtering)",
+    "train/reward_std": "reward standard deviation of the trained batch",
+    "train/loss": "policy loss of the step",
+    "train/grad_norm": "global gradient norm before clipping",
+    "train/entropy": "mean per-token entropy of π_θ over the sampling support",
+    "train/lr": "learning rate used by the step",
+    "train/mismatch_kl": "mean k3 KL(μ‖π_θ) per loss token (0 at identical weights)",
+    "train/masked_frac": "share of loss tokens outside the trust band",
+    "train/clip_frac": "share of loss tokens clipped or masked by the loss",
+    "train/ess": "normalised effective sample size of the ratios π_θ/μ, in (0, 1]",
+    "train/tokens": "loss tokens in the step",
+    "train/seconds": "wall seconds of the forward/backward/optimizer step",
+    "train/idle_frac": "share of the step's wall time the trainer waited for data",
+    "train/skipped_steps": "optimizer steps skipped for a non-finite gradient (cumulative)",
+    # buffer: staleness of what was trained, and the bound
+    "buffer/staleness_mean": "mean staleness (trainer version − token version) of the trained tokens",
+    "buffer/staleness_max": "largest staleness among the trained tokens",
+    "buffer/max_staleness": "η: the bound this step's batch obeyed",
+    "buffer/max_staleness_next": "η in force for the next step (adaptive mode may move it)",
+    "buffer/adaptive_reason": "why adaptive mode held, raised or lowered η",
+    "buffer/ready": "scored groups waiting to be trained",
+    # weights
+    "weights/push_s": "seconds to push the new weights into every engine (0 when no push)",
+    "weights/push_mb": "MiB moved by the last push",
+    # held-out evaluation
+    "eval/reward_mean": "greedy held-out reward (errored episodes count 0)",
+    "eval/errored": "held-out episodes that errored",
+    "eval/version": "weight version the held-out evaluation ran on",
+    "eval/seconds": "wall seconds of the held-out evaluation",
+    # the episode ledger (cumulative over the run)
+    "ledger/started": "episodes started",
+    "ledger/trained": "episodes trained",
+    "ledger/stale": "episodes dropped because a token was more than η versions old",
+    "ledger/filtered": "episodes of groups without a learning signal (equal rewards, too few valid)",
+    "ledger/errored": "episodes that failed (see ledger/errored/<kind>)",
+    "ledger/interrupted": "episodes in flight when an earlier process died (counted on --resume)",
+    "ledger/skipped": "episodes of a batch whose optimizer step was skipped (non-finite gradient)",
+    "ledger/in_flight": "episodes running or waiting to be trained now (the counted live set)",
+    "ledger/top_error": "the most frequent error of the step's errored episodes, with its kind",
+    # time
+    "time/wall_s": "seconds since the run started",
+    "time/rl_wall_s": "seconds since the RL loop started (engine start-up and warm start excluded)",
+}
+# name families: one entry per error kind (agentrl.errors.ERROR_KINDS)
+SCHEMA_PREFIXES = {"ledger/errored/": "episodes errored with this kind", "engine/": "what the engine reports in /metrics"}
+
+
+def known_metric(name: str) -> bool:
+    return name in SCHEMA or any(name.startswith(p) for p in SCHEMA_PREFIXES)
+
+
+class UnknownMetric(ValueError):
+    """A metric name outside :data:`SCHEMA` (a bug: add it to the schema with its meaning)."""
 
 
 class MetricsLogger(Protocol):
@@ -36,14 +102,22 @@ def _clean(v: Any) -> Any:
 
 
 class JSONLLogger:
-    """Append-only JSONL; every row is flushed so a killed run keeps what it logged."""
+    """Append-only JSONL; every row is flushed so a killed run keeps what it logged.
 
-    def __init__(self, path: str | Path) -> None:
+    ``schema=True`` (the metrics file) refuses names outside :data:`SCHEMA`.
+    """
+
+    def __init__(self, path: str | Path, *, schema: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.schema = schema
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
 
     def log(self, row: dict[str, Any]) -> None:
+        if self.schema:
+            unknown = [k for k in row if not known_metric(k)]
+            if unknown:
+                raise UnknownMetric(f"metrics {unknown} are not in agentrl.metrics.SCHEMA")
         self._f.write(json.dumps({k: _clean(v) for k, v in row.items()}, separators=(",", ":")) + "\n")
         self._f.flush()
 
@@ -101,16 +175,18 @@ class LiveProgress:
     def update(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        if row.get("eval_reward_mean") is not None:
-            self._last_eval = row["eval_reward_mean"]
+        if row.get("eval/reward_mean") is not None:
+            self._last_eval = row["eval/reward_mean"]
         ev = f"{self._last_eval:.3f}" if self._last_eval is not None else "-"
         text = (
-            f"step {row['step'] + 1}/{self.total}  reward {row.get('reward_mean', 0):.3f}  eval {ev}  "
-            f"tok/s {row.get('tokens_per_s', 0):.0f}  stale {row.get('staleness_mean', 0):.2f}/"
-            f"{row.get('staleness_max', 0)} (eta {row.get('max_staleness', 0)})  "
-            f"buffer {row.get('buffer_ready', 0)}  in-flight {row.get('rollouts_in_flight', 0)}  "
-            f"idle {row.get('trainer_idle_frac', 0):.2f}  {row.get('wall_s', 0):.0f}s"
+            f"step {row['step'] + 1}/{self.total}  reward {row.get('train/reward_mean', 0):.3f}  eval {ev}  "
+            f"tok/s {row.get('rollout/tokens_per_s', 0):.0f}  stale {row.get('buffer/staleness_mean', 0):.2f}/"
+            f"{row.get('buffer/staleness_max', 0)} (eta {row.get('buffer/max_staleness', 0)})  "
+            f"buffer {row.get('buffer/ready', 0)}  in-flight {row.get('rollout/in_flight', 0)}  "
+            f"idle {row.get('train/idle_frac', 0):.2f}  {row.get('time/wall_s', 0):.0f}s"
         )
+        if row.get("ledger/top_error"):
+            text += f"  errored {row.get('ledger/errored', 0)}: {row['ledger/top_error'][:80]}"
         if self._live is not None:
             self._live.update(text)
         else:
@@ -139,18 +215,18 @@ def summarize_run(run_dir: str | Path, last_rollouts: int = 3) -> str:
         return "\n".join(lines)
     last = rows[-1]
     lines.append(
-        f"  steps {len(rows)} (version {last['version']}), wall {last.get('wall_s', 0):.0f}s, "
-        f"tokens/s {last.get('tokens_per_s', 0):.0f}, weight push {last.get('weight_push_s', 0) * 1000:.0f} ms"
+        f"  steps {len(rows)} (version {last['version']}), wall {last.get('time/wall_s', 0):.0f}s, "
+        f"tokens/s {last.get('rollout/tokens_per_s', 0):.0f}, weight push {last.get('weights/push_s', 0) * 1000:.0f} ms"
     )
-    evals = [(r["eval_version"], r["eval_reward_mean"]) for r in rows if r.get("eval_reward_mean") is not None]
+    evals = [(r["eval/version"], r["eval/reward_mean"]) for r in rows if r.get("eval/reward_mean") is not None]
     if evals:
         curve = "  ".join(f"v{v}:{x:.3f}" for v, x in evals)
         lines.append(f"  eval reward (held-out): {curve}")
         lines.append(f"  change from first eval: {evals[-1][1] - evals[0][1]:+.3f}")
-    keys = ("reward_mean", "rollout_reward_mean", "staleness_mean", "mismatch_kl", "masked_frac", "ess",
-            "entropy", "trainer_idle_frac")
+    keys = ("train/reward_mean", "rollout/reward_mean", "buffer/staleness_mean", "train/mismatch_kl",
+            "train/masked_frac", "train/ess", "train/entropy", "train/idle_frac")
     lines.append("  last step: " + ", ".join(f"{k} {last[k]:.3g}" for k in keys if last.get(k) is not None))
-    ledger = {k[len("episodes_"):]: v for k, v in last.items() if k.startswith("episodes_")}
+    ledger = {k[len("ledger/"):]: v for k, v in last.items() if k.startswith("ledger/") and k != "ledger/top_error"}
     lines.append("  episodes: " + ", ".join(f"{k} {v}" for k, v in ledger.items()))
     tail = read_jsonl(run / "rollouts.jsonl")[-last_rollouts:]
     for r in tail:

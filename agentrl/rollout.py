@@ -1,15 +1,14 @@
 """RolloutManager: keeps many multi-turn episodes in flight and feeds the buffer.
 
 One asyncio event loop.  For each task drawn from :class:`TaskSampler` the manager runs
-a *group* of G episodes (``Environment.rollout``), scores the group with the env's
-rubric and hands it to :class:`~agentrl.buffer.StalenessBuffer`.  It starts a new group
-only when the buffer's ``capacity()`` allows it (staleness admission control) and there
-are G free episode slots (``max_in_flight``).  Model calls go through
-:class:`ManagedClient`: least-loaded endpoint per group (so a group's shared prompt hits
-one engine's cache), an optional request-rate throttle (asyncio-throttle) per endpoint,
-and retries with backoff on transient endpoint errors.  Each episode has a wall-clock
-timeout; a timed-out or crashed episode becomes an errored trajectory, never an
-exception.
+a *group* of G episodes (:func:`agentrl.episode.run_episode`, through the env's
+``rollout``), scores the group with the env's rubric and hands it to
+:class:`~agentrl.buffer.StalenessBuffer`.  It starts a new group only when the buffer's
+``capacity()`` allows it (staleness admission control) and there are G free episode slots
+(``max_in_flight``).  A group's episodes share one endpoint (``PolicyClient.pin``), so
+their shared prompt hits one engine's cache; retries, failover and request-rate limits are
+the client's.  A crashed, timed-out or failed episode becomes an errored trajectory
+(with its error kind), never an exception.
 
 Partial rollouts need nothing here: the engine pauses for a weight push and resumes
 in-flight requests on the new weights, and every token carries the version that
@@ -19,81 +18,14 @@ sampled it, so an episode spanning updates is simply trained with per-token vers
 from __future__ import annotations
 
 import asyncio
-import inspect
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncio_throttle import Throttler
-
 from agentrl.buffer import StalenessBuffer
-from agentrl.types import Group, SamplingParams, Task, Trajectory
-
-
-def _transient_errors() -> tuple[type[BaseException], ...]:
-    errs: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    try:
-        from agentrl.inference.client import EndpointError
-
-        errs.append(EndpointError)
-    except ImportError:  # the engine's client is optional for fake-client tests
-        pass
-    return tuple(errs)
-
-
-def _is_permanent(e: BaseException) -> bool:
-    # A prompt that does not fit will not fit on retry either.
-    return any(cls.__name__ == "ContextLengthExceeded" for cls in type(e).__mro__)
-
-
-class Endpoint:
-    """One inference server: its client, a throttle, and how many episodes use it."""
-
-    def __init__(self, client: Any, requests_per_s: float = 0.0) -> None:
-        self.client = client
-        self.active_episodes = 0
-        self.calls = 0
-        self.throttle = Throttler(rate_limit=max(1, int(math.ceil(requests_per_s))), period=1.0) if requests_per_s else None
-
-
-class ManagedClient:
-    """What an episode talks to: the endpoint's client plus throttle and retries.
-
-    Everything but ``complete`` is forwarded to the underlying client unchanged.
-    ``group`` (optional) learns the oldest weight version among the sampled tokens.
-    """
-
-    def __init__(
-        self, endpoint: Endpoint, max_retries: int = 3, backoff_s: float = 0.2, group: _RunningGroup | None = None
-    ) -> None:
-        self._endpoint = endpoint
-        self._max_retries = max_retries
-        self._backoff_s = backoff_s
-        self._transient = _transient_errors()
-        self._group = group
-
-    async def complete(self, *args: Any, **kwargs: Any) -> Any:
-        ep = self._endpoint
-        for attempt in range(self._max_retries + 1):
-            if ep.throttle is not None:
-                await ep.throttle.acquire()
-            ep.calls += 1
-            try:
-                out = ep.client.complete(*args, **kwargs)
-                out = await out if inspect.isawaitable(out) else out
-                if self._group is not None:
-                    self._group.saw(out)
-                return out
-            except self._transient as e:
-                if attempt == self._max_retries or _is_permanent(e):
-                    raise
-                await asyncio.sleep(self._backoff_s * (2**attempt))
-        raise AssertionError("unreachable")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._endpoint.client, name)
+from agentrl.rubrics import score_episodes
+from agentrl.types import Completion, Group, SamplingParams, Task, Trajectory, oldest_version
 
 
 class TaskSampler:
@@ -143,13 +75,30 @@ class _RunningGroup:
         self.oldest_version: int | None = None
         self.doomed = False
 
-    def saw(self, completions: Any) -> None:
-        for c in completions or ():
-            vs = getattr(c, "versions", None)
-            if vs:
-                v = min(vs)
-                if self.oldest_version is None or v < self.oldest_version:
-                    self.oldest_version = v
+    def saw(self, completions: list[Completion]) -> None:
+        v = oldest_version(v for c in completions or () for v in (c.versions or ()))
+        if v is not None and (self.oldest_version is None or v < self.oldest_version):
+            self.oldest_version = v
+
+
+class _Watched:
+    """The client a group's episodes use: records the oldest version each call sampled with."""
+
+    def __init__(self, client: Any, group: _RunningGroup) -> None:
+        self._client, self._group = client, group
+
+    async def complete(self, *args: Any, **kwargs: Any) -> list[Completion]:
+        out = await self._client.complete(*args, **kwargs)
+        self._group.saw(out)
+        return out
+
+    async def chat(self, *args: Any, **kwargs: Any) -> list[Completion]:
+        out = await self._client.chat(*args, **kwargs)
+        self._group.saw(out)
+        return out
+
+    async def tokenize(self, **kwargs: Any) -> list[int]:
+        return await self._client.tokenize(**kwargs)
 
 
 class RolloutManager:
@@ -158,23 +107,21 @@ class RolloutManager:
     def __init__(
         self,
         env: Any,
-        clients: Sequence[Any],
+        client: Any,
         buffer: StalenessBuffer,
         sampler: TaskSampler,
         sampling: SamplingParams,
         *,
         group_size: int = 8,
         max_in_flight: int = 64,
-        requests_per_s: float = 0.0,
         episode_timeout_s: float = 120.0,
         max_turns: int | None = None,
-        max_retries: int = 3,
         on_trajectory: TrajectorySink | None = None,
     ) -> None:
-        if not clients:
-            raise ValueError("RolloutManager needs at least one client")
+        """``client``: a :class:`~agentrl.inference.PolicyClient` (or anything with its
+        ``complete``/``chat``/``tokenize``; ``pin`` is used when present)."""
         self.env = env
-        self.endpoints = [Endpoint(c, requests_per_s) for c in clients]
+        self.client = client
         self.buffer = buffer
         self.sampler = sampler
         self.sampling = sampling
@@ -182,7 +129,6 @@ class RolloutManager:
         self.max_in_flight = max_in_flight
         self.episode_timeout_s = episode_timeout_s
         self.max_turns = max_turns
-        self.max_retries = max_retries
         self.on_trajectory = on_trajectory
         self.active_episodes = 0
         self.episodes_finished = 0
@@ -237,18 +183,16 @@ class RolloutManager:
         self._running.append(run)
 
     async def _run_group(self, task: Task, run: _RunningGroup) -> None:
-        group = Group(task=task)
-        endpoint = min(self.endpoints, key=lambda e: e.active_episodes)
-        endpoint.active_episodes += self.group_size
+        pin = self.client.pin(self.group_size) if hasattr(self.client, "pin") else None
+        client = _Watched(pin or self.client, run)
         done = False
         try:
-            trajs = await asyncio.gather(
-                *(self._episode(endpoint, task, self.sampling, run) for _ in range(self.group_size))
-            )
+            group = Group(task=task)
+            trajs = await asyncio.gather(*(self._episode(client, task) for _ in range(self.group_size)))
             group.trajectories = list(trajs)
             for t in group.trajectories:
                 t.group_id = group.id
-            await score_group(self.env, group.trajectories)
+            await score_episodes(self.env.rubric, group.trajectories)
             for t in group.trajectories:
                 self.sampled_tokens += t.num_sampled_tokens
                 if self.on_trajectory is not None:
@@ -257,7 +201,8 @@ class RolloutManager:
             self.buffer.put(group)
             done = True
         finally:
-            endpoint.active_episodes -= self.group_size
+            if pin is not None:
+                pin.release()
             self._running.remove(run)
             if not done:
                 if run.doomed:  # cancelled by _cancel_doomed: dropped as stale in the ledger
@@ -265,18 +210,11 @@ class RolloutManager:
                 else:  # cancelled at shutdown: its episodes stay in flight in the ledger
                     self.buffer.abandon_group(self.group_size)
 
-    async def _episode(
-        self, endpoint: Endpoint, task: Task, sampling: SamplingParams, run: _RunningGroup | None = None
-    ) -> Trajectory:
+    async def _episode(self, client: Any, task: Task) -> Trajectory:
         """One episode; frees its in-flight slot as soon as it ends (before group scoring)."""
         try:
-            return await run_episode(
-                self.env,
-                ManagedClient(endpoint, self.max_retries, group=run),
-                task,
-                sampling,
-                timeout_s=self.episode_timeout_s,
-                max_turns=self.max_turns,
+            return await run_episode_of(
+                self.env, client, task, self.sampling, timeout_s=self.episode_timeout_s, max_turns=self.max_turns
             )
         finally:
             self.active_episodes -= 1
@@ -293,62 +231,65 @@ class RolloutManager:
 
     async def evaluate(self, tasks: Sequence[Task], sampling: SamplingParams, concurrency: int = 64) -> list[Trajectory]:
         """Run one scored episode per task outside the buffer and ledger (held-out eval)."""
-        clients = [ManagedClient(ep, self.max_retries) for ep in self.endpoints]
         return await evaluate_tasks(
-            self.env, clients, tasks, sampling, concurrency=concurrency,
+            self.env, self.client, tasks, sampling, concurrency=concurrency,
             timeout_s=self.episode_timeout_s, max_turns=self.max_turns,
         )
 
 
-# ----------------------------------------------------------------------------- episode helpers
+# ----------------------------------------------------------------------------- episodes outside a run
 
 
-async def run_episode(
-    env: Any, client: Any, task: Task, sampling: SamplingParams, *, timeout_s: float, max_turns: int | None
+async def run_episode_of(
+    env: Any, client: Any, task: Task, sampling: SamplingParams, *, timeout_s: float | None,
+    max_turns: int | None, token_exact: bool = True,
 ) -> Trajectory:
-    """``env.rollout`` with a wall-clock limit; never raises (failures become ``error``)."""
+    """``env.rollout`` under a wall limit (the tighter of the env's own and ``timeout_s``)."""
+    own = getattr(env, "timeout_s", None)
+    limit = min(x for x in (own, timeout_s) if x is not None) if (own or timeout_s) else None
     t0 = time.perf_counter()
-    try:
-        traj = await asyncio.wait_for(env.rollout(client, task, sampling, max_turns=max_turns), timeout_s)
-    except TimeoutError:
-        traj = Trajectory(task=task, error=f"timeout: episode exceeded {timeout_s:g}s", stop_reason="timeout")
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # env.rollout promises not to raise; a bug there must not kill the run
-        traj = Trajectory(task=task, error=f"{type(e).__name__}: {e}"[:500], stop_reason="error")
+    kwargs: dict[str, Any] = {"max_turns": max_turns, "timeout_s": limit}
+    if not token_exact:
+        kwargs["token_exact"] = False
+    traj = await env.rollout(client, task, sampling, **kwargs)
     traj.timing.setdefault("episode_s", time.perf_counter() - t0)
     return traj
 
 
-async def evaluate_tasks(
-    env: Any, clients: Sequence[Any], tasks: Sequence[Task], sampling: SamplingParams, *,
-    concurrency: int = 64, timeout_s: float = 120.0, max_turns: int | None = None,
+async def run_group(
+    env: Any, client: Any, task: Task, sampling: SamplingParams, n: int, *, timeout_s: float | None = None,
+    max_turns: int | None = None, token_exact: bool = True,
 ) -> list[Trajectory]:
-    """One scored episode per task, spread over ``clients`` (never raises)."""
+    """``n`` scored episodes of one task on one endpoint (never raises)."""
+    pin = client.pin(n) if hasattr(client, "pin") else None
+    try:
+        trajs = list(await asyncio.gather(*(
+            run_episode_of(env, pin or client, task, sampling, timeout_s=timeout_s, max_turns=max_turns,
+                           token_exact=token_exact)
+            for _ in range(n)
+        )))  # fmt: skip
+    finally:
+        if pin is not None:
+            pin.release()
+    await score_episodes(env.rubric, trajs)
+    return trajs
+
+
+async def evaluate_tasks(
+    env: Any, client: Any, tasks: Sequence[Task], sampling: SamplingParams, *,
+    concurrency: int = 64, timeout_s: float | None = 120.0, max_turns: int | None = None,
+) -> list[Trajectory]:
+    """Held-out evaluation: one scored episode per task (the one evaluator RL, SFT and eval share)."""
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(i: int, task: Task) -> Trajectory:
+    async def one(task: Task) -> Trajectory:
         async with sem:
-            traj = await run_episode(
-                env, clients[i % len(clients)], task, sampling, timeout_s=timeout_s, max_turns=max_turns
-            )
-            await score_group(env, [traj])
+            (traj,) = await run_group(env, client, task, sampling, 1, timeout_s=timeout_s, max_turns=max_turns)
             return traj
 
-    return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+    return list(await asyncio.gather(*(one(t) for t in tasks)))
 
 
-async def score_group(env: Any, trajs: list[Trajectory]) -> None:
-    """Rubric scoring; a crash or a non-finite reward marks the episode errored."""
-    live = [t for t in trajs if not t.errored]
-    if not live:
-        return
-    try:
-        await env.rubric.score_group(live)
-    except Exception as e:
-        for t in live:
-            t.error = f"rubric: {type(e).__name__}: {e}"[:500]
-        return
-    for t in live:
-        if t.error is None and not math.isfinite(t.reward):
-            t.error = f"rubric: non-finite reward {t.reward!r}"
+def mean_reward(trajs: Sequence[Trajectory]) -> float:
+    """Mean reward with errored episodes counted as 0 (the held-out eval score)."""
+    return sum(t.reward for t in trajs if not t.errored) / len(trajs) if trajs else 0.0

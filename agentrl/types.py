@@ -7,8 +7,9 @@ written to ``rollouts.jsonl`` and read back exactly.
 Token provenance (DESIGN.md): a :class:`TokenSequence` holds the exact token ids the
 engine sampled (never re-tokenized from text) interleaved with env/tool tokens.  Per token:
 ``loss_mask`` (1 = sampled by the policy, 0 = forced prompt/env tokens), ``logprobs``
-(μ, the sampling logprob reported by the engine; 0.0 where mask is 0) and ``versions``
-(the policy weight version that produced the token; -1 where mask is 0).
+(μ, the behaviour logprob reported by the engine; 0.0 where mask is 0) and ``versions``
+(the weight version that sampled the token; -1 where mask is 0).  Staleness of a token is
+the trainer's version minus its version (:meth:`Group.staleness`).
 """
 
 from __future__ import annotations
@@ -84,14 +85,52 @@ def messages_to_dicts(messages: list[Message]) -> list[dict[str, Any]]:
 
 @dataclass
 class SamplingParams:
-    """How one model call samples (OpenAI/vLLM field names)."""
+    """How one model call samples (OpenAI/vLLM field names).
+
+    The one sampling type from config to engine: the rollout builds it from
+    ``[rollout]``, the client sends every field, the embedded engine extends it only with
+    engine-only fields (``agentrl.inference.sampling.EngineSampling``).  The behaviour
+    logprob μ of a token is taken after temperature, top-k, top-p and min-p.
+    """
 
     max_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1 or 0: no top-k
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled choice, token-exact: what every policy client returns for one call.
+
+    ``logprobs`` are the behaviour logprobs μ of ``token_ids``; ``versions`` the weight
+    version that sampled each token.  On a chat endpoint that returns no token ids (a
+    hosted API) ``token_ids``/``logprobs``/``versions`` are empty and ``usage`` counts stand
+    in for lengths.
+    """
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    support: list[int] = field(default_factory=list)  # kept-set size per token (0: not reported)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0  # from the server's usage (the prompt length)
+    completion_tokens: int = 0
+
+
+def oldest_version(versions: Any) -> int | None:
+    """The oldest (smallest) weight version among sampled tokens; None if there are none.
+
+    The one place a version minimum is computed: sequences, trajectories, groups and the
+    rollout manager's running groups all call it.
+    """
+    return min((v for v in versions if v >= 0), default=None)
 
 
 @dataclass
@@ -128,6 +167,9 @@ class TokenSequence:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # size K of the kept set (top-k/top-p/min-p) each sampled token was drawn from; 0 where
+    # the mask is 0 or the engine did not report it (then the trainer uses the full vocabulary)
+    support: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -138,15 +180,20 @@ class TokenSequence:
         self.loss_mask.extend([0] * len(ids))
         self.logprobs.extend([0.0] * len(ids))
         self.versions.extend([-1] * len(ids))
+        self.support.extend([0] * len(ids))
 
-    def extend_sampled(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        """Append tokens the policy sampled, with their sampling logprobs μ and versions."""
-        if not (len(ids) == len(logprobs) == len(versions)):
-            raise ValueError("sampled ids, logprobs and versions must have equal length")
+    def extend_sampled(
+        self, ids: list[int], logprobs: list[float], versions: list[int], support: list[int] | None = None
+    ) -> None:
+        """Append tokens the policy sampled, with their behaviour logprobs μ, versions and support."""
+        support = list(support) if support else [0] * len(ids)
+        if not (len(ids) == len(logprobs) == len(versions) == len(support)):
+            raise ValueError("sampled ids, logprobs, versions and support must have equal length")
         self.token_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
         self.logprobs.extend(logprobs)
         self.versions.extend(versions)
+        self.support.extend(support)
 
     @property
     def num_sampled(self) -> int:
@@ -155,9 +202,13 @@ class TokenSequence:
     def sampled_versions(self) -> list[int]:
         return [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
 
+    def staleness(self, trainer_version: int) -> list[int]:
+        """Per sampled token: trainer version minus the version that sampled it."""
+        return [trainer_version - v for v in self.sampled_versions()]
+
     def validate(self) -> None:
         n = len(self.token_ids)
-        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == len(self.support) == n):
             raise ValueError("TokenSequence fields have different lengths")
 
 
@@ -171,6 +222,7 @@ class Turn:
     finish_reason: str | None = None
     versions: list[int] = field(default_factory=list)
     latency_s: float = 0.0
+    completion_tokens: int = 0  # from usage when the endpoint returns no token ids
 
 
 StopReason = Literal[
@@ -198,6 +250,7 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)
     stop_reason: str | None = None
     error: str | None = None
+    error_kind: str | None = None  # agentrl.errors.ERROR_KINDS, set with error
     timing: dict[str, float] = field(default_factory=dict)
     env_name: str = ""
     env_version: str = ""
@@ -212,10 +265,13 @@ class Trajectory:
     def num_sampled_tokens(self) -> int:
         return sum(s.num_sampled for s in self.sequences)
 
-    def min_version(self) -> int | None:
-        """Oldest policy version among sampled tokens (None if nothing was sampled)."""
-        vs = [v for s in self.sequences for v in s.sampled_versions()]
-        return min(vs) if vs else None
+    def oldest_version(self) -> int | None:
+        """Oldest weight version among sampled tokens (None if nothing was sampled)."""
+        return oldest_version(v for s in self.sequences for v in s.sampled_versions())
+
+    def staleness(self, trainer_version: int) -> list[int]:
+        """Per sampled token: how many versions behind ``trainer_version`` it is."""
+        return [x for s in self.sequences for x in s.staleness(trainer_version)]
 
     @property
     def completion(self) -> list[Message]:
@@ -233,7 +289,7 @@ class Trajectory:
         d = dict(d)
         d["task"] = Task.from_dict(d["task"])
         d["messages"] = [Message.from_dict(m) for m in d.get("messages", [])]
-        d["sequences"] = [TokenSequence(**s) for s in d.get("sequences", [])]
+        d["sequences"] = [_sequence(s) for s in d.get("sequences", [])]
         d["turns"] = [Turn(**t) for t in d.get("turns", [])]
         return cls(**d)
 
@@ -243,6 +299,13 @@ class Trajectory:
     @classmethod
     def from_json(cls, line: str) -> Trajectory:
         return cls.from_dict(json.loads(line))
+
+
+def _sequence(d: dict[str, Any]) -> TokenSequence:
+    seq = TokenSequence(**d)
+    if len(seq.support) != len(seq.token_ids):  # written before support was recorded
+        seq.support = [0] * len(seq.token_ids)
+    return seq
 
 
 @dataclass
@@ -257,9 +320,11 @@ class Group:
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
 
-    def min_version(self) -> int | None:
-        vs = [v for t in self.trajectories if (v := t.min_version()) is not None]
-        return min(vs) if vs else None
+    def oldest_version(self) -> int | None:
+        return oldest_version(v for t in self.trajectories if (v := t.oldest_version()) is not None)
+
+    def staleness(self, trainer_version: int) -> list[int]:
+        return [x for t in self.trajectories for x in t.staleness(trainer_version)]
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "task": self.task.to_dict(), "trajectories": [t.to_dict() for t in self.trajectories]}

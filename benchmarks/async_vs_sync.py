@@ -19,7 +19,7 @@ from pathlib import Path
 
 from agentrl.config import load_config
 from agentrl.metrics import read_jsonl
-from agentrl.trainer.run import run_training
+from agentrl.recipes.rl import train as run_training
 
 
 def one(eta: int, steps: int, extra: list[str], root: Path) -> dict:
@@ -31,13 +31,13 @@ def one(eta: int, steps: int, extra: list[str], root: Path) -> dict:
     last = rows[-1]
     return {
         "eta": eta,
-        "rl_wall_s": last["rl_wall_s"],
+        "rl_wall_s": last["time/rl_wall_s"],
         "steps": len(rows),
-        "final_eval_reward": last.get("eval_reward_mean"),
-        "start_eval_reward": rows[0].get("eval_reward_mean"),
-        "trainer_idle_frac": sum(r["trainer_idle_frac"] for r in rows) / len(rows),
-        "staleness_mean": sum(r["staleness_mean"] for r in rows) / len(rows),
-        "episodes_stale": last["episodes_stale"],
+        "final_eval_reward": last.get("eval/reward_mean"),
+        "start_eval_reward": rows[0].get("eval/reward_mean"),
+        "trainer_idle_frac": sum(r["train/idle_frac"] for r in rows) / len(rows),
+        "staleness_mean": sum(r["buffer/staleness_mean"] for r in rows) / len(rows),
+        "episodes_stale": last["ledger/stale"],
     }
 
 

@@ -28,19 +28,11 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass
 
 from agentrl.buffer import StalenessBuffer
+from agentrl.recipes.rl import rl_loop
 from agentrl.rollout import RolloutManager, TaskSampler
-from agentrl.trainer.loop import rl_loop
-from agentrl.types import Message, SamplingParams, Task, TokenSequence, Trajectory
-
-
-@dataclass
-class _Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
+from agentrl.types import Completion, Message, SamplingParams, Task, TokenSequence, Trajectory
 
 
 class TimedEngine:
@@ -62,7 +54,7 @@ class TimedEngine:
             await asyncio.sleep(d / 4)
             ids.append(7)
             vs.append(self.version)
-        return [_Completion(ids, [-1.0] * 4, vs)]
+        return [Completion("x", ids, [-1.0] * 4, vs, "stop")]
 
 
 class TwoTurnEnv:
@@ -81,7 +73,7 @@ class TwoTurnEnv:
     def dataset(self):
         return [Task(prompt=[Message("user", f"q{i}")], id=f"t{i}") for i in range(10_000)]
 
-    async def rollout(self, client, task, sampling, *, max_turns=None):
+    async def rollout(self, client, task, sampling, *, max_turns=None, timeout_s=None):
         ep = self._seen[task.id] = self._seen.get(task.id, -1) + 1  # same key for every η
         seq = TokenSequence()
         seq.extend_forced([1, 2, 3])
@@ -97,7 +89,7 @@ async def simulate(eta: int, overprovision: float, args) -> dict[str, float]:
     env = TwoTurnEnv()
     buffer = StalenessBuffer(args.batch_groups, eta, filter_zero_variance=False, overprovision=overprovision)
     manager = RolloutManager(
-        env, [engine], buffer, TaskSampler(env.dataset(), seed=args.seed), SamplingParams(),
+        env, engine, buffer, TaskSampler(env.dataset(), seed=args.seed), SamplingParams(),
         group_size=args.group_size, max_in_flight=args.max_in_flight, episode_timeout_s=60,
     )
     busy = 0.0

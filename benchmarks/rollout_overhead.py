@@ -151,8 +151,8 @@ async def drive(base_url: str, episodes: int, concurrency: int, group_size: int,
             errors.append(t.error)
 
     manager = RolloutManager(
-        env, [client], buffer, TaskSampler(list(env.dataset()), seed=0), SamplingParams(max_tokens=64),
-        group_size=group_size, max_in_flight=concurrency, max_retries=0, episode_timeout_s=600,
+        env, client, buffer, TaskSampler(list(env.dataset()), seed=0), SamplingParams(max_tokens=64),
+        group_size=group_size, max_in_flight=concurrency, episode_timeout_s=600,
         on_trajectory=keep_error,
     )
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -162,7 +162,7 @@ async def drive(base_url: str, episodes: int, concurrency: int, group_size: int,
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     manager.stop()
     await runner
-    calls = sum(e.calls for e in manager.endpoints)
+    calls = sum(e.calls for e in client.endpoints)
     await client.close()
     trajs = [t for g in buffer._ready for t in g.trajectories]
     return {

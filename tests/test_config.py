@@ -74,7 +74,7 @@ def test_trajectory_json_round_trip_keeps_token_provenance():
     )
     back = Trajectory.from_json(traj.to_json())
     assert back == traj
-    assert back.min_version() == 7
+    assert back.oldest_version() == 7
     assert back.sequences[0].loss_mask == [0, 0, 0, 1, 1]
     with pytest.raises(ValueError):
         seq.extend_sampled([1], [], [1])

@@ -9,8 +9,8 @@ import pytest
 
 from agentrl.envs.check import ScriptedClient
 from agentrl.errors import AgentrlError
-from agentrl.evaluation import evaluate, pass_at_k, read_results
 from agentrl.plugins import load_environment
+from agentrl.recipes.eval import evaluate, pass_at_k, read_results
 from agentrl.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,13 +93,12 @@ def test_bad_input_is_one_line_exit_2(args, message):
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-def test_unreachable_endpoint_records_errors_instead_of_crashing(tmp_path):
+def test_an_unreachable_endpoint_is_named_before_any_episode_runs(tmp_path):
     r = agentrl("eval", "calc", "--model", "m", "--base-url", "http://127.0.0.1:9/v1", "-n", "2", "-r", "1",
                 "--out", str(tmp_path / "out"))
-    assert r.returncode == 0, r.stderr
-    recs = [json.loads(x) for x in (tmp_path / "out/results.jsonl").read_text().splitlines()]
-    assert len(recs) == 2 and all(x["error"] and x["stop_reason"] == "error" for x in recs)
-    assert "error rate" in r.stdout
+    assert r.returncode == 2, r.stderr
+    assert "cannot reach http://127.0.0.1:9" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out/results.jsonl").exists()
 
 
 @pytest.mark.slow

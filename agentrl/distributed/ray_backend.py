@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from agentrl.errors import AgentrlError
+from agentrl.inference.engine_args import EngineArgs
 
 
 class RayBackendError(AgentrlError):
@@ -36,11 +37,15 @@ class InferenceActor:
         # Multi-node: listen on all interfaces and advertise this node's IP.
         host = "0.0.0.0" if advertise_host is None else "127.0.0.1"
         self._engine = start_embedded_engine(model_dir, host=host, **engine_kwargs)
+        self.model = self._engine.model
         public = advertise_host or ray.util.get_node_ip_address()
         self._url = f"http://{public}:{self._engine.port}/v1"
 
     def base_url(self) -> str:
         return self._url
+
+    def served_model(self) -> str:
+        return self.model
 
     def pid(self) -> int:
         return self._engine.proc.pid
@@ -54,12 +59,18 @@ class InferenceActor:
 
 @dataclass
 class RayInferencePool:
-    """The engines of a Ray run: ``base_urls`` for PolicyClient/WeightSync, ``stop()`` to end them."""
+    """The engines of a Ray run: ``base_urls`` for PolicyClient/WeightSync, ``stop()`` to end them
+    (the same shape as :class:`agentrl.inference.Policy`)."""
 
     actors: list[Any]
     base_urls: list[str]
     engine_pids: list[int] = field(default_factory=list)
+    model: str = ""
     _started_ray: bool = False
+
+    @property
+    def started(self) -> bool:
+        return True
 
     def stop(self) -> None:
         for a in self.actors:
@@ -116,10 +127,22 @@ def start_inference_actors(
     try:
         urls = ray.get([a.base_url.remote() for a in actors], timeout=startup_timeout + 60)
         pids = ray.get([a.pid.remote() for a in actors], timeout=60)
+        model = ray.get(actors[0].served_model.remote(), timeout=60)
     except Exception as e:
         for a in actors:
             ray.kill(a)
         if started:
             ray.shutdown()
         raise RayBackendError(f"inference actors failed to start: {e}") from None
-    return RayInferencePool(actors, urls, pids, _started_ray=started)
+    return RayInferencePool(actors, urls, pids, model, _started_ray=started)
+
+
+def open_ray_policy(
+    model_dir: str | Path, cluster: Any, args: EngineArgs, *, served_model_name: str | None = None,
+    env: dict[str, str] | None = None,
+) -> RayInferencePool:
+    """``[cluster] backend = "ray"``: ``cluster.num_inference`` embedded engines as Ray actors."""
+    return start_inference_actors(
+        model_dir, num_engines=cluster.num_inference, ray_address=cluster.ray_address,
+        local_only=cluster.ray_address is None, args=args, served_model_name=served_model_name, env=env,
+    )

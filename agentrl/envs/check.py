@@ -16,7 +16,7 @@ from typing import Any
 
 from agentrl.envs.base import Environment, State
 from agentrl.tool_format import format_assistant_text
-from agentrl.types import Message, SamplingParams, Trajectory
+from agentrl.types import Completion, Message, SamplingParams, Trajectory
 
 IM_START, IM_END = 1, 2
 _OFFSET = 3
@@ -25,17 +25,6 @@ _START_TEXT, _END_TEXT = "<|im_start|>", "<|im_end|>"
 
 class ScriptedEndpointError(Exception):
     """What ScriptedClient raises when told to fail (an endpoint that is down)."""
-
-
-@dataclass
-class ScriptedCompletion:
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    tool_calls: list[Any] = field(default_factory=list)
-    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 def render_chatml(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, strip_old: bool = False) -> str:
@@ -111,7 +100,7 @@ class ScriptedClient:
     async def detokenize(self, ids: list[int]) -> str:
         return decode(ids)
 
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[ScriptedCompletion]:
+    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
         if self.fail:
             raise ScriptedEndpointError("scripted endpoint is down")
         self.prompts.append(list(prompt_ids))
@@ -124,11 +113,11 @@ class ScriptedClient:
             else:
                 ids = [*ids, IM_END]
             text = decode([t for t in ids if t != IM_END])
-            out.append(ScriptedCompletion(text, ids, [-0.5] * len(ids), [self.version] * len(ids), finish))
+            out.append(Completion(text, ids, [-0.5] * len(ids), [self.version] * len(ids), finish))
         return out
 
 
-    async def chat(self, messages: list[dict], sampling: SamplingParams, tools=None, n: int = 1) -> list[ScriptedCompletion]:
+    async def chat(self, messages: list[dict], sampling: SamplingParams, tools=None, n: int = 1) -> list[Completion]:
         """Chat-endpoint behaviour: tool calls come back split from the content."""
         from agentrl.tool_format import parse_tool_calls
 
@@ -138,7 +127,8 @@ class ScriptedClient:
             parsed = parse_tool_calls(c.text)
             text = parsed.content if parsed.tool_calls and not parsed.errors else c.text
             calls = parsed.tool_calls if not parsed.errors else []
-            out.append(ScriptedCompletion(text, c.token_ids, c.logprobs, c.versions, c.finish_reason, calls, prompt_ids))
+            out.append(Completion(text, c.token_ids, c.logprobs, c.versions, c.finish_reason, tool_calls=calls,
+                                  prompt_token_ids=prompt_ids))
         return out
 
 

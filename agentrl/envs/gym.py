@@ -1,55 +1,33 @@
-"""The gymnasium bridge, both ways.
+"""gymnasium → agentrl: a gymnasium environment played by a language model.
 
-``GymEnv``: a gymnasium environment whose observations can be written as text, played by a
-language model as an agentrl multi-turn environment.  Each task is one seeded episode; the
-model names an action in its reply (``<action>right</action>``, or just the action's name);
-the env replies with the next observation.  A reply that names no action gets a feedback
-message and counts in ``metrics["invalid_actions"]``; after ``max_invalid_actions`` of
-them the episode ends.  Reward: the episode's return (sum of gymnasium rewards).  Presets
-for gymnasium's toy-text FrozenLake, Taxi and Blackjack are in :data:`TOY_TEXT`.
-
-``as_gymnasium(env)``: any agentrl environment as a ``gymnasium.Env`` whose observations
-and actions are text: ``reset`` starts a task (chosen by the seeded RNG, or
-``options={"task_index": i}``) and returns its prompt; ``step(text)`` is one model turn and
-returns the env's reply; the rubric's reward arrives on the final step.
-``register_gymnasium(name)`` registers an installed agentrl environment as
-``agentrl/<name>-v0`` for ``gymnasium.make``.
+``GymEnv``: a gymnasium environment whose observations can be written as text, played as
+an agentrl multi-turn environment.  Each task is one seeded episode; the model names an
+action in its reply (``<action>right</action>``, or just the action's name); the env
+replies with the next observation.  A reply that names no action gets a feedback message
+and counts in ``metrics["invalid_actions"]``; after ``max_invalid_actions`` of them the
+episode ends.  Reward: the episode's return (sum of gymnasium rewards).  Presets for
+gymnasium's toy-text FrozenLake, Taxi and Blackjack live in the ``gym_text`` environment
+package (``environments/gym_text``).  The other direction (any agentrl environment as a
+``gymnasium.Env``) is :mod:`agentrl.envs.as_gym`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import re
-import string
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium
-from gymnasium import spaces
 
-from agentrl.envs.base import Environment, State
+from agentrl.envs.base import State
 from agentrl.envs.multiturn import MultiTurnEnv
 from agentrl.errors import AgentrlError
 from agentrl.rubrics import Rubric
-from agentrl.types import Message, Task, Trajectory, Turn
+from agentrl.types import Message, Task
 
-__all__ = [
-    "GymEnv",
-    "GymTextSpec",
-    "TOY_TEXT",
-    "toy_text_spec",
-    "parse_action",
-    "ansi_to_text",
-    "render_ansi",
-    "as_gymnasium",
-    "register_gymnasium",
-    "register_all_gymnasium",
-    "UnicodeText",
-    "TextGymEnv",
-]
+__all__ = ["GymEnv", "GymTextSpec", "parse_action", "ansi_to_text", "render_ansi", "episode_return", "solved"]
 
 # ----------------------------------------------------------------------------- text rendering
 
@@ -74,44 +52,6 @@ def render_ansi(env: gymnasium.Env, obs: Any) -> str:
         if isinstance(frame, str):
             return ansi_to_text(frame)
     return f"Observation: {obs}"
-
-
-def _frozen_lake_text(env: gymnasium.Env, obs: Any) -> str:
-    lake = env.unwrapped
-    rows = [[c.decode() for c in row] for row in lake.desc]
-    row, col = divmod(int(obs), lake.ncol)
-    rows[row][col] = "*"
-    grid = "\n".join("".join(r) for r in rows)
-    return f"{grid}\nYou (*) are at row {row + 1}, column {col + 1}."
-
-
-_TAXI_STOPS = "RGYB"
-
-
-def _taxi_text(env: gymnasium.Env, obs: Any) -> str:
-    taxi = env.unwrapped
-    row, col, passenger, dest = taxi.decode(int(obs))
-    rows = [[c.decode() for c in r] for r in taxi.desc]
-    rows[1 + row][2 * col + 1] = "T"
-    grid = "\n".join("".join(r) for r in rows)
-    where = "in the taxi" if passenger == 4 else f"waiting at {_TAXI_STOPS[passenger]}"
-    return (
-        f"{grid}\nTaxi (T) at row {row + 1}, column {col + 1}. "
-        f"Passenger: {where}. Destination: {_TAXI_STOPS[dest]}."
-    )
-
-
-def _blackjack_text(env: gymnasium.Env, obs: Any) -> str:
-    player, dealer, usable_ace = (int(x) for x in obs)
-    dealer_card = "an ace" if dealer == 1 else str(dealer)
-    ace = " (including an ace counted as 11)" if usable_ace else ""
-    return f"Your cards sum to {player}{ace}. The dealer shows {dealer_card}."
-
-
-def _random_lake(seed: int) -> dict[str, Any]:
-    from gymnasium.envs.toy_text.frozen_lake import generate_random_map
-
-    return {"desc": generate_random_map(size=4, seed=seed)}
 
 
 _ACTION_FORMAT = "Reply with exactly one action inside <action></action> tags, for example <action>{example}</action>."
@@ -139,59 +79,6 @@ class GymTextSpec:
     def system_prompt(self) -> str:
         names = ", ".join(self.actions)
         return f"{self.instructions}\nActions: {names}.\n" + _ACTION_FORMAT.format(example=self.actions[0])
-
-
-TOY_TEXT: dict[str, GymTextSpec] = {
-    "FrozenLake-v1": GymTextSpec(
-        env_id="FrozenLake-v1",
-        actions=("left", "down", "right", "up"),
-        instructions=(
-            "You walk on a frozen lake drawn as a grid: S start, F frozen (safe), H hole, G goal, "
-            "* is you. Reach G without stepping into a hole. Each move goes one square; moving "
-            "into the edge leaves you in place. Reward 1 for reaching the goal, else 0."
-        ),
-        describe=_frozen_lake_text,
-        make_kwargs={"is_slippery": False},
-        task_kwargs=_random_lake,
-        max_turns=20,
-        return_range=lambda turns: (0.0, 1.0),
-    ),
-    "Taxi-v4": GymTextSpec(
-        env_id="Taxi-v4",
-        actions=("south", "north", "east", "west", "pickup", "dropoff"),
-        instructions=(
-            "You drive a taxi (T) on a 5x5 grid drawn with walls '|' (':' is passable). Row 1 is "
-            "the top (north), column 1 the left (west). Drive to the passenger, pick them up, "
-            "drive to the destination stop (R, G, Y or B) and drop them off. Each move costs 1, "
-            "a wrong pickup/dropoff costs 10, a successful dropoff earns 20."
-        ),
-        describe=_taxi_text,
-        max_turns=40,
-        return_range=lambda turns: (-10.0 * turns, 20.0),
-    ),
-    "Blackjack-v1": GymTextSpec(
-        env_id="Blackjack-v1",
-        actions=("stick", "hit"),
-        instructions=(
-            "You play blackjack against a dealer. Get a card sum closer to 21 than the dealer "
-            "without going over. 'hit' draws a card; 'stick' stops and lets the dealer play. "
-            "Win +1, draw 0, lose -1."
-        ),
-        describe=_blackjack_text,
-        max_turns=10,
-        return_range=lambda turns: (-1.0, 1.5),
-    ),
-}
-TOY_TEXT_ALIASES = {"frozenlake": "FrozenLake-v1", "frozen_lake": "FrozenLake-v1", "taxi": "Taxi-v4", "blackjack": "Blackjack-v1"}
-
-
-def toy_text_spec(name: str) -> GymTextSpec:
-    """The built-in spec for ``name`` (a gymnasium id or an alias like ``"taxi"``)."""
-    key = TOY_TEXT_ALIASES.get(name.lower().replace("-", "_"), name)
-    if key not in TOY_TEXT:
-        known = sorted({*TOY_TEXT, *TOY_TEXT_ALIASES})
-        raise AgentrlError(f"no text preset for gymnasium env {name!r}; known: {', '.join(known)}")
-    return TOY_TEXT[key]
 
 
 # ----------------------------------------------------------------------------- action parsing
@@ -251,9 +138,8 @@ def solved(state: State) -> float:
 class GymEnv(MultiTurnEnv):
     """A text-observable gymnasium environment as an agentrl multi-turn environment.
 
-    ``env`` is a :class:`GymTextSpec`, a toy-text name/alias (``"taxi"``), or any gymnasium
-    id (then ``actions`` must name its discrete actions and observations default to the
-    ``ansi`` render).  Tasks are seeds ``seed .. seed+num_tasks-1`` (eval: a disjoint range).
+    ``env`` is a :class:`GymTextSpec`, or any gymnasium id with ``actions`` naming its
+    discrete actions (observations then default to the ``ansi`` render).  Tasks are seeds ``seed .. seed+num_tasks-1`` (eval: a disjoint range).
     gymnasium calls run inline: toy-text steps take microseconds.
     """
 
@@ -295,7 +181,10 @@ class GymEnv(MultiTurnEnv):
         if isinstance(env, GymTextSpec):
             return env
         if actions is None:
-            return toy_text_spec(env)
+            raise AgentrlError(
+                f"GymEnv({env!r}) needs actions= naming its discrete actions, or a GymTextSpec; "
+                "toy-text presets (frozenlake, taxi, blackjack) are in the gym_text environment"
+            )
         return GymTextSpec(env_id=env, actions=tuple(actions), instructions=instructions or f"You play {env}.")
 
     # ------------------------------------------------------------------ data
@@ -457,225 +346,3 @@ def _shortest_plan(model: Any, start: int) -> list[int] | None:
                     nxt.append(s2)
         frontier = nxt
     return None
-
-
-# ----------------------------------------------------------------------------- as_gymnasium
-
-
-class UnicodeText(spaces.Text):
-    """``gymnasium.spaces.Text`` holding any Unicode string up to ``max_length`` characters.
-
-    ``Text`` only admits characters from its charset; an agentrl conversation can contain
-    any character, so membership checks only type and length.  ``sample()`` still draws from
-    printable ASCII.
-    """
-
-    def __init__(self, max_length: int, *, min_length: int = 0, seed: int | None = None) -> None:
-        super().__init__(max_length, min_length=min_length, charset=string.printable, seed=seed)
-
-    def contains(self, x: Any) -> bool:
-        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
-
-    def __repr__(self) -> str:
-        return f"UnicodeText({self.min_length}, {self.max_length})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, UnicodeText) and (other.min_length, other.max_length) == (
-            self.min_length,
-            self.max_length,
-        )
-
-
-class _LoopThread:
-    """A private event loop on a daemon thread, so sync gymnasium calls can drive async env
-    hooks from anywhere (including code already running inside an event loop)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="agentrl-gym-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=5)
-        if not self.loop.is_running():
-            self.loop.close()
-
-
-def _as_text(messages: Sequence[Message]) -> str:
-    parts = []
-    for m in messages:
-        who = f"{m.role} ({m.name})" if m.name else m.role
-        body = m.content
-        if m.tool_calls:
-            calls = "\n".join(f"<tool_call>{tc.name} {tc.arguments}</tool_call>" for tc in m.tool_calls)
-            body = f"{body}\n{calls}".strip()
-        parts.append(f"{who}: {body}")
-    return "\n\n".join(parts)
-
-
-class TextGymEnv(gymnasium.Env[str, str]):
-    """An agentrl :class:`Environment` as a ``gymnasium.Env`` with text observations/actions.
-
-    Observation: the task prompt on ``reset``, then the env's reply messages, rendered as
-    ``role: content`` blocks.  Action: the assistant's reply text (the env's own
-    ``parse_assistant`` reads tool calls from it).  Reward: 0 until the episode ends, then the
-    rubric's reward; ``info`` carries the rubric's metrics and any error.  ``terminated``:
-    the env said done; ``truncated``: ``max_turns`` reached.
-    """
-
-    metadata = {"render_modes": ["ansi"]}
-
-    def __init__(
-        self,
-        env: Environment,
-        *,
-        split: str = "train",
-        max_length: int = 100_000,
-        max_turns: int | None = None,
-        render_mode: str | None = None,
-    ) -> None:
-        if render_mode not in (None, "ansi"):
-            raise AgentrlError(f"render_mode must be None or 'ansi', not {render_mode!r}")
-        self.env = env
-        self.split = split
-        self.max_turns = max_turns or env.max_turns
-        self.render_mode = render_mode
-        self.observation_space = UnicodeText(max_length)
-        self.action_space = UnicodeText(max_length)
-        self._tasks: list[Task] | None = None
-        self._state: State | None = None
-        self._loop: _LoopThread | None = None
-
-    def _run(self, coro: Any) -> Any:
-        if self._loop is None:
-            self._loop = _LoopThread()
-        return self._loop.run(coro)
-
-    def tasks(self) -> list[Task]:
-        if self._tasks is None:
-            source = self.env.eval_dataset() if self.split == "eval" else None
-            self._tasks = list(source if source is not None else self.env.dataset())
-            if not self._tasks:
-                raise AgentrlError(f"environment {self.env.name!r} has an empty {self.split} dataset")
-        return self._tasks
-
-    def _clip(self, text: str) -> str:
-        return text[: self.observation_space.max_length]
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        super().reset(seed=seed)
-        self._end_episode()
-        tasks = self.tasks()
-        index = (options or {}).get("task_index")
-        if index is None:
-            index = int(self.np_random.integers(len(tasks)))
-        task = tasks[int(index) % len(tasks)]
-        self._state = self._run(self.env.setup(task))
-        return self._clip(_as_text(self._state.messages)), {"task_id": task.id, "task_index": int(index)}
-
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        state = self._state
-        if state is None:
-            raise gymnasium.error.ResetNeeded("call reset() before step()")
-        try:
-            message = self.env.parse_assistant(str(action), state)
-            state.messages.append(message)
-            state.turn += 1
-            reply = list(self._run(self.env.step(state, message)))
-        except Exception:
-            self._end_episode()  # release the episode's resources; the caller must reset
-            raise
-        state.messages.extend(reply)
-        terminated = bool(self.env.done(state))
-        truncated = not terminated and state.turn >= self.max_turns
-        reward, info = 0.0, {"turn": state.turn}
-        if terminated or truncated:
-            traj = self._score(state, "done" if terminated else "max_turns")
-            reward = traj.reward
-            info.update(metrics=dict(traj.metrics), error=traj.error)
-            self._end_episode()
-        return self._clip(_as_text(reply)), float(reward), terminated, truncated, info
-
-    def _score(self, state: State, stop_reason: str) -> Trajectory:
-        traj = Trajectory(
-            task=state.task,
-            messages=list(state.messages),
-            turns=[Turn(0, [], m.content) for m in state.messages[len(state.task.prompt):] if m.role == "assistant"],
-            metrics=dict(state.metrics),
-            stop_reason=stop_reason,
-            env_name=self.env.name,
-            env_version=str(self.env.version),
-        )
-        traj.state = state  # rubric functions may ask for it, as after a rollout
-        self._run(self.env.rubric.score(traj))
-        return traj
-
-    def _end_episode(self) -> None:
-        state, self._state = self._state, None
-        if state is not None:
-            self._run(self.env.cleanup(state))
-
-    def render(self) -> str | None:
-        if self.render_mode == "ansi" and self._state is not None:
-            return _as_text(self._state.messages)
-        return None
-
-    def close(self) -> None:
-        if self._loop is not None:
-            self._end_episode()
-            self._loop.close()
-            self._loop = None
-        super().close()
-
-
-def as_gymnasium(env: Environment, **kwargs: Any) -> TextGymEnv:
-    """``env`` as a ``gymnasium.Env`` with text spaces (see :class:`TextGymEnv` for kwargs)."""
-    return TextGymEnv(env, **kwargs)
-
-
-def _make_registered(name: str, env_args: dict[str, Any] | None = None, **kwargs: Any) -> TextGymEnv:
-    from agentrl.plugins import load_environment
-
-    return TextGymEnv(load_environment(name, **(env_args or {})), **kwargs)
-
-
-def register_gymnasium(
-    name: str,
-    env_args: dict[str, Any] | None = None,
-    *,
-    version: int = 0,
-    max_episode_steps: int | None = None,
-    **kwargs: Any,
-) -> str:
-    """Register the agentrl environment ``name`` (installed name or package path) with
-    gymnasium as ``agentrl/<name>-v<version>``; returns the id for ``gymnasium.make``."""
-    slug = re.sub(r"[^\w.-]+", "-", str(name).rstrip("/").split("/")[-1]).strip("-") or "env"
-    env_id = f"agentrl/{slug}-v{version}"
-    gymnasium.register(
-        id=env_id,
-        entry_point=_make_registered,
-        kwargs={"name": name, "env_args": env_args, **kwargs},
-        max_episode_steps=max_episode_steps,
-    )
-    return env_id
-
-
-def register_all_gymnasium() -> list[str]:
-    """Register every installed agentrl environment (``agentrl/<name>-v0``); returns the ids.
-
-    Cheap: reads entry-point names only; an environment is imported when it is made.
-    """
-    from agentrl.plugins import ENV_GROUP, installed
-
-    ids = []
-    for plugin in installed(ENV_GROUP):
-        env_id = f"agentrl/{plugin.name}-v0"
-        if env_id not in gymnasium.registry:
-            register_gymnasium(plugin.name)
-        ids.append(env_id)
-    return ids

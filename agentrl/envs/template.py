@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.envs.base import _MAX_GLUE_TOKENS
+from agentrl.episode import MAX_GLUE_TOKENS
+from agentrl.render import render_chat_ids
 
 _TOOLS = [
     {
@@ -93,13 +94,7 @@ class TemplateReport:
 
 
 def _render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, gen: bool) -> list[int]:
-    kwargs: dict[str, Any] = {"tokenize": True, "add_generation_prompt": gen}
-    if tools:
-        kwargs["tools"] = tools
-    out = tokenizer.apply_chat_template(messages, **kwargs)
-    if hasattr(out, "keys") and "input_ids" in out:  # transformers may return a BatchEncoding
-        out = out["input_ids"]
-    return [int(t) for t in out]
+    return render_chat_ids(tokenizer, messages, tools, add_generation_prompt=gen)
 
 
 def end_of_turn_id(tokenizer: Any) -> int | None:
@@ -129,7 +124,7 @@ def check_template(tokenizer: Any) -> TemplateReport:
                 at = next((i for i, (a, b) in enumerate(zip(closed, extended, strict=False)) if a != b), len(extended))
                 report.checks.append(TemplateCheck(name, turn, False, f"history re-rendered differently at token {at}"))
                 continue
-            tail = closed[-(_MAX_GLUE_TOKENS + 1):]
+            tail = closed[-(MAX_GLUE_TOKENS + 1):]
             if eot is None or eot not in tail:
                 report.checks.append(TemplateCheck(name, turn, False, "assistant turn does not end with the end-of-turn token"))
                 continue

@@ -15,8 +15,9 @@ Schemas (OpenAI ``{"type": "function", ...}``) come from the type hints and the 
 (summary + ``Args:`` section).  Tools may be sync (run in a worker thread) or async.  Every
 way a call can go wrong — unparsable text, unknown tool, arguments of the wrong type, the
 tool raising, the tool timing out — becomes an ``Error: ...`` tool message the model sees and
-a per-episode metric; the episode goes on.  Only :class:`EpisodeError` (or the types in
-``stop_errors``) propagates and marks the episode errored: use it for infrastructure faults.
+a per-episode metric; the episode goes on.  Only :class:`~agentrl.errors.EpisodeError` (or
+the types in ``stop_errors``) propagates and marks the episode errored (kind ``tool``, or
+the error's own kind, e.g. ``sandbox``): use it for infrastructure faults.
 
 Stateful tools: a parameter named ``state`` receives the episode's :class:`State`; names
 listed in ``state_args`` are filled from ``state[name]``.  Both are hidden from the schema.
@@ -37,13 +38,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from agentrl.envs.base import Environment, State
+from agentrl.errors import EpisodeError, ToolError, error_kind_of
 from agentrl.tool_format import parse_tool_calls
 from agentrl.types import Message, ToolCall
-
-
-class EpisodeError(Exception):
-    """Raised from a tool or hook: the episode is marked errored (not shown to the model)."""
-
 
 _SECTION = re.compile(r"^\s*(Args|Arguments|Parameters|Returns?|Raises|Yields|Examples?|Notes?)\s*:\s*$")
 _ARG_LINE = re.compile(r"^\s*(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
@@ -251,7 +248,9 @@ class ToolEnv(Environment):
                     result = await asyncio.wait_for(result, self.tool_timeout_s)
         except TimeoutError:
             return fail("timeouts", f"tool {call.name!r} timed out after {self.tool_timeout_s:g}s")
-        except self.stop_errors:
+        except self.stop_errors as e:
+            if error_kind_of(e) == "env":  # raised inside the tool: the tool's failure, named
+                raise ToolError(f"tool {call.name!r} failed: {type(e).__name__}: {e}"[:500]) from e
             raise
         except Exception as e:
             return fail("raised", f"{type(e).__name__}: {e}"[: self.max_result_chars])

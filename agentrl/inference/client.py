@@ -1,15 +1,21 @@
-"""PolicyClient: the one async client the rest of agentrl uses to sample from a policy.
+"""PolicyClient: the one client the rest of agentrl samples a policy through.
 
-Built on ``openai.AsyncOpenAI`` (vLLM's extra fields travel in ``extra_body``), so it talks
-to the embedded engine and to ``vllm serve`` alike.  Every call returns
-:class:`Completion` objects carrying the exact sampled token ids, their sampling
-logprobs μ and the weight version of every token.
+It talks to the embedded engine and to ``vllm serve`` alike (OpenAI API plus vLLM's
+token-exact fields) and is the one owner of:
 
-Several base URLs are load-balanced (fewest requests in flight, ties round-robin).  A
-transient failure (connection error, timeout, 5xx, 429) is retried on the next endpoint
-with backoff; after ``max_retries`` retries the call raises :class:`EndpointError`, which
-an environment records as an errored episode.  A prompt longer than the model's context
-raises :class:`ContextLengthExceeded` immediately (stop reason ``prompt_too_long``).
+- **load balancing** over several base URLs: least outstanding work (requests in flight
+  plus episodes pinned), ties round-robin.  :meth:`PolicyClient.pin` binds a caller (an
+  episode, or a whole group so its shared prompt hits one engine's cache) to one endpoint;
+  its calls go there first and fail over to the others;
+- **retries** (:mod:`agentrl.retry`): a transient failure (connection error, timeout, 5xx,
+  429) is retried on another endpoint with jittered backoff; after ``max_retries`` the call
+  raises :class:`~agentrl.errors.EndpointError`.  A prompt longer than the model's context
+  raises :class:`~agentrl.errors.ContextLengthExceeded` at once; a reply of the wrong shape
+  :class:`~agentrl.errors.MalformedResponse`;
+- **request-rate throttling** per endpoint (asyncio-throttle), when ``requests_per_s`` is set.
+
+Every call returns :class:`~agentrl.types.Completion` records carrying the exact sampled
+token ids, their behaviour logprobs μ, their support and the weight version of every token.
 """
 
 from __future__ import annotations
@@ -17,53 +23,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import os
-import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
 import openai
+from asyncio_throttle import Throttler
 
-from agentrl.inference.render import render_chat_ids
-from agentrl.types import Message, SamplingParams, ToolCall
+from agentrl.errors import ContextLengthExceeded, EndpointError, EndpointProbeError, MalformedResponse
+from agentrl.render import render_chat_ids
+from agentrl.retry import Transient, is_transient_status, retrying
+from agentrl.types import Completion, Message, SamplingParams, ToolCall
 
 T = TypeVar("T")
 
 
-class EndpointError(Exception):
-    """The inference endpoint failed (after retries) or rejected the request."""
-
-
-class ContextLengthExceeded(EndpointError):
-    """The prompt does not fit the model's context window."""
-
-
-@dataclass
-class Completion:
-    """One sampled choice, token-exact."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]  # μ: sampling logprob of each token in token_ids
-    versions: list[int]  # weight version that produced each token
-    finish_reason: str | None
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    prompt_token_ids: list[int] = field(default_factory=list)
-
-
-def _root(url: str) -> str:
+def url_root(url: str) -> str:
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
-
-
-def _is_context_error(e: openai.APIStatusError) -> bool:
-    body = e.body if isinstance(e.body, dict) else {}
-    err = body.get("error", body) if isinstance(body, dict) else {}
-    code = err.get("code") if isinstance(err, dict) else None
-    text = str(e).lower()
-    return code == "context_length_exceeded" or "maximum context length" in text or "context length" in text
 
 
 def _error_message(text: str) -> str:
@@ -76,37 +55,67 @@ def _error_message(text: str) -> str:
         return text[:300]
 
 
+def _is_context_error(text: str, code: Any = None) -> bool:
+    low = text.lower()
+    return code == "context_length_exceeded" or "context_length_exceeded" in low or "maximum context length" in low
+
+
 class _HTTPStatus(Exception):
     def __init__(self, status: int, text: str):
         super().__init__(f"HTTP {status}: {text[:300]}")
         self.status, self.text = status, text
 
 
-class _Endpoint:
-    def __init__(self, base_url: str, api_key: str, timeout: float):
-        self.root = _root(base_url)
+class Endpoint:
+    """One inference server: its address, HTTP sessions, throttle and load."""
+
+    def __init__(self, base_url: str, api_key: str, timeout: float, requests_per_s: float = 0.0):
+        self.root = url_root(base_url)
         self.openai = openai.AsyncOpenAI(base_url=self.root + "/v1", api_key=api_key, timeout=timeout, max_retries=0)
         self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
         self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.throttle = Throttler(rate_limit=max(1, math.ceil(requests_per_s)), period=1.0) if requests_per_s else None
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.in_flight = 0
+        self.in_flight = 0  # requests being served now
+        self.pinned = 0  # callers bound to this endpoint (episodes of pinned groups)
+        self.calls = 0
 
-    async def post(self, path: str, body: dict[str, Any]) -> Any:
-        """POST JSON, return parsed JSON; non-2xx raises :class:`_HTTPStatus`."""
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.pinned
+
+    def _http(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
-            # (a session is bound to one event loop; a client reused under a new loop gets a new one)
-            # no connection cap: every in-flight request needs its own HTTP/1.1 connection
+            # a session is bound to one event loop; no connection cap: every in-flight
+            # request needs its own HTTP/1.1 connection
             self._loop = loop
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout, headers=self.headers
             )
-        async with self._session.post(self.root + path, data=json.dumps(body, separators=(",", ":"))) as r:
+        return self._session
+
+    async def get(self, path: str) -> Any:
+        async with self._http().get(self.root + path) as r:
             text = await r.text()
             if r.status >= 400:
                 raise _HTTPStatus(r.status, text)
-            return json.loads(text)
+            try:
+                return json.loads(text)
+            except ValueError as e:
+                raise MalformedResponse(f"{self.root}{path} answered non-JSON: {text[:200]!r}") from e
+
+    async def post(self, path: str, body: dict[str, Any]) -> Any:
+        """POST JSON, return parsed JSON; non-2xx raises :class:`_HTTPStatus`."""
+        async with self._http().post(self.root + path, data=json.dumps(body, separators=(",", ":"))) as r:
+            text = await r.text()
+            if r.status >= 400:
+                raise _HTTPStatus(r.status, text)
+            try:
+                return json.loads(text)
+            except ValueError as e:
+                raise MalformedResponse(f"{self.root}{path} answered non-JSON: {text[:200]!r}") from e
 
     async def close(self) -> None:
         await self.openai.close()
@@ -127,6 +136,7 @@ class PolicyClient:
         max_retries: int = 3,
         default_version: int = 0,
         tokenizer: Any = None,
+        requests_per_s: float = 0.0,
     ):
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
@@ -135,7 +145,7 @@ class PolicyClient:
         self.max_retries = max_retries
         # used when a server does not report per-token versions (plain vLLM)
         self.default_version = default_version
-        self._endpoints = [_Endpoint(u, api_key, timeout) for u in urls]
+        self.endpoints = [Endpoint(u, api_key, timeout, requests_per_s) for u in urls]
         # A local copy of the served model's tokenizer (a path or a HF tokenizer) renders
         # prompts in-process: same template, same ids, no /tokenize round trip per turn.
         if isinstance(tokenizer, str | os.PathLike):
@@ -147,99 +157,109 @@ class PolicyClient:
 
     @property
     def base_urls(self) -> list[str]:
-        return [e.root + "/v1" for e in self._endpoints]
+        return [e.root + "/v1" for e in self.endpoints]
 
-    # ------------------------------------------------------------------ plumbing
+    # ------------------------------------------------------------------ routing
 
-    def _pick(self, exclude: _Endpoint | None = None) -> _Endpoint:
-        candidates = [e for e in self._endpoints if e is not exclude] or self._endpoints
-        low = min(e.in_flight for e in candidates)
-        best = [e for e in candidates if e.in_flight == low]
+    def _pick(self, exclude: Endpoint | None = None) -> Endpoint:
+        candidates = [e for e in self.endpoints if e is not exclude] or self.endpoints
+        low = min(e.load for e in candidates)
+        best = [e for e in candidates if e.load == low]
         return best[next(self._rr) % len(best)]
 
-    async def _call(self, fn: Callable[[_Endpoint], Awaitable[T]], what: str) -> T:
-        last: Exception | None = None
-        ep: _Endpoint | None = None
-        for attempt in range(self.max_retries + 1):
-            ep = self._pick(exclude=ep if last is not None else None)
+    def pin(self, weight: int = 1) -> PinnedClient:
+        """A view of this client bound to the least-loaded endpoint (``release()`` when done).
+
+        ``weight`` is how many episodes share the pin (a group): it counts as load there.
+        """
+        ep = self._pick()
+        ep.pinned += weight
+        return PinnedClient(self, ep, weight)
+
+    async def _call(self, fn: Callable[[Endpoint], Awaitable[T]], what: str, prefer: Endpoint | None = None) -> T:
+        """Run ``fn`` on an endpoint with the retry policy; failures classified (module doc)."""
+        tried: list[Endpoint] = []
+
+        async def attempt(i: int) -> T:
+            ep = prefer if (i == 0 and prefer is not None) else self._pick(exclude=tried[-1] if tried else None)
+            tried.append(ep)
+            if ep.throttle is not None:
+                await ep.throttle.acquire()
             ep.in_flight += 1
+            ep.calls += 1
             try:
                 return await fn(ep)
-            except openai.BadRequestError as e:
-                if _is_context_error(e):
-                    raise ContextLengthExceeded(f"{what}: {e.message}") from e
-                raise EndpointError(f"{what} rejected by {ep.root}: {e.message}") from e
-            except (openai.NotFoundError, openai.AuthenticationError, openai.PermissionDeniedError) as e:
-                raise EndpointError(f"{what} rejected by {ep.root}: {e.message}") from e
             except openai.APIStatusError as e:
-                if e.status_code < 500 and e.status_code not in (408, 409, 429):
-                    if _is_context_error(e):
-                        raise ContextLengthExceeded(f"{what}: {e.message}") from e
-                    raise EndpointError(f"{what} rejected by {ep.root}: {e.message}") from e
-                last = e
+                raise self._classify(what, ep, e.status_code, str(e.message), getattr(e, "code", None), e) from e
             except _HTTPStatus as e:
-                if e.status < 500 and e.status not in (408, 409, 429):
-                    if "context_length_exceeded" in e.text or "maximum context length" in e.text:
-                        raise ContextLengthExceeded(f"{what}: {_error_message(e.text)}") from e
-                    raise EndpointError(f"{what} rejected by {ep.root}: {_error_message(e.text)}") from e
-                last = e
-            except (openai.APIConnectionError, openai.APITimeoutError, aiohttp.ClientError, TimeoutError) as e:
-                last = e
+                raise self._classify(what, ep, e.status, _error_message(e.text), None, e) from e
+            except (openai.APIConnectionError, openai.APITimeoutError, aiohttp.ClientError, TimeoutError,
+                    ConnectionError) as e:
+                raise Transient(e, ep.root) from e
             finally:
                 ep.in_flight -= 1
-            if attempt < self.max_retries:
-                await asyncio.sleep(min(2.0, 0.1 * 2**attempt) * (0.5 + random.random()))
-        raise EndpointError(f"{what} failed after {self.max_retries + 1} attempts: {last!r}") from last
+
+        return await retrying(attempt, what=what, max_retries=self.max_retries, exhausted=EndpointError)
 
     @staticmethod
-    def _sampling_kwargs(s: SamplingParams, n: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        kwargs: dict[str, Any] = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "n": n}
-        if s.seed is not None:
-            kwargs["seed"] = s.seed
-        if s.stop:
-            kwargs["stop"] = s.stop
-        extra: dict[str, Any] = {"return_token_ids": True, "skip_special_tokens": True}
-        if s.top_k and s.top_k > 0:
-            extra["top_k"] = s.top_k
-        return kwargs, extra
-
-    def _versions(self, choice: Any, n_tokens: int) -> list[int]:
-        versions = getattr(choice, "token_versions", None)
-        if isinstance(versions, list) and len(versions) == n_tokens:
-            return [int(v) for v in versions]
-        return [self.default_version] * n_tokens
+    def _classify(what: str, ep: Endpoint, status: int, message: str, code: Any, cause: Exception) -> Exception:
+        if is_transient_status(status):
+            return Transient(cause, ep.root)
+        if _is_context_error(message, code) or _is_context_error(getattr(cause, "text", "")):
+            return ContextLengthExceeded(f"{what}: {message}")
+        return EndpointError(f"{what} rejected by {ep.root} (HTTP {status}): {message}")
 
     # ------------------------------------------------------------------ sampling
 
-    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
+    @staticmethod
+    def _sampling_body(s: SamplingParams, n: int) -> dict[str, Any]:
+        """Every sampling field, explicitly: server-side defaults never change the distribution."""
+        body: dict[str, Any] = {
+            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "n": n,
+            "top_k": s.top_k if s.top_k and s.top_k > 0 else -1, "min_p": s.min_p,
+            "return_token_ids": True, "skip_special_tokens": True,
+        }  # fmt: skip
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.stop:
+            body["stop"] = s.stop
+        return body
+
+    def _choice_tokens(self, ch: dict[str, Any], ids: list[int], logprobs: list[float], start_version: int):
+        if len(logprobs) != len(ids):
+            raise MalformedResponse(f"endpoint returned {len(ids)} token ids but {len(logprobs)} logprobs")
+        versions = ch.get("token_versions")
+        if not (isinstance(versions, list) and len(versions) == len(ids)):
+            versions = [start_version] * len(ids)
+        support = ch.get("token_support")
+        if not (isinstance(support, list) and len(support) == len(ids)):
+            support = []
+        return versions, support
+
+    async def complete(
+        self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1, *, _prefer: Endpoint | None = None
+    ) -> list[Completion]:
         """Sample continuations of an exact token-id prompt (``/v1/completions``).
 
         The hot path of every rollout, so it speaks the OpenAI wire format directly over
         aiohttp instead of through the SDK's request/response models (~10× less CPU).
         """
-        kwargs, extra = self._sampling_kwargs(sampling, n)
-        body = {"model": self.model, "prompt": prompt_ids, "logprobs": 0, **kwargs, **extra}
+        body = {"model": self.model, "prompt": prompt_ids, "logprobs": 0, **self._sampling_body(sampling, n)}
         start_version = self.default_version  # for servers without per-token versions (vLLM)
-        resp = await self._call(lambda ep: ep.post("/v1/completions", body), "completion")
+        resp = await self._call(lambda ep: ep.post("/v1/completions", body), "completion", _prefer)
         out = []
-        for ch in sorted(resp["choices"], key=lambda c: c.get("index", 0)):
+        for ch in sorted(_choices(resp), key=lambda c: c.get("index", 0)):
             ids = ch.get("token_ids") or []
             lps = (ch.get("logprobs") or {}).get("token_logprobs") or []
-            if len(lps) != len(ids):
-                raise EndpointError(f"endpoint returned {len(ids)} token ids but {len(lps)} logprobs")
-            versions = ch.get("token_versions")
-            if not (isinstance(versions, list) and len(versions) == len(ids)):
-                versions = [start_version] * len(ids)
+            versions, support = self._choice_tokens(ch, ids, lps, start_version)
             out.append(
                 Completion(
-                    text=ch.get("text") or "",
-                    token_ids=ids,
-                    logprobs=lps,
-                    versions=versions,
-                    finish_reason=ch.get("finish_reason"),
+                    text=ch.get("text") or "", token_ids=ids, logprobs=lps, versions=versions,
+                    finish_reason=ch.get("finish_reason"), support=support,
                     prompt_token_ids=ch.get("prompt_token_ids") or resp.get("prompt_token_ids") or prompt_ids,
+                    prompt_tokens=len(prompt_ids), completion_tokens=len(ids),
                 )
-            )
+            )  # fmt: skip
         return out
 
     async def chat(
@@ -248,43 +268,77 @@ class PolicyClient:
         sampling: SamplingParams,
         tools: list[dict[str, Any]] | None = None,
         n: int = 1,
+        *,
+        _prefer: Endpoint | None = None,
     ) -> list[Completion]:
         """Sample assistant replies (``/v1/chat/completions``); tool calls come back parsed."""
-        kwargs, extra = self._sampling_kwargs(sampling, n)
+        body = self._sampling_body(sampling, n)
+        extra = {k: body.pop(k) for k in ("top_k", "min_p", "return_token_ids", "skip_special_tokens")}
         msgs = [m.to_dict() if isinstance(m, Message) else m for m in messages]
         if tools:
-            kwargs["tools"] = tools
+            body["tools"] = tools
+        start_version = self.default_version
 
-        async def go(ep: _Endpoint):
+        async def go(ep: Endpoint):
             return await ep.openai.chat.completions.create(
-                model=self.model, messages=msgs, logprobs=True, extra_body=extra, **kwargs
+                model=self.model, messages=msgs, logprobs=True, extra_body=extra, **body
             )
 
-        resp = await self._call(go, "chat completion")
+        resp = await self._call(go, "chat completion", _prefer)
         prompt_ids = list(getattr(resp, "prompt_token_ids", None) or [])
+        usage = getattr(resp, "usage", None)
         out = []
         for ch in sorted(resp.choices, key=lambda c: c.index):
             ids = list(getattr(ch, "token_ids", None) or [])
             content = ch.logprobs.content if ch.logprobs and ch.logprobs.content else []
             lps = [float(c.logprob) for c in content]
-            if len(lps) != len(ids):
-                raise EndpointError(f"endpoint returned {len(ids)} token ids but {len(lps)} logprobs")
+            extra_fields = {"token_versions": getattr(ch, "token_versions", None),
+                            "token_support": getattr(ch, "token_support", None)}
+            versions, support = self._choice_tokens(extra_fields, ids, lps, start_version)
             calls = [
                 ToolCall(name=tc.function.name, arguments=tc.function.arguments or "{}", id=tc.id)
                 for tc in (ch.message.tool_calls or [])
             ]
             out.append(
                 Completion(
-                    text=ch.message.content or "",
-                    token_ids=ids,
-                    logprobs=lps,
-                    versions=self._versions(ch, len(ids)),
-                    finish_reason=ch.finish_reason,
-                    tool_calls=calls,
-                    prompt_token_ids=prompt_ids,
+                    text=ch.message.content or "", token_ids=ids, logprobs=lps, versions=versions,
+                    finish_reason=ch.finish_reason, support=support, tool_calls=calls, prompt_token_ids=prompt_ids,
+                    prompt_tokens=getattr(usage, "prompt_tokens", 0) or len(prompt_ids),
+                    completion_tokens=len(ids) or (getattr(usage, "completion_tokens", 0) if n == 1 else 0),
                 )
-            )
+            )  # fmt: skip
         return out
+
+    # ------------------------------------------------------------------ probing
+
+    async def probe(self, *, token_path: bool) -> None:
+        """Check once, before a run, that every endpoint serves ``model`` and has the routes the
+        chosen path needs; raise :class:`~agentrl.errors.EndpointProbeError` saying what to change."""
+        for ep in self.endpoints:
+            try:
+                listed = await ep.get("/v1/models")
+            except _HTTPStatus as e:
+                hint = " (check --api-key)" if e.status in (401, 403) else ""
+                raise EndpointProbeError(f"{ep.root}/v1/models answered HTTP {e.status}{hint}: {_error_message(e.text)}") from None
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                raise EndpointProbeError(
+                    f"cannot reach {ep.root} ({type(e).__name__}: {e or 'no answer'}); is the server running at --base-url?"
+                ) from None
+            served = [m.get("id") for m in (listed.get("data") or []) if isinstance(m, dict)]
+            if served and self.model not in served:
+                raise EndpointProbeError(
+                    f"{ep.root} does not serve model {self.model!r}; it serves {served}: pass --model {served[0]}"
+                )
+            if token_path and self.tokenizer is None:
+                try:
+                    await ep.post("/tokenize", {"model": self.model, "prompt": "hi"})
+                except _HTTPStatus as e:
+                    if e.status in (404, 405):
+                        raise EndpointProbeError(
+                            f"{ep.root} has no /tokenize route (a chat-only endpoint): pass --chat to use "
+                            "/v1/chat/completions, or --tokenizer DIR to render prompts locally"
+                        ) from None
+                    raise EndpointProbeError(f"{ep.root}/tokenize answered HTTP {e.status}: {_error_message(e.text)}") from None
 
     # ------------------------------------------------------------------ tokens
 
@@ -295,8 +349,9 @@ class PolicyClient:
         tools: list[dict[str, Any]] | None = None,
         prompt: str | None = None,
         add_generation_prompt: bool = True,
+        _prefer: Endpoint | None = None,
     ) -> list[int]:
-        """Token ids of a prompt string, or of messages rendered by the server's chat template."""
+        """Token ids of a prompt string, or of messages rendered by the model's chat template."""
         if (messages is None) == (prompt is None):
             raise ValueError("tokenize needs exactly one of messages= or prompt=")
         if self.tokenizer is not None:
@@ -313,15 +368,17 @@ class PolicyClient:
         else:
             body["prompt"] = prompt
             body["add_special_tokens"] = False
-
-        return list((await self._call(lambda ep: ep.post("/tokenize", body), "tokenize"))["tokens"])
+        resp = await self._call(lambda ep: ep.post("/tokenize", body), "tokenize", _prefer)
+        if not isinstance(resp, dict) or not isinstance(resp.get("tokens"), list):
+            raise MalformedResponse("tokenize: the endpoint's reply has no 'tokens' list")
+        return list(resp["tokens"])
 
     async def detokenize(self, ids: list[int]) -> str:
         body = {"model": self.model, "tokens": list(ids)}
         return (await self._call(lambda ep: ep.post("/detokenize", body), "detokenize"))["prompt"]
 
     async def close(self) -> None:
-        for ep in self._endpoints:
+        for ep in self.endpoints:
             await ep.close()
 
     async def __aenter__(self) -> PolicyClient:
@@ -329,3 +386,32 @@ class PolicyClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+class PinnedClient:
+    """A :class:`PolicyClient` whose calls go to one endpoint first (see :meth:`PolicyClient.pin`)."""
+
+    def __init__(self, client: PolicyClient, endpoint: Endpoint, weight: int):
+        self.client, self.endpoint, self._weight = client, endpoint, weight
+
+    async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
+        return await self.client.complete(prompt_ids, sampling, n, _prefer=self.endpoint)
+
+    async def chat(self, messages: Any, sampling: SamplingParams, tools: Any = None, n: int = 1) -> list[Completion]:
+        return await self.client.chat(messages, sampling, tools, n, _prefer=self.endpoint)
+
+    async def tokenize(self, **kwargs: Any) -> list[int]:
+        return await self.client.tokenize(**kwargs, _prefer=self.endpoint)
+
+    def release(self) -> None:
+        """The pinned work is over: its weight no longer counts as load."""
+        if self._weight:
+            self.endpoint.pinned -= self._weight
+            self._weight = 0
+
+
+def _choices(resp: Any) -> list[dict[str, Any]]:
+    choices = resp.get("choices") if isinstance(resp, dict) else None
+    if not isinstance(choices, list):
+        raise MalformedResponse("the endpoint's reply has no 'choices' list")
+    return choices

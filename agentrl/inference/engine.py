@@ -17,13 +17,9 @@ builder.  (transformers' own continuous batching was considered; it has no per-r
 sampling parameters, sampling-distribution logprobs, or pause-and-swap weight updates
 with per-token version tags, which training needs.)
 
-Sampling and logprobs (the basis μ the trainer must match): per request, logits are
-divided by ``temperature``, then top-k, then top-p (nucleus over the temperature-scaled
-distribution, always keeping the top token) are applied; the token is drawn from the
-softmax of what is left, and the reported logprob is that distribution's log-probability
-of the drawn token (vLLM's ``processed_logprobs``).  ``temperature == 0`` is greedy and
-reports the raw (T=1, unfiltered) log-softmax.  A terminating eos token is sampled like
-any other and is returned in ``token_ids`` with its logprob.
+Sampling and logprobs: :mod:`agentrl.inference.sampling` (the μ contract the trainer
+mirrors).  Every sampled token is returned with its μ, its support size and the weight
+version that sampled it.
 
 Streaming: ``submit(..., on_tokens=cb)`` makes the engine thread call ``cb(events)`` once per
 step for that request, with one :class:`TokenEvent` per choice that sampled a token in the
@@ -44,39 +40,16 @@ import concurrent.futures
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from agentrl.tiny_model import PAD
-
-
-class EngineRequestError(ValueError):
-    """A request the engine cannot serve (the HTTP layer maps it to a 4xx)."""
-
-    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.param = param
-
-
-@dataclass
-class Sampling:
-    """Per-request sampling parameters (already validated)."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    top_logprobs: int = 0
-    include_stop_str_in_output: bool = False
+from agentrl.errors import RequestError
+from agentrl.inference.engine_args import EngineArgs
+from agentrl.inference.sampling import EngineSampling, sample
 
 
 @dataclass
@@ -89,6 +62,7 @@ class SequenceResult:
     top_logprobs: list[list[tuple[int, float]]]
     text: str
     finish_reason: str
+    support: list[int] = field(default_factory=list)  # kept-set size K of each token's distribution
 
 
 @dataclass
@@ -102,6 +76,7 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None
     finish_reason: str | None = None  # set on the choice's last token
     text: str | None = None  # the choice's whole final text, with finish_reason
+    support: int = 0
 
 
 TokenCallback = Callable[[list[TokenEvent]], None]
@@ -116,6 +91,7 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    support: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
     finish_reason: str | None = None
@@ -125,7 +101,7 @@ class _Sequence:
 @dataclass
 class _Request:
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: EngineSampling
     n: int
     future: concurrent.futures.Future
     seqs: list[_Sequence] = field(default_factory=list)
@@ -173,21 +149,17 @@ def resolve_device(device: str) -> torch.device:
 class Engine:
     """A batched generator over one HF causal LM. Thread-safe ``submit``; see module doc."""
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        max_batch_size: int = 64,
-        max_model_len: int = 1024,
-        device: str = "auto",
-        dtype: str = "auto",
-        prefill_token_budget: int = 4096,
-    ):
+    def __init__(self, model_dir: str | Path, args: EngineArgs | None = None, **overrides: Any):
+        """``args`` (or keyword overrides of its fields): :class:`EngineArgs`."""
+        from dataclasses import replace
+
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        args = replace(args or EngineArgs(), **overrides)
+        max_batch_size, max_model_len = args.max_batch_size, args.max_model_len
         self.model_dir = Path(model_dir)
-        self.device = resolve_device(device)
-        torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
+        self.device = resolve_device(args.device)
+        torch_dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch_dtype or "auto")
         self.model = model.to(self.device).eval()
@@ -195,7 +167,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         limit = getattr(cfg, "max_position_embeddings", None) or max_model_len
         self.max_model_len = min(max_model_len, limit)
-        self.prefill_token_budget = max(prefill_token_budget, self.max_model_len)
+        self.prefill_token_budget = max(args.prefill_token_budget, self.max_model_len)
         self.eos_ids = self._eos_ids()
 
         heads = cfg.num_attention_heads
@@ -240,15 +212,14 @@ class Engine:
                 ids.update(eos)
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        pad = self.tokenizer.convert_tokens_to_ids(PAD) if PAD in self.tokenizer.get_vocab() else None
-        if pad is not None:
-            ids.add(pad)
+        if self.tokenizer.pad_token_id is not None:  # a sampled padding token ends the sequence too
+            ids.add(self.tokenizer.pad_token_id)
         return ids
 
     # ------------------------------------------------------------------ public API
 
     def submit(
-        self, prompt_ids: list[int], sampling: Sampling, n: int = 1, on_tokens: TokenCallback | None = None
+        self, prompt_ids: list[int], sampling: EngineSampling, n: int = 1, on_tokens: TokenCallback | None = None
     ) -> concurrent.futures.Future:
         """Queue a request; the future resolves to ``list[SequenceResult]`` (one per choice).
 
@@ -256,12 +227,12 @@ class Engine:
         for this request (see the module docstring); cancel the future to abort.
         """
         if not prompt_ids:
-            raise EngineRequestError("prompt must contain at least one token", param="prompt")
+            raise RequestError("prompt must contain at least one token", param="prompt")
         vocab = self.model.config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_ids):
-            raise EngineRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         if len(prompt_ids) >= self.max_model_len:
-            raise EngineRequestError(
+            raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                 f"prompt has {len(prompt_ids)} tokens, leaving no room for a completion. Please reduce "
                 "the length of the messages or prompt.",
@@ -269,7 +240,7 @@ class Engine:
                 param="messages",
             )
         if n < 1 or n > self.max_batch_size:
-            raise EngineRequestError(f"n must be between 1 and {self.max_batch_size}, got {n}", param="n")
+            raise RequestError(f"n must be between 1 and {self.max_batch_size}, got {n}", param="n")
         sampling.max_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         fut: concurrent.futures.Future = concurrent.futures.Future()
         req = _Request(list(prompt_ids), sampling, n, fut, on_tokens=on_tokens)
@@ -475,7 +446,8 @@ class Engine:
     # ------------------------------------------------------------------ sampling
 
     def _sample_and_record(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
-        tokens, logps, tops = sample(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], self._rng)
+        draw = sample(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], self._rng)
+        tokens, logps, tops = draw.tokens, draw.logprobs, draw.top_logprobs
         version = self.version
         now = time.monotonic()
         streams: dict[int, tuple[_Request, list[TokenEvent]]] | None = None  # id(request) -> step's events
@@ -484,6 +456,7 @@ class Engine:
             s.token_ids.append(tok)
             s.logprobs.append(logps[k])
             s.versions.append(version)
+            s.support.append(draw.support[k])
             if tops is not None:
                 s.top_logprobs.append(tops[k])
             self._check_finished(s, tok)
@@ -493,7 +466,7 @@ class Engine:
                 if s.finish_reason is not None and s.text is None:
                     s.text = self._detokenize(s.token_ids)  # _result reuses it
                 ev = TokenEvent(s.index, tok, logps[k], version, tops[k] if tops is not None else None, s.finish_reason,
-                                s.text if s.finish_reason is not None else None)  # fmt: skip
+                                s.text if s.finish_reason is not None else None, draw.support[k])  # fmt: skip
                 streams.setdefault(id(s.request), (s.request, []))[1].append(ev)
         if streams is not None:
             self._emit(streams)
@@ -569,165 +542,5 @@ class Engine:
             top_logprobs=s.top_logprobs,
             text=text,
             finish_reason=s.finish_reason or "length",
+            support=s.support,
         )
-
-
-def sample(
-    logits: torch.Tensor,
-    params: list[Sampling],
-    generators: list[torch.Generator | None],
-    rng: torch.Generator,
-) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
-    """Draw one token per row; return (tokens, sampling logprobs, top-logprobs or None).
-
-    ``logits`` is ``[R, V]`` float32.  See the module docstring for the logprob basis.
-    """
-    r, v = logits.shape
-    device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device)
-    greedy = temps <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    if bool((top_k < v).any()) or bool((top_p < 1).any()):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(v, device=device)[None, :]
-        remove = ranks >= top_k[:, None]
-        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
-        remove |= (before >= top_p[:, None]) & (ranks > 0)
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
-    logp = torch.log_softmax(scaled, dim=-1)
-    raw_logp = torch.log_softmax(logits, dim=-1) if bool(greedy.any()) else logp
-    dist_logp = torch.where(greedy[:, None], raw_logp, logp)
-
-    tokens = torch.multinomial(logp.exp(), 1, generator=rng).squeeze(1) if not bool(greedy.all()) else None
-    tokens = logits.argmax(dim=-1) if tokens is None else torch.where(greedy, logits.argmax(dim=-1), tokens)
-    for i, g in enumerate(generators):
-        if g is not None and not bool(greedy[i]):
-            tokens[i] = torch.multinomial(logp[i].exp(), 1, generator=g)[0]
-    chosen = dist_logp.gather(1, tokens[:, None]).squeeze(1)
-
-    tops = None
-    k_max = max(p.top_logprobs for p in params)
-    if k_max > 0:
-        vals, idx = dist_logp.topk(min(k_max, v), dim=-1)
-        vals_l, idx_l = vals.tolist(), idx.tolist()
-        tops = [list(zip(idx_l[i][: params[i].top_logprobs], vals_l[i][: params[i].top_logprobs], strict=True)) for i in range(r)]
-    return tokens.tolist(), chosen.tolist(), tops
-
-
-# ------------------------------------------------------------------ weight loading
-
-
-def _named_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return dict(model.state_dict(keep_vars=True))
-
-
-def copy_named_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy tensors into the model's parameters/buffers by name. Raises EngineRequestError."""
-    targets = _named_targets(model)
-    n = 0
-    for name, t in tensors:
-        dst = targets.get(name)
-        if dst is None:
-            raise EngineRequestError(f"unknown weight name {name!r} (model has e.g. {next(iter(targets))!r})")
-        if tuple(dst.shape) != tuple(t.shape):
-            raise EngineRequestError(f"shape mismatch for {name!r}: model {tuple(dst.shape)}, got {tuple(t.shape)}")
-        dst.data.copy_(t)
-        n += 1
-    return n
-
-
-def _safetensors_files(path: str | Path) -> list[Path]:
-    p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-    if not files or not all(f.is_file() for f in files):
-        raise EngineRequestError(f"no safetensors weights at {str(p)!r}", code="weights_not_found", param="model_path")
-    return files
-
-
-def read_safetensors(path: str | Path) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor of a .safetensors file (or of all such files in a directory), on the CPU."""
-    from safetensors.torch import load_file
-
-    return [item for f in _safetensors_files(path) for item in load_file(str(f)).items()]
-
-
-def load_safetensors_path(model: torch.nn.Module, path: str | Path) -> int:
-    """Load every tensor from a .safetensors file, or all such files in a directory."""
-    from safetensors import safe_open
-
-    files = _safetensors_files(path)
-    n = 0
-    device = next(model.parameters()).device
-    for f in files:
-        with safe_open(str(f), framework="pt", device=str(device) if device.type == "cpu" else "cpu") as fh:
-            n += copy_named_tensors(model, ((k, fh.get_tensor(k)) for k in fh.keys()))  # noqa: SIM118
-    return n
-
-
-_SHM_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
-
-
-class SharedWeights:
-    """Weights in one flat shared-memory file (``/dev/shm``) described by a manifest.
-
-    Manifest entries: ``{"name", "dtype", "shape", "offset"}`` (offset in bytes).  On a CPU
-    engine whose parameter dtypes match, the parameters are re-pointed at views of the
-    mapped file (no copy): a later push is the writer filling the file while generation is
-    paused.  Otherwise (CUDA engine, dtype change) each tensor is copied into the model.
-    """
-
-    def __init__(self) -> None:
-        self.path: str | None = None
-        self.size = 0
-        self.buffer: torch.Tensor | None = None
-        self.aliased: set[str] = set()
-
-    def apply(self, model: torch.nn.Module, path: str, manifest: list[dict[str, Any]], size: int) -> int:
-        targets = _named_targets(model)
-        n = 0
-        for name, view in self.views(path, manifest, size):
-            dst = targets.get(name)
-            if dst is None:
-                raise EngineRequestError(f"unknown weight name {name!r}")
-            if tuple(dst.shape) != tuple(view.shape):
-                raise EngineRequestError(f"shape mismatch for {name!r}: model {tuple(dst.shape)}, got {tuple(view.shape)}")
-            if name not in self.aliased:
-                if dst.device.type == "cpu" and dst.dtype == view.dtype:
-                    dst.data = view
-                    self.aliased.add(name)
-                else:
-                    dst.data.copy_(view)
-            n += 1
-        return n
-
-    def views(self, path: str, manifest: list[dict[str, Any]], size: int) -> list[tuple[str, torch.Tensor]]:
-        """Map the file (once per path/size) and return a checked view per manifest entry."""
-        if self.path != path or self.size != size:
-            if not Path(path).is_file():
-                raise EngineRequestError(f"no shared-memory weights file {path!r}", code="weights_not_found")
-            self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            self.path, self.size, self.aliased = path, size, set()
-        assert self.buffer is not None
-        out = []
-        for entry in manifest:
-            name = entry["name"]
-            dtype = _SHM_DTYPES.get(entry["dtype"])
-            if dtype is None:
-                raise EngineRequestError(f"unsupported dtype {entry['dtype']!r} for {name!r}")
-            shape = tuple(entry["shape"])
-            offset, nbytes = int(entry["offset"]), dtype.itemsize * int(torch.Size(shape).numel())
-            if offset < 0 or offset + nbytes > size or offset % dtype.itemsize:
-                raise EngineRequestError(f"manifest entry {name!r} lies outside the shared buffer or is misaligned")
-            out.append((name, self.buffer[offset : offset + nbytes].view(dtype).view(shape)))
-        return out

@@ -1,15 +1,21 @@
-"""Start the embedded engine in a child process and hand back its address.
+"""Where a policy is served: start the embedded engine, or connect to running servers.
 
-``with start_embedded_engine(model_dir) as eng: ...`` — ``eng.base_url`` is the OpenAI base
-URL (``http://127.0.0.1:PORT/v1``).  The child dies with the parent (Linux parent-death
-signal, plus a watchdog thread in the child), and ``stop()`` is idempotent.
+:func:`open_policy` is the one "local model dir → start an engine, else connect to
+``base_url``" step that ``agentrl run``, ``eval``, ``env test`` and the SFT evaluator share.
+:func:`start_embedded_engine` runs ``python -m agentrl.inference.server`` in a child
+process: ``with start_embedded_engine(model_dir) as eng: ...``; ``eng.base_url`` is the
+OpenAI base URL (``http://127.0.0.1:PORT/v1``).  The child dies with the parent (Linux
+parent-death signal, plus a watchdog thread in the child), ``stop()`` is idempotent and
+removes the engine's temporary directory.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,12 +24,10 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from agentrl.errors import AgentrlError
-
-
-class EngineStartError(AgentrlError):
-    """The embedded engine did not come up (bad model dir, port in use, crash at load)."""
+from agentrl.errors import AgentrlError, EngineStartError
+from agentrl.inference.engine_args import EngineArgs
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -38,8 +42,10 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class EngineHandle:
     """A running embedded engine: ``base_url`` (…/v1), ``root_url``, ``model``, ``stop()``."""
 
-    def __init__(self, proc: subprocess.Popen, host: str, port: int, model: str, log_path: Path):
+    def __init__(self, proc: subprocess.Popen, host: str, port: int, model: str, log_path: Path,
+                 tmp_dir: Path | None = None):
         self.proc, self.host, self.port, self.model, self.log_path = proc, host, port, model, log_path
+        self.tmp_dir = tmp_dir  # removed by stop()
         self.root_url = f"http://{host}:{port}"
         self.base_url = f"{self.root_url}/v1"
         atexit.register(self.stop)
@@ -56,6 +62,9 @@ class EngineHandle:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -75,17 +84,20 @@ class EngineHandle:
 
 def start_embedded_engine(
     model_dir: str | Path,
+    args: EngineArgs | None = None,
     *,
     port: int = 0,
     host: str = "127.0.0.1",
-    max_batch_size: int = 64,
-    max_model_len: int = 1024,
-    device: str = "auto",
     served_model_name: str | None = None,
     startup_timeout: float = 300.0,
     env: dict[str, str] | None = None,
+    **overrides: Any,
 ) -> EngineHandle:
-    """Launch ``python -m agentrl.inference.server`` and wait until ``/health`` answers."""
+    """Launch ``python -m agentrl.inference.server`` and wait until ``/health`` answers.
+
+    ``args`` (or keyword overrides of its fields, e.g. ``max_model_len=512``): :class:`EngineArgs`.
+    """
+    args = dataclasses.replace(args or EngineArgs(), **overrides)
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise EngineStartError(f"no model at {str(model_dir)!r} (expected a HF model dir with config.json)")
@@ -94,9 +106,7 @@ def start_embedded_engine(
     name = served_model_name or model_dir.name
     cmd = [
         sys.executable, "-m", "agentrl.inference.server", str(model_dir),
-        "--host", host, "--port", str(port),
-        "--max-batch-size", str(max_batch_size), "--max-model-len", str(max_model_len),
-        "--device", device, "--served-model-name", name,
+        "--host", host, "--port", str(port), *args.cli_args(), "--served-model-name", name,
         "--port-file", str(port_file), "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
     log = open(log_path, "wb")  # noqa: SIM115 (the child owns it)
@@ -113,8 +123,12 @@ def start_embedded_engine(
     def bound_port() -> int | None:
         return json.loads(port_file.read_text())["port"] if port_file.exists() else None
 
-    port = wait_for_health(proc, host, bound_port, log_path, timeout=startup_timeout, what="embedded engine")
-    return EngineHandle(proc, host, port, name, log_path)
+    try:
+        port = wait_for_health(proc, host, bound_port, log_path, timeout=startup_timeout, what="embedded engine")
+    except EngineStartError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return EngineHandle(proc, host, port, name, log_path, tmp)
 
 
 def wait_for_health(
@@ -149,3 +163,61 @@ def wait_for_health(
         time.sleep(poll_s)
     proc.kill()
     raise EngineStartError(f"{what} did not answer /health within {timeout:.0f}s (log: {log_path})")
+
+
+class Policy:
+    """Where a run samples from: endpoint URLs, the served model name, engines to stop."""
+
+    def __init__(self, base_urls: list[str], model: str, engines: list[Any] | None = None,
+                 tokenizer_dir: Path | None = None):
+        self.base_urls, self.model, self.engines = base_urls, model, list(engines or [])
+        self.tokenizer_dir = tokenizer_dir  # a local copy of the served model's tokenizer, if any
+
+    @property
+    def started(self) -> bool:
+        """True when agentrl started the engines (and may push weights into them)."""
+        return bool(self.engines)
+
+    def stop(self) -> None:
+        for e in self.engines:
+            e.stop()
+        self.engines.clear()
+
+    def __enter__(self) -> Policy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def is_model_dir(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def open_policy(
+    model: str | Path,
+    base_urls: str | list[str] | None = None,
+    *,
+    args: EngineArgs | None = None,
+    served_model_name: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Policy:
+    """Connect to ``base_urls`` serving ``model``, or start an embedded engine on the local dir ``model``.
+
+    The one place that decides; raises :class:`~agentrl.errors.AgentrlError` with what to
+    pass when neither works.
+    """
+    urls = [base_urls] if isinstance(base_urls, str) else list(base_urls or [])
+    local = is_model_dir(model)
+    if urls:
+        name = served_model_name or (Path(model).name if local else str(model))
+        tok = Path(model) if local and (Path(model) / "tokenizer_config.json").is_file() else None
+        return Policy(urls, name, tokenizer_dir=tok)
+    if not local:
+        raise AgentrlError(
+            f"--model {str(model)!r} is not a local model dir (no config.json); "
+            "pass --base-url for a remote endpoint"
+        )
+    handle = start_embedded_engine(model, args, served_model_name=served_model_name, env=env)
+    tok = Path(model) if (Path(model) / "tokenizer_config.json").is_file() else None
+    return Policy([handle.base_url], handle.model, [handle], tokenizer_dir=tok)

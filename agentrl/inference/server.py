@@ -4,9 +4,11 @@ Routes (vLLM names and fields where vLLM has them):
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: OpenAI schema (messages, tools,
   n, max_tokens, temperature, top_p, stop, seed, logprobs/top_logprobs) plus vLLM extras
-  ``top_k``, ``return_token_ids`` (→ ``prompt_token_ids`` and per-choice ``token_ids``),
-  ``stop_token_ids``, ``ignore_eos``, ``return_tokens_as_token_ids``, token-id prompts on
-  ``/v1/completions``; every choice carries ``token_versions`` (weight version per token).
+  ``top_k``, ``min_p``, ``return_token_ids`` (→ ``prompt_token_ids`` and per-choice
+  ``token_ids``), ``stop_token_ids``, ``ignore_eos``, ``return_tokens_as_token_ids``,
+  token-id prompts on ``/v1/completions``; every choice carries ``token_versions`` (weight
+  version per token) and ``token_support`` (the size of the kept set each token was drawn
+  from: :mod:`agentrl.inference.sampling`).  ``stream: true``: :mod:`agentrl.inference.streaming`.
 - ``POST /tokenize`` (``prompt`` or ``messages`` + ``tools``), ``POST /detokenize``.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (JSON).
 - weights: ``POST /pause`` (mode=keep), ``POST /resume``, ``GET /is_paused``,
@@ -15,188 +17,51 @@ Routes (vLLM names and fields where vLLM has them):
   (``lora: true``: the tensors are LoRA factors the engine merges into its base weights),
   ``GET /get_weight_version``, ``POST /update_weight_version`` ``{weight_version}``.
 
-Streaming (``stream: true`` on both generation routes) answers ``text/event-stream``: one
-``data: {chunk}`` event per engine step that produced text (OpenAI ``chat.completion.chunk``
-/ ``text_completion`` chunks; the first chat chunk per choice has ``role``; the last one per
-choice has ``finish_reason``), an optional ``usage`` chunk (``stream_options.include_usage``)
-and ``data: [DONE]``.  Text is detokenized incrementally and never splits a UTF-8 character
-or sends text a stop string would cut off, so the deltas concatenate to the non-streamed
-text for the same seed.  A chunk carries the tokens sampled since the previous chunk
-(``logprobs``, ``token_versions`` and, with ``return_token_ids``, ``token_ids``; chat puts
-``prompt_token_ids`` on its first chunks, completions on each choice's first chunk).  With
-``tools`` (and ``tool_choice`` not ``"none"``) a chat choice's text is buffered and sent in
-one delta at its end, parsed into ``tool_calls`` exactly as the non-streamed reply is.
-Errors known before generation starts are ordinary JSON 4xx responses; an engine failure
-mid-stream is sent as a ``data: {"error": ...}`` event before ``[DONE]``.  A client that
-disconnects mid-stream aborts its request in the engine.
-
-Every bad request gets an OpenAI-style JSON error (``{"error": {message, type, param,
-code}}``) with a 4xx status; an over-long prompt gets code ``context_length_exceeded``.
+Request schemas and error bodies: :mod:`agentrl.inference.protocol`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentrl.inference.engine import (
-    Engine,
-    EngineRequestError,
-    Sampling,
-    SequenceResult,
-    SharedWeights,
-    TokenEvent,
-    load_safetensors_path,
-    read_safetensors,
+from agentrl.errors import RequestError
+from agentrl.inference import streaming
+from agentrl.inference.engine import Engine, SequenceResult
+from agentrl.inference.engine_args import EngineArgs
+from agentrl.inference.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DiskWeightsRequest,
+    SamplingBody,
+    ShmWeightsRequest,
+    TokenizeRequest,
+    VersionRequest,
+    error_response,
+    from_request_error,
 )
-from agentrl.inference.lora import AdapterMerger
-from agentrl.inference.render import render_chat_ids
+from agentrl.inference.sampling import EngineSampling
+from agentrl.render import render_chat_ids
 from agentrl.tool_format import parse_tool_calls
 from agentrl.types import new_id
-
-# ----------------------------------------------------------------------------- schemas
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _SamplingBody(_Body):
-    model: str | None = None
-    n: int = Field(1, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
-
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _none_is_default(cls, v, info):
-        return {"temperature": 1.0, "top_p": 1.0}[info.field_name] if v is None else v
-
-
-class ChatRequest(_SamplingBody):
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class CompletionRequest(_SamplingBody):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-
-
-class TokenizeRequest(_Body):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    tools: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    return_token_strs: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DiskWeightsRequest(_Body):
-    model_path: str
-    weight_version: int | None = None
-    lora: bool = False  # the tensors are LoRA factors to merge (agentrl.inference.lora)
-
-
-class ShmWeightsRequest(_Body):
-    path: str
-    size: int = Field(ge=0)
-    manifest: list[dict[str, Any]]
-    weight_version: int | None = None
-    lora: bool = False
-
-
-class VersionRequest(_Body):
-    weight_version: int
-
-
-# ----------------------------------------------------------------------------- errors
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
-
-
-def _from_engine(e: EngineRequestError) -> APIError:
-    return APIError(400, str(e), param=e.param, code=e.code)
-
-
-# ----------------------------------------------------------------------------- app
-
-
-def _chunk_writer(rid: str, kind: str, created: int, model: str, usage: bool) -> Callable[..., str]:
-    """One SSE event per chunk; ``usage: null`` on every chunk when the final usage chunk is asked for."""
-
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        body: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
-        if usage:
-            body["usage"] = None
-        return _sse({**body, **extra})
-
-    return chunk
+from agentrl.weights.lora import AdapterMerger
+from agentrl.weights.receive import SharedWeights, load_safetensors_path, read_safetensors
 
 
 async def _unless_disconnected(work: Any, http: Request) -> Any:
@@ -225,201 +90,6 @@ async def _unless_disconnected(work: Any, http: Request) -> Any:
     return job.result()
 
 
-# ----------------------------------------------------------------------------- streaming
-
-
-class IncrementalDetokenizer:
-    """Text deltas of a growing list of token ids (vLLM-style prefix/read offsets).
-
-    Each step decodes a short window ``ids[prefix:]`` and compares it with the window's
-    already-read part ``ids[prefix:read]``, so the cost does not grow with the text.  A
-    token that ends inside a multi-byte character (byte-level BPE) decodes to a trailing
-    U+FFFD: its text is held until a later token completes the character.  ``hold`` more
-    characters stay back so that the start of a stop string is never sent before the engine
-    has seen (and cut off) the whole stop string.  :meth:`finish` sends the rest of the
-    engine's final text, which is authoritative (eos, stop truncation, a dangling byte).
-    """
-
-    def __init__(self, tokenizer: Any, hold: int = 0):
-        self.tok, self.hold = tokenizer, hold
-        self.ids: list[int] = []
-        self.prefix = self.read = 0
-        self.text = ""  # clean text of ids[:read]
-        self.sent = 0  # characters of text already returned
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def add(self, token_ids: list[int]) -> str:
-        self.ids.extend(token_ids)
-        before = self._decode(self.ids[self.prefix : self.read])
-        after = self._decode(self.ids[self.prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
-            self.prefix, self.read = self.read, len(self.ids)
-        end = len(self.text) - self.hold
-        if end <= self.sent:
-            return ""
-        delta, self.sent = self.text[self.sent : end], end
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        delta, self.sent = final_text[self.sent :], len(final_text)
-        return delta
-
-
-class _EngineStream:
-    """Streamed engine requests (one per prompt) feeding one asyncio queue.
-
-    The engine thread hands over each step's events with one ``call_soon_threadsafe`` per
-    request; a request's done-callback queues ``(prompt, None)`` after its last events.
-    """
-
-    def __init__(self, engine: Engine, jobs: list[tuple[list[int], Sampling]], n: int):
-        loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[tuple[int, list[TokenEvent] | None]] = asyncio.Queue()
-        self.futures: list[concurrent.futures.Future] = []
-        try:
-            for p, (prompt_ids, sampling) in enumerate(jobs):
-                fut = engine.submit(prompt_ids, sampling, n, on_tokens=partial(self._handoff, loop, p))
-                fut.add_done_callback(lambda _f, p=p: self._handoff(loop, p, None))
-                self.futures.append(fut)
-        except EngineRequestError as e:
-            self.cancel()
-            raise _from_engine(e) from e
-
-    def _handoff(self, loop: asyncio.AbstractEventLoop, prompt: int, events: list[TokenEvent] | None) -> None:
-        try:
-            loop.call_soon_threadsafe(self.queue.put_nowait, (prompt, events))
-        except RuntimeError:  # the loop is closed (server shutting down)
-            if events is not None:
-                raise  # the engine aborts the request
-
-    def cancel(self) -> None:
-        """Abort whatever is still running (a no-op for finished requests)."""
-        for f in self.futures:
-            f.cancel()
-
-    async def batches(self) -> AsyncIterator[list[tuple[int, list[TokenEvent]]]]:
-        """Everything that has arrived, in order, until every request is done.
-
-        A consumer that falls behind gets fewer, larger batches (one write each).
-        """
-        running = len(self.futures)
-        while running:
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            out = []
-            for p, events in items:
-                if events is not None:
-                    out.append((p, events))
-                    continue
-                running -= 1
-                err = None if self.futures[p].cancelled() else self.futures[p].exception()
-                if err is not None:
-                    raise err
-            if out:
-                yield out
-
-    def results(self) -> list[SequenceResult]:
-        return [r for f in self.futures for r in f.result()]
-
-
-@dataclass
-class _ChoiceStream:
-    """One choice being streamed: its detokenizer and the tokens no chunk has carried yet."""
-
-    detok: IncrementalDetokenizer
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    offset: int = 0  # completions text_offset of the next token
-    started: bool = False
-
-    def take(self, events: list[TokenEvent]) -> None:
-        for ev in events:
-            self.ids.append(ev.token_id)
-            self.logprobs.append(ev.logprob)
-            self.versions.append(ev.version)
-            self.tops.append(ev.top_logprobs)
-
-    def flush(self, choice: dict[str, Any], token_ids: bool) -> dict[str, Any]:
-        """Attach the pending tokens to ``choice`` and forget them."""
-        choice["token_versions"] = self.versions
-        if token_ids:
-            choice["token_ids"] = self.ids
-        self.ids, self.logprobs, self.versions, self.tops = [], [], [], []
-        return choice
-
-
-def _by_choice(batch: list[tuple[int, list[TokenEvent]]], n: int) -> dict[int, list[TokenEvent]]:
-    """Group a batch's events by global choice index (prompt * n + choice), keeping order."""
-    out: dict[int, list[TokenEvent]] = {}
-    for p, events in batch:
-        for ev in events:
-            out.setdefault(p * n + ev.index, []).append(ev)
-    return out
-
-
-def _sse(body: Any) -> str:
-    return f"data: {json.dumps(body)}\n\n"
-
-
-ChoiceBuilder = Callable[[int, _ChoiceStream, list[TokenEvent]], "dict[str, Any] | None"]
-
-
-async def _stream_chunks(
-    stream: _EngineStream, n: int, choices: list[_ChoiceStream], chunk: Callable[..., str], build: ChoiceBuilder,
-    *, token_ids: bool, usage: Callable[[], dict[str, Any]] | None,
-) -> AsyncIterator[str]:
-    """What chat and completions streams share: per engine step, one chunk for each choice
-    ``build`` has something to say about (None = hold it back), then usage and ``[DONE]``."""
-    try:
-        async for batch in stream.batches():
-            out = []
-            for i, events in _by_choice(batch, n).items():
-                c = choices[i]
-                c.take(events)
-                choice = build(i, c, events)
-                if choice is not None:
-                    out.append(chunk([c.flush(choice, token_ids)]))
-            if out:
-                yield "".join(out)
-    except Exception as e:  # the engine failed mid-stream: the status line is long gone
-        yield _sse({"error": {"message": str(e), "type": "internal_server_error", "param": None, "code": 500}})
-    else:
-        if usage is not None:
-            yield chunk([], usage=usage())
-    yield "data: [DONE]\n\n"
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response that aborts its engine requests however the response ends.
-
-    On a client disconnect Starlette cancels the body iterator (ASGI spec < 2.4) or the
-    send fails (>= 2.4); either way ``__call__`` ends and ``on_close`` cancels the engine
-    futures, which the engine drops at its next step (``requests_aborted``).
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except RuntimeError:  # already closing
-                    pass
 
 
 class EngineServer:
@@ -460,16 +130,17 @@ class EngineServer:
         except Exception as e:  # template errors are the caller's malformed input
             raise APIError(400, f"could not apply the chat template to these messages: {e}", param="messages") from e
 
-    def sampling(self, req: _SamplingBody, top_logprobs: int) -> Sampling:
+    def sampling(self, req: SamplingBody, top_logprobs: int) -> EngineSampling:
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options can only be given with stream=true", param="stream_options")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         max_tokens = req.max_completion_tokens or req.max_tokens or self.engine.max_model_len
-        return Sampling(
+        return EngineSampling(
             max_tokens=max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k if req.top_k > 0 else -1,
+            min_p=req.min_p,
             seed=req.seed,
             stop=[s for s in stop if s],
             stop_token_ids=list(req.stop_token_ids or []),
@@ -478,11 +149,11 @@ class EngineServer:
             include_stop_str_in_output=req.include_stop_str_in_output,
         )
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling, n: int) -> list[SequenceResult]:
+    async def generate(self, prompt_ids: list[int], sampling: EngineSampling, n: int) -> list[SequenceResult]:
         try:
             fut = self.engine.submit(prompt_ids, sampling, n)
-        except EngineRequestError as e:
-            raise _from_engine(e) from e
+        except RequestError as e:
+            raise from_request_error(e) from e
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -517,6 +188,7 @@ class EngineServer:
                 "finish_reason": finish,
                 "logprobs": self.chat_logprobs(r, req) if req.logprobs else None,
                 "token_versions": r.versions,
+                "token_support": r.support,
             }
             if req.return_token_ids:
                 choice["token_ids"] = r.token_ids
@@ -532,6 +204,12 @@ class EngineServer:
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
         return body
+
+    def chat_stream(self, req: ChatRequest) -> StreamingResponse:
+        return streaming.chat_stream(self, req)
+
+    def completions_stream(self, req: CompletionRequest) -> StreamingResponse:
+        return streaming.completions_stream(self, req)
 
     def chat_logprobs(self, r: SequenceResult, req: ChatRequest) -> dict[str, Any]:
         tops = [r.top_logprobs[j] if j < len(r.top_logprobs) else [] for j in range(len(r.token_ids))]
@@ -556,73 +234,6 @@ class EngineServer:
             )
         return content
 
-    def chat_stream(self, req: ChatRequest) -> StreamingResponse:
-        """Validate and submit now (errors stay JSON 4xx), then stream the chunks."""
-        self.check_model(req.model)
-        prompt_ids = self.render_chat(req)
-        k = (req.top_logprobs or 0) if req.logprobs else 0
-        sampling = self.sampling(req, k)
-        stream = _EngineStream(self.engine, [(prompt_ids, sampling)], req.n)
-        return _EventStream(self._chat_events(req, prompt_ids, sampling, stream), stream.cancel)
-
-    async def _chat_events(
-        self, req: ChatRequest, prompt_ids: list[int], sampling: Sampling, stream: _EngineStream
-    ) -> AsyncIterator[str]:
-        rid, created = new_id("chatcmpl-"), int(time.time())
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        # buffered: the whole text is needed to tell tool calls from content
-        parse_tools = bool(req.tools) and req.tool_choice != "none"
-        hold = max((len(x) for x in sampling.stop), default=1) - 1
-
-        chunk = _chunk_writer(rid, "chat.completion.chunk", created, self.name, usage)
-
-        first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
-        yield "".join(
-            chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **first)
-            for i in range(req.n)
-        )
-        choices = [_ChoiceStream(IncrementalDetokenizer(self.tok, hold)) for _ in range(req.n)]
-
-        def build(i: int, c: _ChoiceStream, events: list[TokenEvent]) -> dict[str, Any] | None:
-            last = events[-1]
-            finish = last.finish_reason
-            if finish is None:
-                if parse_tools:
-                    return None
-                text = c.detok.add([ev.token_id for ev in events])
-                if not text:
-                    return None  # held back; its tokens ride on the next chunk
-                delta: dict[str, Any] = {"content": text}
-            elif parse_tools:
-                delta, finish = self._tool_delta(last.text or "", finish)
-            else:
-                delta = {"content": c.detok.finish(last.text or "")}
-            logprobs = None
-            if req.logprobs:
-                entries = self.chat_logprob_entries(c.ids, c.logprobs, c.tops, req.return_tokens_as_token_ids)
-                logprobs = {"content": entries}
-            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-        async for event in _stream_chunks(
-            stream, req.n, choices, chunk, build, token_ids=req.return_token_ids,
-            usage=(lambda: self.usage(len(prompt_ids), stream.results())) if usage else None,
-        ):
-            yield event
-
-    @staticmethod
-    def _tool_delta(text: str, finish: str) -> tuple[dict[str, Any], str]:
-        """A tools-enabled choice's one delta: what the non-streamed message would hold."""
-        parsed = parse_tool_calls(text)
-        if not parsed.tool_calls:
-            return {"content": text}, finish
-        delta: dict[str, Any] = {}
-        content = (parsed.content or None) if not parsed.errors else text
-        if content is not None:
-            delta["content"] = content
-        delta["tool_calls"] = [{"index": j, **tc.to_dict()} for j, tc in enumerate(parsed.tool_calls)]
-        return delta, "tool_calls" if finish == "stop" else finish
-
-    # -- completions
 
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
         self.check_model(req.model)
@@ -641,6 +252,7 @@ class EngineServer:
                     "finish_reason": r.finish_reason,
                     "logprobs": self.completion_logprobs(r, req) if req.logprobs is not None else None,
                     "token_versions": r.versions,
+                    "token_support": r.support,
                 }
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = p_ids
@@ -655,50 +267,6 @@ class EngineServer:
             "usage": self.usage(sum(len(p) for p in prompts), [r for b in batches for r in b]),
         }
 
-    def completions_stream(self, req: CompletionRequest) -> StreamingResponse:
-        """Validate and submit every prompt now (errors stay JSON 4xx), then stream."""
-        self.check_model(req.model)
-        if req.echo:
-            raise APIError(400, "echo=true is not supported by the embedded engine", param="echo")
-        prompts = self.prompts(req.prompt)
-        samplings = [self.sampling(req, req.logprobs or 0) for _ in prompts]  # one each: submit() trims max_tokens
-        stream = _EngineStream(self.engine, list(zip(prompts, samplings, strict=True)), req.n)
-        return _EventStream(self._completion_events(req, prompts, samplings[0], stream), stream.cancel)
-
-    async def _completion_events(
-        self, req: CompletionRequest, prompts: list[list[int]], sampling: Sampling, stream: _EngineStream
-    ) -> AsyncIterator[str]:
-        rid, created = new_id("cmpl-"), int(time.time())
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        hold = max((len(x) for x in sampling.stop), default=1) - 1
-        as_ids = req.return_tokens_as_token_ids
-
-        chunk = _chunk_writer(rid, "text_completion", created, self.name, usage)
-
-        choices = [_ChoiceStream(IncrementalDetokenizer(self.tok, hold)) for _ in range(len(prompts) * req.n)]
-
-        def build(i: int, c: _ChoiceStream, events: list[TokenEvent]) -> dict[str, Any] | None:
-            last = events[-1]
-            if last.finish_reason is None:
-                text = c.detok.add([ev.token_id for ev in events])
-                if not text:
-                    return None  # held back; its tokens ride on the next chunk
-            else:
-                text = c.detok.finish(last.text or "")
-            choice: dict[str, Any] = {"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
-            if req.logprobs is not None:
-                choice["logprobs"] = lp = self.completion_logprob_fields(c.ids, c.logprobs, c.tops, as_ids, c.offset)
-                c.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else c.offset
-            if req.return_token_ids and not c.started:
-                choice["prompt_token_ids"] = prompts[i // req.n]
-            c.started = True
-            return choice
-
-        async for event in _stream_chunks(
-            stream, req.n, choices, chunk, build, token_ids=req.return_token_ids,
-            usage=(lambda: self.usage(sum(len(p) for p in prompts), stream.results())) if usage else None,
-        ):
-            yield event
 
     def prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -745,24 +313,32 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
     app.state.server = srv
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        return _error(e.status, e.message, e.type, e.param, e.code)
+    async def _apierror_response(_: Request, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError):
+    async def _validationerror_response(_: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body')}: {er.get('msg')}" for er in e.errors()[:5])
-        return _error(400, msg or "invalid request", param=loc or None)
+        return error_response(400, msg or "invalid request", param=loc or None)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException):
-        return _error(e.status_code, str(e.detail), type_="NotFoundError" if e.status_code == 404 else "invalid_request_error")
+    async def _httperror_response(_: Request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), type_="NotFoundError" if e.status_code == 404 else "invalid_request_error")
 
     @app.exception_handler(ValidationError)
-    async def _pyd_error(_: Request, e: ValidationError):
-        return _error(400, str(e).splitlines()[0])
+    async def _pyderror_response(_: Request, e: ValidationError):
+        return error_response(400, str(e).splitlines()[0])
 
+    _generation_routes(app, srv)
+    _token_routes(app, srv)
+    _info_routes(app, srv)
+    _weight_routes(app, srv)
+    return app
+
+
+def _generation_routes(app: FastAPI, srv: EngineServer) -> None:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, http: Request):
         if req.stream:
@@ -774,6 +350,10 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         if req.stream:
             return srv.completions_stream(req)
         return await _unless_disconnected(srv.completions(req), http)
+
+
+def _token_routes(app: FastAPI, srv: EngineServer) -> None:
+    engine = srv.engine
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -797,6 +377,10 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": srv.tok.decode(req.tokens)}
 
+
+def _info_routes(app: FastAPI, srv: EngineServer) -> None:
+    engine = srv.engine
+
     @app.get("/v1/models")
     async def models():
         card = {
@@ -816,6 +400,11 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return engine.stats()
+
+
+def _weight_routes(app: FastAPI, srv: EngineServer) -> None:
+    """``/pause``, ``/resume``, versions, and full or LoRA weight updates (agentrl.weights)."""
+    engine = srv.engine
 
     @app.post("/pause")
     async def pause(mode: str = "keep"):
@@ -856,8 +445,8 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
         count: list[int] = []
         try:
             new = await asyncio.to_thread(engine.update_weights, lambda m: count.append(apply(m)), version)
-        except EngineRequestError as e:
-            raise _from_engine(e) from e
+        except RequestError as e:
+            raise from_request_error(e) from e
         return {"success": True, "weight_version": new, "num_tensors": count[0] if count else 0,
                 "seconds": time.perf_counter() - t0}
 
@@ -876,8 +465,6 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
             lambda: srv.shared.views(req.path, req.manifest, req.size),
         )
 
-    return app
-
 
 # ----------------------------------------------------------------------------- serve
 
@@ -895,9 +482,7 @@ def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    max_batch_size: int = 64,
-    max_model_len: int = 1024,
-    device: str = "auto",
+    args: EngineArgs | None = None,
     served_model_name: str | None = None,
     port_file: str | None = None,
     parent_pid: int | None = None,
@@ -906,7 +491,7 @@ def serve(
     """Load the model, bind ``host:port`` (0 = a free port), serve until interrupted."""
     import uvicorn
 
-    engine = Engine(model_dir, max_batch_size=max_batch_size, max_model_len=max_model_len, device=device)
+    engine = Engine(model_dir, args or EngineArgs())
     app = create_app(engine, served_model_name)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -931,14 +516,15 @@ def serve(
 def main(argv: list[str] | None = None) -> None:
     """``python -m agentrl.inference.server MODEL_DIR [--port ...]`` (used by the launcher)."""
     import argparse
+    from dataclasses import fields
 
+    defaults = EngineArgs()
     ap = argparse.ArgumentParser(prog="agentrl-engine")
     ap.add_argument("model_dir")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--max-batch-size", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--device", default="auto")
+    for f in fields(EngineArgs):
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name))
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--port-file", default=None)
     ap.add_argument("--parent-pid", type=int, default=None)
@@ -947,9 +533,7 @@ def main(argv: list[str] | None = None) -> None:
         a.model_dir,
         host=a.host,
         port=a.port,
-        max_batch_size=a.max_batch_size,
-        max_model_len=a.max_model_len,
-        device=a.device,
+        args=EngineArgs(**{f.name: getattr(a, f.name) for f in fields(EngineArgs)}),
         served_model_name=a.served_model_name,
         port_file=a.port_file,
         parent_pid=a.parent_pid,

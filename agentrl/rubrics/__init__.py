@@ -7,6 +7,7 @@ from agentrl.rubrics.rubric import (
     completion_text,
     episode_args,
     last_assistant_text,
+    score_episodes,
 )
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "completion_text",
     "episode_args",
     "last_assistant_text",
+    "score_episodes",
 ]
 
 

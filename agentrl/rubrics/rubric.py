@@ -177,7 +177,8 @@ class Rubric:
                 continue
             traj.metrics.update(values)
             if error is not None:
-                traj.error, traj.stop_reason, traj.reward = error, traj.stop_reason or "error", 0.0
+                traj.error, traj.error_kind, traj.reward = error, "rubric", 0.0
+                traj.stop_reason = traj.stop_reason or "error"
             else:
                 traj.reward = self.reward_from(values)
 
@@ -256,6 +257,29 @@ class Rubric:
             else:
                 raise TypeError(f"group reward function {f.name!r} asks for {p!r}; use plural names")
         return kwargs
+
+
+async def score_episodes(rubric: Any, trajectories: Sequence[Trajectory]) -> None:
+    """Score finished episodes with ``rubric``; never raises.
+
+    The one scoring entry point of the rollout, held-out evaluation, ``agentrl eval``, the
+    checker and the gymnasium bridge.  A rubric that raises as a whole, or leaves a
+    non-finite reward, marks the (not already errored) episodes errored, kind ``rubric``.
+    """
+    live = [t for t in trajectories if t.error is None]
+    if not live:
+        return
+    try:
+        await rubric.score_group(live)
+    except Exception as e:
+        for t in live:
+            t.error, t.error_kind, t.reward = f"rubric raised {type(e).__name__}: {e}"[:500], "rubric", 0.0
+        return
+    for t in live:
+        if t.error is None and not (isinstance(t.reward, int | float) and math.isfinite(t.reward)):
+            t.error, t.error_kind, t.reward = f"rubric left a non-finite reward {t.reward!r}", "rubric", 0.0
+        elif t.error is not None and t.error_kind is None:
+            t.error_kind = "rubric"
 
 
 class RubricGroup(Rubric):

@@ -24,7 +24,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,10 @@ from agentrl.trainer.losses import (
     summarize,
     token_weights,
 )
-from agentrl.types import Group
+from agentrl.types import Group, SamplingParams
+
+if TYPE_CHECKING:
+    from agentrl.config import TrainerConfig
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -74,14 +77,18 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 class Trainer:
     """Holds the policy, optimizer and LR schedule; :meth:`step` is one weight version."""
 
-    def __init__(self, model_dir: str | Path, cfg: Any, *, temperature: float = 1.0, seed: int = 0) -> None:
+    def __init__(
+        self, model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None = None, *, seed: int = 0
+    ) -> None:
+        """``sampling``: how the rollouts sample (π_θ is computed on the same basis as μ)."""
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         random.seed(seed)
         self.cfg = cfg
         self.spec = LossSpec.from_config(cfg.loss)
-        self.temperature = temperature if temperature > 0 else 1.0
+        self.sampling = sampling or SamplingParams()
+        self.temperature = self.sampling.temperature if self.sampling.temperature > 0 else 1.0
         self.device = resolve_device(cfg.device)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.pad_id = model.config.pad_token_id or 0

@@ -61,7 +61,7 @@ def test_agentrl_run_with_ray_backend_trains_across_two_engines(tmp_path):
     """`[cluster] backend = "ray"`: the same run, engines placed by Ray, load-balanced, pushed to."""
     from agentrl.config import load_config
     from agentrl.metrics import read_jsonl
-    from agentrl.trainer.run import run_training
+    from agentrl.recipes.rl import train as run_training
 
     model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
     run_dir = tmp_path / "run"
@@ -75,7 +75,7 @@ def test_agentrl_run_with_ray_backend_trains_across_two_engines(tmp_path):
     run_training(load_config([], [f"--{k}={v}" for k, v in over.items()]), progress=False)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[-1]["episodes_trained"] == 3 * 2 * 4
+    assert rows[-1]["ledger/trained"] == 3 * 2 * 4
     # weights were pushed to the engines: later episodes carry later versions
     versions = {v for r in read_jsonl(run_dir / "rollouts.jsonl") for s in r["sequences"] for v in s["versions"] if v >= 0}
     assert max(versions) >= 1

@@ -5,7 +5,6 @@ import math
 
 import pytest
 
-from agentrl.envs.gym import GymEnv
 from agentrl.inference import start_embedded_engine
 from agentrl.inference.client import PolicyClient
 from agentrl.plugins import load_environment
@@ -62,7 +61,7 @@ def _envs():
     return [
         load_environment("guess", num_train=4, num_eval=5, max_turns=3),
         load_environment("gym-text", game="frozenlake", num_tasks=2, num_eval_tasks=1, max_turns=3),
-        GymEnv("blackjack", num_tasks=2, num_eval_tasks=1, max_turns=2),
+        load_environment("gym-text", game="blackjack", num_tasks=2, num_eval_tasks=1, max_turns=2),
         load_environment("reasoning-gym", task="leg_counting", size=2, eval_size=1),
     ]
 
@@ -96,7 +95,7 @@ async def test_episodes_against_the_embedded_engine(engine):
 
 
 async def test_evaluate_writes_json_results_for_the_builtin_envs(engine, tmp_path):
-    from agentrl.evaluation import evaluate, read_results
+    from agentrl.recipes.eval import evaluate, read_results
 
     client = PolicyClient(engine.base_url, engine.model)
     sampling = SamplingParams(max_tokens=24, temperature=1.0)

@@ -6,6 +6,7 @@ import pytest
 
 from agentrl.envs import MultiTurnEnv, SingleTurnEnv, State, ToolEnv
 from agentrl.envs.check import IM_END, ScriptedClient, encode, render_chatml
+from agentrl.errors import ContextLengthExceeded
 from agentrl.rubrics import Rubric
 from agentrl.types import Message, SamplingParams, Task, messages_to_dicts
 
@@ -85,22 +86,41 @@ async def test_template_break_starts_a_new_sequence_and_counts():
 
 
 @pytest.mark.parametrize(
-    ("reply", "kwargs", "stop", "error"),
+    ("reply", "kwargs", "stop", "error", "kind"),
     [
-        ("5", {}, "done", None),
-        ("4", {"max_turns": 3}, "max_turns", None),
-        ("4", {"max_total_tokens": 5, "max_turns": 10}, "max_tokens", None),
-        ("4" * 50, {}, "length", None),
-        ("boom", {}, "error", "RuntimeError: env exploded"),
+        ("5", {}, "done", None, None),
+        ("4", {"max_turns": 3}, "max_turns", None, None),
+        ("4", {"max_total_tokens": 5, "max_turns": 10}, "max_tokens", None, None),
+        ("4" * 50, {}, "length", None, None),
+        ("boom", {}, "error", "RuntimeError: env exploded", "env"),
     ],
 )
-async def test_stop_reasons(reply, kwargs, stop, error):
+async def test_stop_reasons(reply, kwargs, stop, error, kind):
     env = Guess(dataset=["guess"], **kwargs)
     traj = await env.rollout(ScriptedClient(lambda p: reply), next(iter(env.dataset())), SamplingParams(max_tokens=20))
-    assert traj.stop_reason == stop and traj.error == error
+    assert (traj.stop_reason, traj.error, traj.error_kind) == (stop, error, kind)
     assert env.cleaned == 1
     if stop == "max_turns":
         assert len(traj.turns) == 3
+
+
+async def test_a_cut_off_turn_ends_the_episode_or_continues_it_per_env():
+    replies = iter(["4" * 50, "5"])
+    env = Guess(dataset=["guess"], max_turns=4)
+    traj = await env.rollout(ScriptedClient(lambda p: next(replies)), next(iter(env.dataset())), SamplingParams(max_tokens=20))
+    assert traj.stop_reason == "length" and len(traj.turns) == 1
+
+    replies = iter(["4" * 50, "5"])
+    env = Guess(dataset=["guess"], max_turns=4, on_length="continue")
+    client = ScriptedClient(lambda p: next(replies))
+    traj = await env.rollout(client, next(iter(env.dataset())), SamplingParams(max_tokens=20))
+    assert traj.error is None and traj.stop_reason == "done" and len(traj.turns) == 2
+    assert traj.messages[2].content == "wrong"  # the env answered the cut-off turn
+    # the cut-off turn has no end-of-turn token: the next prompt is a fresh sample, counted
+    assert traj.metrics["length_continues"] == 1 and len(traj.sequences) == 2
+    assert client.prompts[1] == traj.sequences[1].token_ids[: len(client.prompts[1])]
+    with pytest.raises(ValueError, match="on_length"):
+        Guess(dataset=["guess"], on_length="retry")
 
 
 async def test_prompt_too_long_from_max_seq_len_and_from_the_endpoint():
@@ -108,18 +128,27 @@ async def test_prompt_too_long_from_max_seq_len_and_from_the_endpoint():
     traj = await env.rollout(ScriptedClient(lambda p: "4"), next(iter(env.dataset())))
     assert traj.stop_reason == "prompt_too_long" and traj.error is None
 
-    class ContextLengthExceeded(Exception):
-        pass
-
     class Full(ScriptedClient):
+        """Fits the first prompt only."""
+
+        async def complete(self, prompt_ids, sampling, n=1):
+            if len(self.prompts) >= 1:
+                raise ContextLengthExceeded("prompt is 5000 tokens")
+            return await super().complete(prompt_ids, sampling, n)
+
+    traj = await Guess(dataset=["guess"]).rollout(Full(lambda p: "4"), next(iter(env.dataset())))
+    assert traj.stop_reason == "prompt_too_long" and traj.error is None and len(traj.turns) == 1
+
+    class Never(ScriptedClient):
         async def complete(self, prompt_ids, sampling, n=1):
             raise ContextLengthExceeded("prompt is 5000 tokens")
 
-    traj = await Guess(dataset=["guess"]).rollout(Full(), next(iter(env.dataset())))
-    assert traj.stop_reason == "prompt_too_long" and traj.error is None
+    # nothing sampled: the task itself does not fit, an error of its own kind
+    traj = await Guess(dataset=["guess"]).rollout(Never(), next(iter(env.dataset())))
+    assert traj.stop_reason == "error" and traj.error_kind == "context_length" and "5000 tokens" in traj.error
 
 
-async def test_timeout_keeps_partial_episode_and_cleans_up():
+async def test_the_wall_limit_errors_the_episode_keeps_what_happened_and_cleans_up():
     class Slow(Guess):
         async def step(self, state, msg):
             await asyncio.sleep(10)
@@ -127,21 +156,34 @@ async def test_timeout_keeps_partial_episode_and_cleans_up():
 
     env = Slow(dataset=["guess"], timeout_s=0.2)
     traj = await env.rollout(ScriptedClient(lambda p: "4"), next(iter(env.dataset())))
-    assert traj.stop_reason == "timeout" and traj.error is None
+    assert traj.stop_reason == "error" and traj.error_kind == "timeout" and "wall limit of 0.2s" in traj.error
     assert len(traj.turns) == 1 and traj.messages[-1].role == "assistant" and env.cleaned == 1
+    # an explicit limit wins over the env's own
+    traj = await Slow(dataset=["guess"]).rollout(ScriptedClient(lambda p: "4"), next(iter(env.dataset())), timeout_s=0.1)
+    assert traj.error_kind == "timeout" and "0.1s" in traj.error
+
+
+async def test_a_timeout_error_raised_by_env_code_is_the_envs_error_not_the_wall_limit():
+    class Raises(Guess):
+        async def step(self, state, msg):
+            raise TimeoutError("database did not answer")
+
+    traj = await Raises(dataset=["guess"], timeout_s=30).rollout(ScriptedClient(lambda p: "4"), Task([Message("user", "g")]))
+    assert traj.error_kind == "env" and traj.error == "TimeoutError: database did not answer"
 
 
 async def test_endpoint_failure_and_setup_failure_are_errors_not_exceptions():
     env = Guess(dataset=["guess"])
     traj = await env.rollout(ScriptedClient(fail=True), next(iter(env.dataset())))
     assert traj.stop_reason == "error" and "endpoint is down" in traj.error and env.cleaned == 1
+    assert traj.error_kind == "endpoint"
 
     class BadSetup(Guess):
         async def setup(self, task):
             raise OSError("no sandbox")
 
     traj = await BadSetup(dataset=["g"]).rollout(ScriptedClient(), Task([Message("user", "g")]))
-    assert traj.error == "OSError: no sandbox"
+    assert traj.error == "OSError: no sandbox" and traj.error_kind == "env"
 
 
 async def test_cleanup_failure_marks_error_and_is_not_raised():

@@ -35,12 +35,12 @@ class HFTemplateClient:
         return render(self.tok, messages, tools, add_generation_prompt)
 
     async def complete(self, prompt_ids, sampling, n=1):
-        from agentrl.envs.check import ScriptedCompletion
+        from agentrl.types import Completion
 
         self.prompts.append(list(prompt_ids))
         text = self.policy(self.tok.decode(prompt_ids))
         ids = self.tok.encode(text, add_special_tokens=False) + [self.eot]
-        return [ScriptedCompletion(text, ids, [-1.0] * len(ids), [3] * len(ids), "stop")]
+        return [Completion(text, ids, [-1.0] * len(ids), [3] * len(ids), "stop")]
 
 
 def solver(prompt: str) -> str:

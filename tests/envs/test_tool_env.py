@@ -139,7 +139,8 @@ async def test_every_failure_is_a_tool_message_and_a_metric():
 
 async def test_episode_error_from_a_tool_marks_the_episode():
     t = await run(call("infra"), "never")
-    assert t.stop_reason == "error" and t.error == "EpisodeError: sandbox died"
+    assert t.stop_reason == "error" and t.error_kind == "tool"
+    assert t.error == "ToolError: tool 'infra' failed: EpisodeError: sandbox died"
 
 
 async def test_missing_state_for_hidden_arg_is_an_episode_error():

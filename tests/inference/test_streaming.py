@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from agentrl.inference.server import IncrementalDetokenizer
+from agentrl.inference.streaming import IncrementalDetokenizer
 
 CHAT = [{"role": "user", "content": "hello, what is 3+4?"}]
 

@@ -16,8 +16,9 @@ import torch
 import uvicorn
 from fastapi import Body, FastAPI, HTTPException, Query, Request
 
-from agentrl.inference.vllm import VLLMWeightSync, vllm_serve_command
+from agentrl.inference.vllm import vllm_serve_command
 from agentrl.weights import WeightSyncError
+from agentrl.weights.vllm import VLLMWeightSync
 
 
 def fake_vllm(world_size: int, *, legacy: bool = False, fail_update: bool = False) -> tuple[FastAPI, list]:

@@ -7,15 +7,7 @@ import asyncio
 import random
 from dataclasses import dataclass, field
 
-from agentrl.types import Message, SamplingParams, Task, TokenSequence, Trajectory
-
-
-@dataclass
-class FakeCompletion:
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    text: str = "x"
+from agentrl.types import Completion, Message, SamplingParams, Task, TokenSequence, Trajectory
 
 
 @dataclass
@@ -31,8 +23,18 @@ class FakeEngine:
 
 
 class FakeClient:
-    def __init__(self, engine: FakeEngine) -> None:
-        self.engine = engine
+    """One stand-in endpoint, or several (``FakeClient([e1, e2])``): a group pins the least-loaded
+    one, as :meth:`agentrl.inference.PolicyClient.pin` does."""
+
+    def __init__(self, engine: FakeEngine | list[FakeEngine]) -> None:
+        self.engines = engine if isinstance(engine, list) else [engine]
+        self.engine = self.engines[0]
+        self.load = {id(e): 0 for e in self.engines}
+
+    def pin(self, weight: int = 1) -> _Pinned:
+        engine = min(self.engines, key=lambda e: self.load[id(e)])
+        self.load[id(engine)] += weight
+        return _Pinned(self, engine, weight)
 
     async def complete(self, prompt_ids, sampling, n=1):
         eng = self.engine
@@ -51,10 +53,18 @@ class FakeClient:
             out_ids.append(7)
             out_lp.append(-0.5)
             out_v.append(eng.version)
-        return [FakeCompletion(out_ids, out_lp, out_v)]
+        return [Completion("x", out_ids, out_lp, out_v, "stop")]
 
     async def tokenize(self, **kw):
         return [1, 2, 3]
+
+
+class _Pinned(FakeClient):
+    def __init__(self, parent: FakeClient, engine: FakeEngine, weight: int) -> None:
+        self.parent, self.engine, self.engines, self.weight = parent, engine, [engine], weight
+
+    def release(self) -> None:
+        self.parent.load[id(self.engine)] -= self.weight
 
 
 class FakeRubric:
@@ -83,7 +93,15 @@ class FakeEnv:
     def dataset(self):
         return [Task(prompt=[Message("user", f"q{i}")], answer=f"a{i}") for i in range(50)]
 
-    async def rollout(self, client, task, sampling: SamplingParams, *, max_turns=None):
+    async def rollout(self, client, task, sampling: SamplingParams, *, max_turns=None, timeout_s=None):
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._rollout(client, task, sampling)
+        except TimeoutError:  # like the real episode loop: a wall limit is an error of kind timeout
+            return Trajectory(task=task, error="episode exceeded its wall limit", error_kind="timeout",
+                              stop_reason="error")
+
+    async def _rollout(self, client, task, sampling: SamplingParams):
         if task.answer == self.hang_on:
             await asyncio.sleep(3600)
         seq = TokenSequence()
@@ -96,7 +114,7 @@ class FakeEnv:
                 seq.extend_sampled(c.token_ids, c.logprobs, c.versions)
                 seq.extend_forced([5])
         except Exception as e:  # like the real env: errors become data
-            return Trajectory(task=task, sequences=[seq], error=f"{type(e).__name__}: {e}")
+            return Trajectory(task=task, sequences=[seq], error=f"{type(e).__name__}: {e}", error_kind="env")
         return Trajectory(task=task, sequences=[seq], stop_reason="done")
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from agentrl.config import load_config
 from agentrl.metrics import read_jsonl
-from agentrl.trainer.run import run_training
+from agentrl.recipes.rl import train as run_training
 
 pytestmark = pytest.mark.slow
 
@@ -49,9 +49,9 @@ def _trained_staleness(run_dir: Path) -> list[int]:
 
 
 def _ledger_adds_up(row: dict) -> None:
-    fates = sum(row[f"episodes_{k}"] for k in ("trained", "stale", "filtered", "errored", "interrupted", "in_flight"))
-    assert fates == row["episodes_started"]
-    assert row["episodes_in_flight"] >= 0
+    fates = sum(row[f"ledger/{k}"] for k in ("trained", "stale", "filtered", "errored", "interrupted", "in_flight"))
+    assert fates == row["ledger/started"]
+    assert row["ledger/in_flight"] >= 0
 
 
 @pytest.mark.parametrize("eta", [1, 0])
@@ -66,12 +66,12 @@ def test_staleness_is_a_bound_and_the_ledger_adds_up(tiny_model, tmp_path, eta):
         assert set(staleness) == {0}
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(5))
-    assert all(r["staleness_max"] <= eta for r in rows)
+    assert all(r["buffer/staleness_max"] <= eta for r in rows)
     _ledger_adds_up(rows[-1])
     trained = [e for r in read_jsonl(run_dir / "ledger.jsonl") for e in r["trained"]]
-    assert len(trained) == len(set(trained)) == rows[-1]["episodes_trained"] == 5 * 2 * 4
+    assert len(trained) == len(set(trained)) == rows[-1]["ledger/trained"] == 5 * 2 * 4
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["ledger"]["episodes_trained"] == rows[-1]["episodes_trained"]
+    assert summary["ledger"]["ledger/trained"] == rows[-1]["ledger/trained"]
     view = subprocess.run([sys.executable, "-m", "agentrl.cli", "view", str(run_dir)], capture_output=True, text=True)
     assert view.returncode == 0 and "steps 5" in view.stdout and "trained 40" in view.stdout
 
@@ -132,6 +132,6 @@ def test_lora_run_pushes_only_adapters(tiny_model, tmp_path):
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     full_mb = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors")) / 2**20
-    assert all(0 < r["weight_push_mb"] < full_mb / 3 for r in rows), (full_mb, [r["weight_push_mb"] for r in rows])
+    assert all(0 < r["weights/push_mb"] < full_mb / 3 for r in rows), (full_mb, [r["weights/push_mb"] for r in rows])
     staleness = _trained_staleness(run_dir)
     assert staleness and max(staleness) <= 1  # the engine kept up with the adapter pushes

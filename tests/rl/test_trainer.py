@@ -85,10 +85,10 @@ def test_lora_trains_adapters_only_and_pushes_merged_adapted_weights(tiny):
 
 
 def test_adapter_push_merges_to_the_same_weights_and_never_accumulates(tiny):
+    from agentrl.inference.lora import AdapterMerger
     from transformers import AutoModelForCausalLM
 
     from agentrl.inference.engine import EngineRequestError
-    from agentrl.inference.lora import AdapterMerger
 
     tr = Trainer(tiny, _cfg(lora_rank=4, lora_alpha=8))
     served = AutoModelForCausalLM.from_pretrained(tiny)  # what the engine holds: the base

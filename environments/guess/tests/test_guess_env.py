@@ -6,8 +6,8 @@ from gymnasium.utils.env_checker import check_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agentrl.envs import as_gymnasium
 from agentrl.envs.check import ScriptedClient, check_environment
-from agentrl.envs.gym import as_gymnasium
 from agentrl.plugins import load_environment
 from agentrl.types import Message, SamplingParams
 

@@ -8,8 +8,9 @@ import gymnasium
 import pytest
 from gymnasium.utils.env_checker import check_env
 
+from agentrl.envs.as_gym import register_gymnasium
 from agentrl.envs.check import ScriptedClient, check_environment
-from agentrl.envs.gym import GymEnv, register_gymnasium
+from agentrl.envs.gym import GymEnv
 from agentrl.errors import AgentrlError
 from agentrl.plugins import load_environment
 from agentrl.types import SamplingParams

@@ -1,13 +1,15 @@
-"""Warm start: supervised fine-tuning on the environment's demonstrations (cached).
+"""`agentrl sft` (and phase 2 of `agentrl run`): the warm start, in numbered phases.
 
-``run_sft(cfg) -> Path`` builds the tiny base model if the config asks for one, renders
-``env.demonstrations(n, seed)`` with the model's chat template (the same template and
-tool schemas the rollouts use) and trains cross-entropy on *assistant tokens only*
-(``return_assistant_tokens_mask`` over the template's ``{% generation %}`` blocks).
-The result is saved under ``<model dir>/../sft-<hash>`` where the hash covers the base
-model's weights, the environment (name, version, args) and the SFT config, so a rerun
-of the quickstart reuses it.  SFT deliberately stops early (``sft.steps``) to leave
-the RL stage headroom.
+    1. base model   ``model.path``, built (tiny) when missing and ``model.init = "tiny"``
+    2. cache        ``<model dir>-sft-<hash>``: the hash covers the base model's weights, the
+                    environment (name, version, args) and ``[sft]``; a complete entry is reused
+    3. data         ``env.demonstrations(n, seed)`` rendered with the model's chat template
+                    (the same template and tool schemas the rollouts use); the loss covers
+                    *assistant tokens only* (the template's ``{% generation %}`` blocks)
+    4. train        AdamW on cross-entropy; with ``sft.target_reward`` a greedy held-out
+                    evaluation every ``sft.eval_every`` steps stops it early, leaving the RL
+                    stage headroom
+    5. save         written beside the cache entry and renamed into place
 """
 
 from __future__ import annotations
@@ -16,17 +18,19 @@ import asyncio
 import hashlib
 import json
 import math
-import os
 import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentrl.config import Config, ModelConfig, SFTConfig
 
 MARKER = "SFT_COMPLETE"
 
 
-def ensure_base_model(model_cfg: Any) -> Path:
+def ensure_base_model(model_cfg: ModelConfig) -> Path:
     """The base model dir, built (tiny) when missing and ``model.init == "tiny"``."""
     from agentrl.errors import AgentrlError
 
@@ -57,7 +61,7 @@ def _hash_dir(path: Path) -> str:
     return h.hexdigest()
 
 
-def sft_cache_key(cfg: Any, base: Path, env: Any) -> str:
+def sft_cache_key(cfg: Config, base: Path, env: Any) -> str:
     blob = {
         "model": _hash_dir(base),
         "env": [cfg.env.name, getattr(env, "version", ""), cfg.env.args],
@@ -69,27 +73,26 @@ def sft_cache_key(cfg: Any, base: Path, env: Any) -> str:
 
 def encode_demos(tokenizer: Any, demos: list[list[Any]], tools: list[dict] | None) -> list[tuple[list[int], list[int]]]:
     """(token ids, assistant mask) per demonstration, rendered with the chat template."""
+    from agentrl.render import render_chat_with_mask
     from agentrl.types import Message, messages_to_dicts
 
     out = []
     for convo in demos:
-        msgs = messages_to_dicts([Message.from_dict(m) for m in convo])
-        enc = tokenizer.apply_chat_template(
-            msgs, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+        ids, mask = render_chat_with_mask(tokenizer, messages_to_dicts([Message.from_dict(m) for m in convo]), tools)
         if sum(mask):
             out.append((ids, mask))
     return out
 
 
-def run_sft(cfg: Any, *, progress: bool = True) -> Path:
+def warm_start(cfg: Config, *, progress: bool = True) -> Path:
     """Warm-start model dir for ``cfg`` (the base model itself when SFT is disabled)."""
     from agentrl.plugins import load_environment
 
+    # 1) base model
     base = ensure_base_model(cfg.model)
     if not cfg.sft.enabled or cfg.sft.steps == 0:
         return base
+    # 2) cache
     env = load_environment(cfg.env.name, **cfg.env.args)
     out = base.parent / f"{base.name}-sft-{sft_cache_key(cfg, base, env)}"
     if (out / MARKER).is_file():
@@ -99,6 +102,7 @@ def run_sft(cfg: Any, *, progress: bool = True) -> Path:
         from agentrl.errors import AgentrlError
 
         raise AgentrlError(f"environment {cfg.env.name!r} has no demonstrations(); set sft.enabled = false")
+    # 3-4) data and training
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     evaluator = _GreedyEvaluator(base, env, cfg) if cfg.sft.target_reward is not None else None
@@ -108,13 +112,14 @@ def run_sft(cfg: Any, *, progress: bool = True) -> Path:
     finally:
         if evaluator is not None:
             evaluator.close()
+    # 5) save
     (tmp / MARKER).write_text("ok")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
 
 
-def train_sft(base: Path, env: Any, sft: Any, *, seed: int, out_dir: Path, device: str = "auto",
+def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path, device: str = "auto",
               progress: bool = True, evaluator: Any = None) -> Path:
     """SFT loop; with an ``evaluator`` it stops once greedy reward ≥ ``sft.target_reward``."""
     import torch
@@ -181,48 +186,46 @@ class _GreedyEvaluator:
     """Greedy held-out reward of the model being fine-tuned, on an embedded engine.
 
     The engine starts once on the base weights; each evaluation pushes the current SFT
-    weights (shared memory) and runs the env's held-out tasks at temperature 0.
+    weights and runs the env's held-out tasks at temperature 0 (the evaluator RL uses).
     """
 
-    def __init__(self, base: Path, env: Any, cfg: Any) -> None:
-        from agentrl.inference.launcher import start_embedded_engine
+    def __init__(self, base: Path, env: Any, cfg: Config) -> None:
+        from agentrl.inference import EngineArgs, open_policy
+        from agentrl.recipes.rl import torch_threads
 
         self.env, self.cfg = env, cfg
         self.tasks = list(env.eval_dataset() or env.dataset())[: cfg.sft.eval_tasks]
-        threads = cfg.trainer.num_threads or max(1, (os.cpu_count() or 2) // 2)
-        self.engine = start_embedded_engine(
-            base, max_batch_size=cfg.inference.max_batch_size, max_model_len=cfg.inference.max_model_len,
-            device=cfg.inference.device, env={"OMP_NUM_THREADS": str(threads)},
-        )
+        ic = cfg.inference
+        args = EngineArgs(max_batch_size=ic.max_batch_size, max_model_len=ic.max_model_len, device=ic.device)
+        self.policy = open_policy(base, args=args, env={"OMP_NUM_THREADS": str(torch_threads(cfg))})
 
     def score(self, model: Any, version: int) -> float:
         return asyncio.run(self._score(model, version))
 
     async def _score(self, model: Any, version: int) -> float:
-        from agentrl.inference.client import PolicyClient
-        from agentrl.rollout import evaluate_tasks
+        from agentrl.inference import PolicyClient
+        from agentrl.rollout import evaluate_tasks, mean_reward
         from agentrl.types import SamplingParams
         from agentrl.weights import make_weight_sync
 
-        ws = make_weight_sync([self.engine.base_url], self.cfg.inference.weight_transport)
+        ws = make_weight_sync(self.policy.base_urls, self.cfg.inference.weight_transport)
         try:
             await ws.push({k: v.detach().cpu() for k, v in model.state_dict().items()}, version)
         finally:
             await ws.close()
-        client = PolicyClient(self.engine.base_url, self.engine.model)
+        client = PolicyClient(self.policy.base_urls, self.policy.model)
         try:
             ro = self.cfg.rollout
             trajs = await evaluate_tasks(
-                self.env, [client], self.tasks, SamplingParams(max_tokens=ro.max_tokens, temperature=0.0),
+                self.env, client, self.tasks, SamplingParams(max_tokens=ro.max_tokens, temperature=0.0),
                 timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns,
             )
         finally:
             await client.close()
-        ok = [t.reward for t in trajs if not t.errored]
-        return sum(ok) / len(trajs) if trajs else 0.0
+        return mean_reward(trajs)
 
     def close(self) -> None:
-        self.engine.stop()
+        self.policy.stop()
 
 
 def _say(enabled: bool, text: str) -> None:

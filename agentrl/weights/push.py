@@ -1,22 +1,22 @@
-"""WeightSync: push the trainer's weights into running inference engines without a restart.
+"""Trainer side of a weight push into running embedded engines (no restart).
 
-Protocol: ``await sync.push(named_tensors, version) -> seconds``.  For the embedded engine
-every push is: ``/pause`` every engine (the current decode step finishes; requests stay in
-flight) → move the tensors → ``/update_weights_from_*`` with ``weight_version=version`` →
-``/resume``.  Tokens generated afterwards carry the new version.
+``await EmbeddedWeightSync(urls, transport).push(named_tensors, version) -> seconds``:
+``/pause`` every engine (the current decode step finishes; requests stay in flight) → move
+the tensors → ``/update_weights_from_*`` with ``weight_version=version`` → ``/resume``.
+Tokens generated afterwards carry the new version.
 
-Transports (``make_weight_sync(..., transport=...)``):
+Transports:
 
-- ``"shm"`` (same host): tensors are copied into one flat file in ``/dev/shm`` described by
-  a manifest (name, dtype, shape, byte offset).  A CPU engine maps that file and points its
-  parameters at it, so after the first push a push costs one memcpy on the trainer side
-  plus three small HTTP calls; a CUDA engine copies from the mapping to the device.
+- ``"shm"`` (same host): tensors are copied into one flat file in ``/dev/shm`` laid out by
+  :mod:`agentrl.weights.manifest`.  A CPU engine maps that file and points its parameters
+  at it, so after the first push a push costs one memcpy on the trainer side plus three
+  small HTTP calls; a CUDA engine copies from the mapping to the device.
 - ``"disk"``: a safetensors file in ``work_dir`` and ``/update_weights_from_disk``; works
   across hosts that share a filesystem.
 
 ``push(..., lora=True)`` sends LoRA factors (``{module}.lora_A`` / ``.lora_B``) instead of
 weights over the same transports; the engine merges them into its base weights
-(``agentrl.inference.lora``), so a LoRA run moves only the adapters.
+(:mod:`agentrl.weights.lora`), so a LoRA run moves only the adapters.
 """
 
 from __future__ import annotations
@@ -26,38 +26,15 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import httpx
 import torch
 
-NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-_ALIGN = 64
-
-
-class WeightSyncError(RuntimeError):
-    """An engine refused or failed a weight update (names/shapes wrong, engine down)."""
-
-
-@runtime_checkable
-class WeightSync(Protocol):
-    async def push(self, named_tensors: NamedTensors, version: int) -> float:
-        """Load these tensors into every engine as weight ``version``; return seconds taken."""
-        ...
-
-    async def close(self) -> None: ...
-
-
-def _items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    return [(name, t.detach()) for name, t in items]
-
-
-def _root(url: str) -> str:
-    url = url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
+from agentrl.errors import WeightSyncError
+from agentrl.weights.manifest import layout
+from agentrl.weights.sync import NamedTensors, items_of, url_root
 
 
 class EmbeddedWeightSync:
@@ -76,7 +53,7 @@ class EmbeddedWeightSync:
             raise ValueError("make_weight_sync needs at least one engine URL")
         if transport not in ("shm", "disk"):
             raise ValueError(f"unknown weight transport {transport!r}; use 'shm' or 'disk'")
-        self.roots = [_root(u) for u in urls]
+        self.roots = [url_root(u) for u in urls]
         self.transport = transport
         self.timeout = timeout
         default_dir = "/dev/shm" if transport == "shm" and os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -103,7 +80,7 @@ class EmbeddedWeightSync:
     async def push(self, named_tensors: NamedTensors, version: int, *, lora: bool = False) -> float:
         """``lora=True``: the tensors are LoRA factors for the engine to merge (adapter-only push)."""
         t0 = time.perf_counter()
-        items = _items(named_tensors)
+        items = items_of(named_tensors)
         http = self._client()
         await self._all(http, "POST", "/pause", params={"mode": "keep"})
         t_paused = time.perf_counter()
@@ -157,15 +134,10 @@ class EmbeddedWeightSync:
     def _write_shm(self, items: list[tuple[str, torch.Tensor]]) -> tuple[list[dict[str, Any]], int]:
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t in items)
         if key != self._layout_key:  # (re)allocate the file for this set of tensors
-            manifest, offset = [], 0
-            for name, t in items:
-                manifest.append(
-                    {"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset}
-                )
-                offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            manifest, size = layout(items)
             self._close_shm()
             self._shm_path = self.work_dir / f"{self._tag}-{uuid.uuid4().hex[:6]}.bin"
-            self._shm_buf = torch.from_file(str(self._shm_path), shared=True, size=max(offset, 1), dtype=torch.uint8)
+            self._shm_buf = torch.from_file(str(self._shm_path), shared=True, size=size, dtype=torch.uint8)
             self._manifest, self._layout_key = manifest, key
         assert self._shm_buf is not None and self._manifest is not None
         with torch.no_grad():
@@ -215,17 +187,3 @@ class EmbeddedWeightSync:
             self._close_shm()
         except Exception:
             pass
-
-
-def make_weight_sync(
-    base_urls: str | list[str],
-    transport: Literal["shm", "disk"] = "shm",
-    *,
-    engine: Literal["embedded"] = "embedded",
-    work_dir: str | Path | None = None,
-    timeout: float = 300.0,
-) -> WeightSync:
-    """The WeightSync for these engines (``engine="embedded"``: agentrl's own server)."""
-    if engine != "embedded":
-        raise ValueError(f"no weight sync for engine {engine!r} yet")
-    return EmbeddedWeightSync(base_urls, transport, work_dir=work_dir, timeout=timeout)

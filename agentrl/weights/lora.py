@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from agentrl.inference.engine import EngineRequestError
+from agentrl.errors import RequestError
 
 SUFFIX_A, SUFFIX_B = ".lora_A", ".lora_B"
 
@@ -27,7 +27,7 @@ def split_adapter_name(name: str) -> tuple[str, str]:
     for suffix, part in ((SUFFIX_A, "A"), (SUFFIX_B, "B")):
         if name.endswith(suffix):
             return name[: -len(suffix)], part
-    raise EngineRequestError(f"adapter tensor {name!r} must end in {SUFFIX_A!r} or {SUFFIX_B!r}")
+    raise RequestError(f"adapter tensor {name!r} must end in {SUFFIX_A!r} or {SUFFIX_B!r}")
 
 
 class AdapterMerger:
@@ -51,14 +51,14 @@ class AdapterMerger:
         plan = []
         for module, ab in factors.items():
             if set(ab) != {"A", "B"}:
-                raise EngineRequestError(f"adapter for {module!r} needs both lora_A and lora_B")
+                raise RequestError(f"adapter for {module!r} needs both lora_A and lora_B")
             w = params.get(module + ".weight")
             if w is None or w.dim() != 2:
-                raise EngineRequestError(f"unknown adapted matrix {module + '.weight'!r}")
+                raise RequestError(f"unknown adapted matrix {module + '.weight'!r}")
             a, b = ab["A"], ab["B"]
             out_f, in_f = w.shape
             if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
-                raise EngineRequestError(
+                raise RequestError(
                     f"adapter shapes for {module!r} do not fit {tuple(w.shape)}: "
                     f"A {tuple(a.shape)}, B {tuple(b.shape)}"
                 )

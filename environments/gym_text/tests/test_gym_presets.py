@@ -4,14 +4,23 @@ import warnings
 
 import gymnasium
 import pytest
+from agentrl_env_gym_text import toy_text_spec
 from gymnasium.utils.env_checker import check_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agentrl.envs.as_gym import TextGymEnv, UnicodeText, as_gymnasium
 from agentrl.envs.check import ScriptedClient, check_environment
-from agentrl.envs.gym import GymEnv, TextGymEnv, UnicodeText, ansi_to_text, as_gymnasium, parse_action
+from agentrl.envs.gym import GymEnv as _GymEnv
+from agentrl.envs.gym import ansi_to_text, parse_action
 from agentrl.errors import AgentrlError
 from agentrl.types import SamplingParams
+
+
+def GymEnv(name, **kw):  # noqa: N802 (reads like the class)
+    """GymEnv on a toy-text preset by name, or any gymnasium id with actions."""
+    return _GymEnv(name if "actions" in kw else toy_text_spec(name), **kw)
+
 
 FROZEN = ("left", "down", "right", "up")
 SAMPLING = SamplingParams(max_tokens=64)
@@ -125,7 +134,9 @@ async def test_falling_in_a_hole_scores_zero():
 
 def test_unknown_preset_names_the_known_ones():
     with pytest.raises(AgentrlError, match="taxi"):
-        GymEnv("CartPole-v1")
+        toy_text_spec("CartPole-v1")
+    with pytest.raises(AgentrlError, match="actions="):
+        _GymEnv("CartPole-v1")
 
 
 async def test_any_gymnasium_id_with_named_actions_uses_the_ansi_render():
@@ -216,7 +227,7 @@ def test_a_tool_environment_through_gymnasium_reads_tool_calls_from_the_action_t
 
 
 def test_every_installed_environment_can_be_made_through_gymnasium():
-    from agentrl.envs.gym import register_all_gymnasium
+    from agentrl.envs.as_gym import register_all_gymnasium
 
     ids = register_all_gymnasium()
     assert "agentrl/guess-v0" in ids and "agentrl/gym-text-v0" in ids

@@ -1,19 +1,30 @@
-"""``agentrl eval``: run an environment against a model and keep every episode.
+"""`agentrl eval`: run an environment against any model and keep every episode, in phases.
 
-Results are JSON lines in ``OUT/results.jsonl``, one per episode, appended (and flushed)
-as each task's group of rollouts finishes, so an interrupted eval loses at most the groups
-in flight.  ``resume=True`` keeps finished, non-errored episodes and reruns only the
-missing or errored ones.  The summary (mean reward, pass@k, error rate) is computed from
-the latest line of every (task, rollout) slot.
+    1. env        load_environment(name, **env_args); its held-out tasks (else its dataset)
+    2. results    OUT/meta.json must match a previous run (env, args, model) to --resume it
+    3. policy     a local model dir starts the embedded engine, else --base-url; one probe
+                  checks the model name and the routes the chosen path needs
+    4. episodes   ``rollouts`` episodes per task, each (task, rollout) with its own seed
+                  derived from --seed; one JSON line per episode in OUT/results.jsonl,
+                  appended and flushed as each task's group finishes
+    5. summary    mean reward, pass@k, error rate and an error table (kind, count, first
+                  message) in OUT/summary.json; the exit status says whether the eval worked
 
-pass@k uses the unbiased estimator 1 − C(n−c, k)/C(n, k) over the n rollouts of a task
-(c of them with reward ≥ ``pass_threshold``), averaged over tasks; errored episodes count
-as failures.
+``resume=True`` keeps finished, non-errored episodes and reruns only the missing or errored
+ones.  The summary is computed from the latest line of every (task, rollout) slot.  pass@k
+uses the unbiased estimator 1 − C(n−c, k)/C(n, k) over the n rollouts of a task (c of them
+with reward ≥ ``pass_threshold``), averaged over tasks; errored episodes count as failures.
+
+Exit status (:func:`exit_status`): 0 when the error rate is at most ``max_error_rate``, 1
+above it, 3 when every episode errored; user errors (bad arguments, unreachable or wrong
+endpoint) exit 2 before any episode runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -23,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import AgentrlError
+from agentrl.rollout import run_group
 from agentrl.types import SamplingParams, Task, Trajectory
 
 RESULTS = "results.jsonl"
@@ -42,12 +54,13 @@ def episode_record(traj: Trajectory, task_index: int, rollout: int, model: str) 
         "messages": [m.to_dict() for m in traj.messages],
         "num_tool_calls": sum(len(m.tool_calls) for m in traj.messages),
         "prompt_tokens": traj.turns[0].prompt_len if traj.turns else 0,
-        "completion_tokens": sum(len(t.completion_ids) for t in traj.turns),
+        "completion_tokens": sum(len(t.completion_ids) or t.completion_tokens for t in traj.turns),
         "turns": len(traj.turns),
         "reward": traj.reward,
         "metrics": traj.metrics,
         "stop_reason": traj.stop_reason,
         "error": traj.error,
+        "error_kind": traj.error_kind,
         "timing": traj.timing,
     }
 
@@ -56,6 +69,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def episode_seed(seed: int | None, task_index: int, rollout: int) -> int | None:
+    """A per-(task, rollout) sampling seed: rollouts differ, and a rerun reproduces them."""
+    if seed is None:
+        return None
+    digest = hashlib.sha256(f"{seed}:{task_index}:{rollout}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 @dataclass
@@ -71,6 +92,7 @@ class EvalSummary:
     stop_reasons: dict[str, int] = field(default_factory=dict)
     mean_turns: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    errors: list[dict[str, Any]] = field(default_factory=list)  # [{kind, count, message}], most frequent first
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "pass_at": {str(k): v for k, v in self.pass_at.items()}}
@@ -91,14 +113,24 @@ def read_results(out_dir: Path) -> dict[tuple[int, int], dict[str, Any]]:
     return latest
 
 
+def error_table(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Errored episodes by kind: count and the first message of each, most frequent first."""
+    table: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if r.get("error") is not None:
+            kind = r.get("error_kind") or "env"
+            row = table.setdefault(kind, {"kind": kind, "count": 0, "message": r["error"]})
+            row["count"] += 1
+    return sorted(table.values(), key=lambda row: -row["count"])
+
+
 def summarize(records: list[dict[str, Any]], env: str, model: str, rollouts: int, pass_threshold: float) -> EvalSummary:
     by_task: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         by_task.setdefault(r["task_index"], []).append(r)
     n_ep = len(records)
-    ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= rollouts]
     pass_at = {}
-    for k in ks:
+    for k in (k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= rollouts):
         vals = [
             pass_at_k(len(rs), sum(1 for r in rs if r["error"] is None and r["reward"] >= pass_threshold), k)
             for rs in by_task.values()
@@ -107,27 +139,29 @@ def summarize(records: list[dict[str, Any]], env: str, model: str, rollouts: int
         if vals:
             pass_at[k] = sum(vals) / len(vals)
     stops: dict[str, int] = {}
-    for r in records:
-        stops[str(r["stop_reason"])] = stops.get(str(r["stop_reason"]), 0) + 1
     metric_sums: dict[str, list[float]] = {}
     for r in records:
+        stops[str(r["stop_reason"])] = stops.get(str(r["stop_reason"]), 0) + 1
         if r["error"] is None:
             for k, v in (r.get("metrics") or {}).items():
                 if isinstance(v, int | float):
                     metric_sums.setdefault(k, []).append(float(v))
     return EvalSummary(
-        env=env,
-        model=model,
-        tasks=len(by_task),
-        rollouts=rollouts,
-        episodes=n_ep,
+        env=env, model=model, tasks=len(by_task), rollouts=rollouts, episodes=n_ep,
         mean_reward=sum(r["reward"] for r in records) / n_ep if n_ep else 0.0,
         error_rate=sum(1 for r in records if r["error"] is not None) / n_ep if n_ep else 0.0,
-        pass_at=pass_at,
-        stop_reasons=stops,
+        pass_at=pass_at, stop_reasons=stops,
         mean_turns=sum(r["turns"] for r in records) / n_ep if n_ep else 0.0,
         metrics={k: sum(v) / len(v) for k, v in sorted(metric_sums.items())},
-    )
+        errors=error_table(records),
+    )  # fmt: skip
+
+
+def exit_status(summary: EvalSummary, max_error_rate: float) -> int:
+    """0: the eval worked; 1: more than ``max_error_rate`` of the episodes errored; 3: all did."""
+    if summary.episodes and summary.error_rate >= 1.0:
+        return 3
+    return 1 if summary.error_rate > max_error_rate else 0
 
 
 def _check_meta(out_dir: Path, meta: dict[str, Any], resume: bool) -> None:
@@ -143,6 +177,18 @@ def _check_meta(out_dir: Path, meta: dict[str, Any], resume: bool) -> None:
                 )
     out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=2, default=str))
+
+
+def held_out_tasks(env: Any, num_tasks: int) -> list[Task]:
+    held = env.eval_dataset()
+    tasks: list[Task] = []
+    for t in held if held is not None else env.dataset():
+        if len(tasks) >= num_tasks:
+            break
+        tasks.append(t)
+    if not tasks:
+        raise AgentrlError(f"environment {env.name!r} has no tasks to evaluate")
+    return tasks
 
 
 async def evaluate(
@@ -162,42 +208,29 @@ async def evaluate(
     env_args: dict[str, Any] | None = None,
     on_episode: Callable[[int], None] | None = None,
 ) -> EvalSummary:
-    """Run ``rollouts`` episodes on each of the first ``num_tasks`` held-out tasks."""
+    """Phases 2, 4 and 5: run ``rollouts`` episodes on each of the first ``num_tasks`` held-out tasks."""
     out = Path(out_dir)
     sampling = sampling or SamplingParams(max_tokens=256, temperature=0.0)
     _check_meta(out, {"env": env.name, "env_version": env.version, "env_args": env_args or {}, "model": model}, resume)
-    held = env.eval_dataset()
-    source = held if held is not None else env.dataset()
-    tasks: list[Task] = []
-    for t in source:
-        if len(tasks) >= num_tasks:
-            break
-        tasks.append(t)
-    if not tasks:
-        raise AgentrlError(f"environment {env.name!r} has no tasks to evaluate")
+    tasks = held_out_tasks(env, num_tasks)
     done = {key for key, rec in read_results(out).items() if rec["error"] is None} if resume else set()
     todo = {i: [r for r in range(rollouts) if (i, r) not in done] for i in range(len(tasks))}
     todo = {i: rs for i, rs in todo.items() if rs}
     if on_episode is not None and done:
         on_episode(sum(1 for i in range(len(tasks)) for r in range(rollouts) if (i, r) in done))
 
-    gate = asyncio.Semaphore(concurrency)
+    gate = asyncio.Semaphore(max(1, concurrency))
     write_lock = asyncio.Lock()
     fh = (out / RESULTS).open("a", encoding="utf-8")
 
-    async def one(task: Task) -> Trajectory:
+    async def slot(i: int, r: int) -> Trajectory:
         async with gate:
-            return await env.rollout(client, task, sampling, max_turns=max_turns, token_exact=token_exact)
+            seeded = dataclasses.replace(sampling, seed=episode_seed(sampling.seed, i, r))
+            (traj,) = await run_group(env, client, tasks[i], seeded, 1, max_turns=max_turns, token_exact=token_exact)
+            return traj
 
     async def group(i: int, slots: list[int]) -> None:
-        trajs = list(await asyncio.gather(*(one(tasks[i]) for _ in slots)))
-        live = [t for t in trajs if t.error is None]
-        if live:
-            try:
-                await env.rubric.score_group(live)
-            except Exception as e:  # a rubric crash is this group's error, not the eval's
-                for t in live:
-                    t.error, t.stop_reason = f"rubric: {type(e).__name__}: {e}"[:500], "error"
+        trajs = await asyncio.gather(*(slot(i, r) for r in slots))
         async with write_lock:
             for r, t in zip(slots, trajs, strict=True):
                 fh.write(json.dumps(episode_record(t, i, r, model), default=str) + "\n")
@@ -217,7 +250,7 @@ async def evaluate(
 
 
 def summary_table(summary: EvalSummary):
-    """A rich table of the headline numbers."""
+    """A rich table of the headline numbers, and the error table when episodes errored."""
     from rich.table import Table
 
     table = Table(title=f"{summary.env} · {summary.model}", show_header=True)
@@ -232,10 +265,19 @@ def summary_table(summary: EvalSummary):
     table.add_row("stop reasons", ", ".join(f"{k}={v}" for k, v in sorted(summary.stop_reasons.items())))
     for k, v in summary.metrics.items():
         table.add_row(f"metrics/{k}", f"{v:.4f}")
-    return table
+    if not summary.errors:
+        return table
+    errors = Table(title="errored episodes", show_header=True)
+    for col in ("kind", "count", "first message"):
+        errors.add_column(col)
+    for row in summary.errors:
+        errors.add_row(row["kind"], str(row["count"]), row["message"][:200])
+    from rich.console import Group
+
+    return Group(table, errors)
 
 
-def run_eval_command(
+def run(
     env_name: str,
     *,
     model: str,
@@ -251,61 +293,57 @@ def run_eval_command(
     max_turns: int | None,
     chat: bool,
     pass_threshold: float,
-) -> EvalSummary:
-    """What ``agentrl eval`` does: load env, pick/start the endpoint, run with a progress bar."""
+    tokenizer: str | None = None,
+    max_error_rate: float = 0.5,
+) -> int:
+    """What ``agentrl eval`` does; returns the exit status (:func:`exit_status`)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from agentrl.inference.client import PolicyClient
+    from agentrl.inference import PolicyClient, open_policy
+    from agentrl.inference.launcher import is_model_dir
     from agentrl.plugins import load_environment
 
+    # 1) env
     env = load_environment(env_name, **env_args)
     console = Console(stderr=True)
-    handle = None
-    served = model
-    if base_url is None:
-        if not (Path(model) / "config.json").is_file():
-            raise AgentrlError(f"--model {model!r} is not a local model dir; pass --base-url for a remote endpoint")
-        from agentrl.inference.launcher import start_embedded_engine
-
+    # 3) policy
+    if base_url is None and is_model_dir(model):
         console.print(f"starting the embedded engine for {model} ...")
-        handle = start_embedded_engine(model)
-        base_url, served = handle.base_url, handle.model
-    try:
+    policy = open_policy(model, base_url)
+    tok = tokenizer or (str(policy.tokenizer_dir) if policy.tokenizer_dir is not None else None)
 
-        async def go() -> EvalSummary:
-            client = PolicyClient(base_url, served, api_key=api_key)
-            total = num_tasks * rollouts
-            with Progress(
-                TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-            ) as progress:
+    async def go() -> EvalSummary:
+        client = PolicyClient(policy.base_urls, policy.model, api_key=api_key, tokenizer=None if chat else tok)
+        total = num_tasks * rollouts
+        try:
+            await client.probe(token_path=not chat)
+            with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=console, disable=not console.is_terminal) as progress:
                 bar = progress.add_task("episodes", total=total)
-                try:
-                    return await evaluate(
-                        env,
-                        client,
-                        model=model,
-                        out_dir=out_dir,
-                        num_tasks=num_tasks,
-                        rollouts=rollouts,
-                        concurrency=concurrency,
-                        sampling=sampling,
-                        max_turns=max_turns,
-                        resume=resume,
-                        token_exact=not chat,
-                        pass_threshold=pass_threshold,
-                        env_args=env_args,
-                        on_episode=lambda k: progress.advance(bar, k),
-                    )
-                finally:
-                    await client.close()
+                # 2, 4, 5) results, episodes, summary
+                return await evaluate(
+                    env, client, model=model, out_dir=out_dir, num_tasks=num_tasks, rollouts=rollouts,
+                    concurrency=concurrency, sampling=sampling, max_turns=max_turns, resume=resume,
+                    token_exact=not chat, pass_threshold=pass_threshold, env_args=env_args,
+                    on_episode=lambda k: progress.advance(bar, k),
+                )
+        finally:
+            await client.close()
 
+    try:
         summary = asyncio.run(go())
     finally:
-        if handle is not None:
-            handle.stop()
+        policy.stop()
     Console(width=None if sys.stdout.isatty() else 200).print(summary_table(summary))
-    return summary
+    status = exit_status(summary, max_error_rate)
+    if status:
+        top = summary.errors[0] if summary.errors else {"kind": "?", "message": ""}
+        console.print(
+            f"error: {summary.error_rate:.0%} of episodes errored (max {max_error_rate:.0%}); most: "
+            f"{top['kind']} — {top['message'][:200]}", highlight=False,
+        )
+    return status
 
 
-__all__ = ["EvalSummary", "evaluate", "pass_at_k", "read_results", "run_eval_command", "summarize", "summary_table"]
+__all__ = ["EvalSummary", "evaluate", "exit_status", "pass_at_k", "read_results", "run", "summarize", "summary_table"]

@@ -1,0 +1,27 @@
+"""The embedded engine's settings and their defaults, in one place (torch-free).
+
+The engine, its HTTP server, the launcher, ``agentrl serve`` and the ``[inference]``
+config section all take their defaults from :class:`EngineArgs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineArgs:
+    """How an embedded engine is built."""
+
+    max_batch_size: int = 64  # sequences decoded together (KV-cache slots)
+    max_model_len: int = 1024  # longest prompt + completion, in tokens
+    device: str = "auto"  # auto | cpu | cuda[:i]
+    dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
+    prefill_token_budget: int = 4096  # prompt tokens prefilled together in one step
+
+    def cli_args(self) -> list[str]:
+        """The same settings as ``python -m agentrl.inference.server`` flags."""
+        out = []
+        for key, value in asdict(self).items():
+            out += [f"--{key.replace('_', '-')}", str(value)]
+        return out

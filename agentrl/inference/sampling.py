@@ -1,0 +1,120 @@
+"""The μ contract: how the embedded engine samples a token and what logprob it reports.
+
+Per row, logits are divided by ``temperature``; then top-k, top-p (nucleus over the
+temperature-scaled distribution, always keeping the top token) and min-p (keep tokens whose
+probability is at least ``min_p`` times the top token's) are applied in that order.  Each
+filter keeps a *prefix* of the tokens sorted by scaled logit, so what survives is always the
+top ``K`` tokens: ``K`` is the token's **support**, reported with every sampled token.  The
+token is drawn from the softmax over its support, and the reported logprob μ is that
+distribution's log-probability of the drawn token (vLLM's ``processed_logprobs``).
+
+The trainer mirrors this exactly (``agentrl.trainer.trainer``): π_θ of a token is the
+softmax of the trainer's own scaled logits renormalised over its top ``K`` tokens, so with
+identical weights π_θ/μ = 1 at any temperature, top-k, top-p and min-p.
+
+``temperature == 0`` is greedy and reports the raw (T = 1, unfiltered) log-softmax with
+support V.  A terminating eos token is sampled like any other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from agentrl.types import SamplingParams
+
+
+@dataclass
+class EngineSampling(SamplingParams):
+    """:class:`~agentrl.types.SamplingParams` plus what only the engine's HTTP layer sets."""
+
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    top_logprobs: int = 0
+    include_stop_str_in_output: bool = False
+
+
+@dataclass
+class Draw:
+    """One sampling step over ``R`` rows."""
+
+    tokens: list[int]
+    logprobs: list[float]  # μ of each drawn token
+    support: list[int]  # K: size of the kept set each token was drawn from
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled logits with everything outside the support at −inf, and the support sizes ``K``.
+
+    ``logits`` is ``[R, V]`` float32; greedy rows are returned unscaled and unfiltered.
+    """
+    r, v = logits.shape
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device)
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < v and p.temperature > 0 else v for p in params], device=device)
+    top_p = torch.tensor([p.top_p if p.temperature > 0 else 1.0 for p in params], device=device)
+    min_p = torch.tensor([p.min_p if p.temperature > 0 else 0.0 for p in params], device=device)
+    if not (bool((top_k < v).any()) or bool((top_p < 1).any()) or bool((min_p > 0).any())):
+        return scaled, torch.full((r,), v, dtype=torch.long, device=device)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(v, device=device)[None, :]
+    remove = ranks >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
+    remove |= (before >= top_p[:, None]) & (ranks > 0)
+    # min-p: p_i ≥ min_p · p_max  ⇔  logit_i ≥ logit_max + log(min_p)
+    floor = sorted_logits[:, :1] + torch.log(min_p.clamp(min=1e-30))[:, None]
+    remove |= (sorted_logits < floor) & (min_p[:, None] > 0) & (ranks > 0)
+    support = (~remove).sum(dim=-1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits), support
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    rng: torch.Generator,
+) -> Draw:
+    """Draw one token per row (see the module docstring for μ and the support)."""
+    r, v = logits.shape
+    greedy = torch.tensor([p.temperature <= 0 for p in params], device=logits.device)
+    scaled, support = filtered_logits(logits, params)
+    logp = torch.log_softmax(scaled, dim=-1)
+    raw_logp = torch.log_softmax(logits, dim=-1) if bool(greedy.any()) else logp
+    dist_logp = torch.where(greedy[:, None], raw_logp, logp)
+
+    tokens = torch.multinomial(logp.exp(), 1, generator=rng).squeeze(1) if not bool(greedy.all()) else None
+    tokens = logits.argmax(dim=-1) if tokens is None else torch.where(greedy, logits.argmax(dim=-1), tokens)
+    for i, g in enumerate(generators):
+        if g is not None and not bool(greedy[i]):
+            tokens[i] = torch.multinomial(logp[i].exp(), 1, generator=g)[0]
+    chosen = dist_logp.gather(1, tokens[:, None]).squeeze(1)
+
+    tops = None
+    k_max = max(getattr(p, "top_logprobs", 0) for p in params)
+    if k_max > 0:
+        vals, idx = dist_logp.topk(min(k_max, v), dim=-1)
+        vals_l, idx_l = vals.tolist(), idx.tolist()
+        ks = [getattr(p, "top_logprobs", 0) for p in params]
+        tops = [list(zip(idx_l[i][: ks[i]], vals_l[i][: ks[i]], strict=True)) for i in range(r)]
+    return Draw(tokens.tolist(), chosen.tolist(), support.tolist(), tops)
+
+
+def validate(params: SamplingParams) -> str | None:
+    """What is wrong with these parameters (one line), or None."""
+    if not (params.temperature >= 0 and math.isfinite(params.temperature)):
+        return f"temperature must be a finite number >= 0, got {params.temperature}"
+    if not 0 < params.top_p <= 1:
+        return f"top_p must be in (0, 1], got {params.top_p}"
+    if not 0 <= params.min_p <= 1:
+        return f"min_p must be in [0, 1], got {params.min_p}"
+    if params.top_k < -1:
+        return f"top_k must be -1 (off), 0 (off) or positive, got {params.top_k}"
+    return None

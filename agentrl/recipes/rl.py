@@ -1,0 +1,490 @@
+"""`agentrl run`: async RL from a config to a trained model, in numbered phases.
+
+    1. run dir      RUN_DIR/config.toml; refuse to overwrite a run unless --resume
+    2. warm start   the SFT recipe (builds the tiny model if asked; cached)
+    3. env          load_environment(env.name, **env.args): training and held-out tasks
+    4. engines      start the embedded engine(s) on the warm start, or connect to base_url;
+                    one PolicyClient over every endpoint; the WeightSync that reaches them
+    5. state        trainer, staleness buffer, task sampler; restored on --resume
+    6. loop         :func:`rl_loop`: rollouts flow into the buffer while the trainer steps,
+                    weights are pushed live; per step a metrics row, the ledger's fates,
+                    held-out eval every eval.every steps, checkpoints
+    7. finish       final eval and checkpoint, RUN_DIR/final (an HF model dir), summary.json
+
+Where each setting acts: ``[env]`` → phase 3; ``[inference]``/``[cluster]`` → phase 4;
+``[trainer]``/``[buffer]``/``[rollout]`` → phase 5 (Trainer, StalenessBuffer,
+RolloutManager); ``[eval]`` → :class:`HeldOut`; ``[run]`` → phases 1 and 6.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.buffer import AdaptiveStaleness, Batch, BufferStalled, StalenessBuffer
+from agentrl.config import BufferConfig, Config, EvalConfig, InferenceConfig
+from agentrl.errors import AgentrlError, RunDirExists
+from agentrl.metrics import JSONLLogger, LiveProgress, truncate_jsonl
+from agentrl.rollout import RolloutManager, TaskSampler, mean_reward
+from agentrl.types import SamplingParams, Task
+
+
+def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> Path:
+    """Run async RL as configured; returns the run directory."""
+    # 1) run dir
+    run_dir = cfg.run_dir
+    prepare_run_dir(run_dir, cfg, resume)
+    threads = torch_threads(cfg)
+    import torch
+
+    torch.set_num_threads(threads)
+    # 2) warm start
+    from agentrl.recipes.sft import warm_start
+
+    start_model = warm_start(cfg, progress=progress)
+    # 3-7) everything that runs inside the event loop
+    asyncio.run(_run(cfg, run_dir, start_model, resume=resume, threads=threads, show=progress))
+    return run_dir
+
+
+def torch_threads(cfg: Config) -> int:
+    """Torch CPU threads for the trainer and the embedded engine each (half the cores by default)."""
+    return cfg.trainer.num_threads or max(1, (os.cpu_count() or 2) // 2)
+
+
+def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise RunDirExists(
+            f"{run_dir} already holds a run; pass --resume to continue it, or choose another --run.name / --run.dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(cfg.to_toml())
+
+
+async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, threads: int, show: bool) -> None:
+    t_start = time.perf_counter()
+    live = LiveProgress(cfg.trainer.steps, enabled=show)
+    # 3) env
+    from agentrl.plugins import load_environment
+
+    env = load_environment(cfg.env.name, **cfg.env.args)
+    train_tasks = list(env.dataset())
+    eval_tasks = list(env.eval_dataset() or train_tasks)[: cfg.eval.num_tasks]
+    # 4) engines, client, weight sync
+    live.note("starting the inference engine(s) ..." if not cfg.inference.base_url else "connecting ...")
+    engines = await asyncio.to_thread(open_engines, cfg, start_model, threads)
+    try:
+        # 5) state
+        state = await asyncio.to_thread(build_state, cfg, start_model, train_tasks, run_dir, resume, live)
+        await _train_loop(cfg, run_dir, env, eval_tasks, engines, state, live, t_start, start_model)
+    finally:
+        live.close()
+        await engines.close()
+
+
+# ----------------------------------------------------------------------------- 4) engines
+
+
+@dataclass
+class Engines:
+    """The policy's endpoints: one client over all of them, the weight sync, engines we started."""
+
+    policy: Any  # agentrl.inference.Policy (or the Ray pool): base_urls, model, stop()
+    client: Any  # agentrl.inference.PolicyClient
+    sync: Any  # agentrl.weights.WeightSync
+    on_vllm: bool
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.sync.close()
+        await self.client.close()
+        await asyncio.to_thread(self.policy.stop)
+
+    def tag_version(self, version: int) -> None:
+        # vLLM reports no per-token versions: the client tags tokens with the version current
+        # when each request started (never newer than the truth: the bound stays a bound)
+        self.client.default_version = version
+
+
+def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
+    """Start the engines on the warm start (or connect to ``inference.base_url``)."""
+    from agentrl.inference import EngineArgs, PolicyClient, open_policy
+    from agentrl.weights import make_weight_sync
+
+    ic: InferenceConfig = cfg.inference
+    args = EngineArgs(max_batch_size=ic.max_batch_size, max_model_len=ic.max_model_len, device=ic.device)
+    thread_env = {"OMP_NUM_THREADS": str(threads)}
+    if cfg.cluster.backend == "ray" and not ic.base_url:
+        from agentrl.distributed.ray_backend import open_ray_policy
+
+        policy = open_ray_policy(start_model, cfg.cluster, args, served_model_name=ic.model_name, env=thread_env)
+    else:
+        policy = open_policy(start_model, ic.base_url or None, args=args, served_model_name=ic.model_name,
+                             env=thread_env)
+    on_vllm = bool(ic.base_url) and ic.engine == "vllm"
+    try:
+        sync = make_weight_sync(policy.base_urls, ic.weight_transport, engine="vllm" if on_vllm else "embedded")
+    except ValueError as e:
+        policy.stop()
+        raise AgentrlError(f"weight sync: {e}") from None
+    # prompts are rendered in-process with the served model's own tokenizer: /tokenize round
+    # trips cost more CPU than the tiny model's decode step
+    client = PolicyClient(
+        policy.base_urls, policy.model, timeout=ic.request_timeout_s, max_retries=ic.max_retries,
+        tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
+        requests_per_s=cfg.rollout.requests_per_s,
+    )
+    return Engines(policy, client, sync, on_vllm)
+
+
+# ----------------------------------------------------------------------------- 5) state
+
+
+@dataclass
+class RLState:
+    """What a checkpoint restores: trainer, buffer, task sampler and the step to resume at."""
+
+    trainer: Any  # agentrl.trainer.Trainer
+    buffer: StalenessBuffer
+    sampler: TaskSampler
+    start_step: int = 0
+
+
+def make_buffer(bc: BufferConfig, batch_groups: int) -> StalenessBuffer:
+    adaptive = AdaptiveStaleness(bc.min_staleness, bc.max_staleness_cap, bc.adaptive_idle_max, bc.adaptive_kl_max)
+    return StalenessBuffer(
+        batch_groups, bc.max_staleness, filter_zero_variance=bc.filter_zero_variance,
+        adaptive=adaptive if bc.adaptive else None, overprovision=bc.overprovision, stall_groups=bc.stall_groups,
+    )
+
+
+def build_state(
+    cfg: Config, start_model: Path, train_tasks: list[Task], run_dir: Path, resume: bool, live: LiveProgress
+) -> RLState:
+    from agentrl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from agentrl.trainer.trainer import Trainer
+
+    trainer = Trainer(start_model, cfg.trainer, cfg.rollout.sampling(), seed=cfg.run.seed)
+    state = RLState(trainer, make_buffer(cfg.buffer, cfg.trainer.batch_groups), TaskSampler(train_tasks, seed=cfg.run.seed))
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if ckpt is not None:
+        trainer_state, saved = load_checkpoint(ckpt)
+        trainer.load_state_dict(trainer_state)
+        state.buffer.load_state_dict(saved["buffer"])
+        state.sampler.load_state_dict(saved["sampler"])
+        state.start_step = saved["step"]
+        live.note(f"resumed from {ckpt} at step {state.start_step}")
+    elif resume:
+        live.note(f"no complete checkpoint in {run_dir}; starting from step 0")
+    if resume:  # rows written after the checkpoint are redone
+        for name in ("metrics.jsonl", "ledger.jsonl"):
+            truncate_jsonl(run_dir / name, lambda r: r.get("step", -1) < state.start_step)
+    return state
+
+
+# ----------------------------------------------------------------------------- 6) the loop
+
+
+@dataclass
+class StepReport:
+    step: int  # 0-based optimizer step just applied
+    version: int  # trainer version after it (= step + 1)
+    batch: Batch
+    stats: dict[str, float]
+    trained_ids: list[str]
+    wait_s: float  # trainer idle, waiting for data
+    train_s: float
+    push_s: float
+    step_wall_s: float  # wall time of this whole step (wait + train + push)
+
+
+async def rl_loop(
+    buffer: StalenessBuffer,
+    manager: RolloutManager,
+    *,
+    start_step: int,
+    steps: int,
+    train: Callable[[Batch], Awaitable[dict[str, float]]],
+    push: Callable[[int], Awaitable[float]],
+    on_step: Callable[[StepReport], Awaitable[None]] | None = None,
+    push_every: int = 1,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> int:
+    """The async scheduler: rollouts keep flowing while the trainer steps.
+
+    One step (rollouts run beside it in the same event loop the whole time; training runs in
+    a worker thread, so generation never waits for it)::
+
+        batch = await buffer.take()          # 1) data: B groups within the staleness bound
+        stats = await train(batch)           # 2) loss on π_θ/μ, backward, optimizer step
+        push_s = await push(version + 1)     # 3) live push to every engine (every K steps)
+        buffer.commit_step(version + 1)      # 4) ledger: trained; admission opens for v + 1
+        await on_step(report)                # 5) metrics, eval, checkpoint
+
+    Runs steps ``start_step .. steps-1``; returns the number of the next step.
+    """
+    runner = asyncio.create_task(manager.run())
+    step = start_step
+    try:
+        while step < steps and not should_stop():
+            t0 = time.perf_counter()
+            take = asyncio.create_task(buffer.take())
+            done, _ = await asyncio.wait({take, runner}, return_when=asyncio.FIRST_COMPLETED)
+            if take not in done:  # the rollout manager died: surface its exception
+                take.cancel()
+                runner.result()
+                raise RuntimeError("rollout manager stopped unexpectedly")
+            batch = take.result()
+            t1 = time.perf_counter()
+            stats = await train(batch)
+            t2 = time.perf_counter()
+            version = step + 1
+            push_s = await push(version) if version % push_every == 0 or version == steps else 0.0
+            trained_ids = buffer.commit_step(version)
+            t3 = time.perf_counter()
+            report = StepReport(step, version, batch, stats, trained_ids, t1 - t0, t2 - t1, push_s, t3 - t0)
+            buffer.adapt(report.wait_s / max(report.step_wall_s, 1e-9), stats.get("mismatch_kl", 0.0))
+            if on_step is not None:
+                await on_step(report)
+            step += 1
+    finally:
+        manager.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+    return step
+
+
+class HeldOut:
+    """Held-out evaluation on a fixed weight version (``[eval]``): before the first step, every
+    ``eval.every`` steps in the background, and on the final weights."""
+
+    def __init__(self, manager: RolloutManager, tasks: list[Task], ec: EvalConfig, max_tokens: int):
+        self.manager, self.tasks, self.every = manager, tasks, ec.every
+        self.sampling = SamplingParams(max_tokens=max_tokens, temperature=ec.temperature)
+        self.running: asyncio.Task | None = None
+        self.pending: dict[str, Any] | None = None
+
+    async def evaluate(self, version: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        trajs = await self.manager.evaluate(self.tasks, self.sampling)
+        return {
+            "eval/reward_mean": mean_reward(trajs),
+            "eval/errored": sum(1 for t in trajs if t.errored),
+            "eval/version": version,
+            "eval/seconds": time.perf_counter() - t0,
+        }
+
+    async def before_push(self) -> None:
+        """An evaluation runs on one fixed version: finish it before the weights change."""
+        if self.running is not None:
+            self.pending = await self.running
+            self.running = None
+
+    async def after_step(self, version: int, final: bool) -> None:
+        if self.every <= 0 or not (final or version % self.every == 0):
+            return
+        if final:  # rollouts stop after this step: evaluate the final weights right away
+            self.manager.stop()
+            self.pending = await self.evaluate(version)
+        else:
+            self.running = asyncio.create_task(self.evaluate(version))
+
+    def take_result(self) -> dict[str, Any]:
+        out, self.pending = self.pending or {}, None
+        return out
+
+    def cancel(self) -> None:
+        if self.running is not None:
+            self.running.cancel()
+
+
+@dataclass
+class StepLog:
+    """Per-step metrics rows (the namespaced schema of :mod:`agentrl.metrics`)."""
+
+    manager: RolloutManager
+    buffer: StalenessBuffer
+    sync: Any
+    t_start: float
+    t_loop: float = field(default_factory=time.perf_counter)
+    finished_rewards: list[float] = field(default_factory=list)  # every episode finished since the last step
+    last_t: float = field(default_factory=time.perf_counter)
+    last_tokens: int = 0
+
+    def saw(self, traj: Any) -> None:
+        if not traj.errored:
+            self.finished_rewards.append(traj.reward)
+
+    def row(self, rep: StepReport) -> dict[str, Any]:
+        now, buffer, manager = time.perf_counter(), self.buffer, self.manager
+        rewards = [t.reward for t in rep.batch.trajectories]
+        st, stats = rep.batch.staleness, rep.stats
+        row: dict[str, Any] = {
+            "step": rep.step,
+            "version": rep.version,
+            "rollout/reward_mean": statistics.fmean(self.finished_rewards) if self.finished_rewards else None,
+            "rollout/episodes": len(self.finished_rewards),
+            "rollout/tokens_per_s": (manager.sampled_tokens - self.last_tokens) / max(now - self.last_t, 1e-9),
+            "rollout/in_flight": manager.active_episodes,
+            "rollout/groups_cancelled_stale": manager.groups_cancelled_stale,
+            "train/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+            "train/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            **{f"train/{k}": stats.get(k, 0.0) for k in
+               ("loss", "grad_norm", "entropy", "lr", "mismatch_kl", "masked_frac", "ess", "clip_frac")},
+            "train/tokens": stats.get("train_tokens", 0.0),
+            "train/seconds": rep.train_s,
+            "train/idle_frac": rep.wait_s / max(rep.step_wall_s, 1e-9),
+            "buffer/staleness_mean": statistics.fmean(st) if st else 0.0,
+            "buffer/staleness_max": max(st, default=0),
+            "buffer/max_staleness": rep.batch.max_staleness,
+            "buffer/max_staleness_next": buffer.max_staleness,
+            "buffer/ready": buffer.ready_groups,
+            "weights/push_s": rep.push_s,
+            "weights/push_mb": getattr(self.sync, "last_stats", {}).get("bytes", 0.0) / 2**20,
+            **buffer.ledger.as_metrics(),
+            "time/wall_s": now - self.t_start,
+            "time/rl_wall_s": now - self.t_loop,
+        }
+        if buffer.adaptive is not None:
+            row["buffer/adaptive_reason"] = buffer.adaptive.last_reason
+        self.last_t, self.last_tokens = now, manager.sampled_tokens
+        self.finished_rewards.clear()
+        return row
+
+
+async def _train_loop(
+    cfg: Config, run_dir: Path, env: Any, eval_tasks: list[Task], engines: Engines, state: RLState,
+    live: LiveProgress, t_start: float, start_model: Path,
+) -> None:
+    trainer, buffer, sampler = state.trainer, state.buffer, state.sampler
+    logs = {name: JSONLLogger(run_dir / f"{name}.jsonl", schema=name == "metrics")
+            for name in ("metrics", "ledger", "rollouts")}
+    steplog = StepLog(None, buffer, engines.sync, t_start)  # type: ignore[arg-type]
+
+    def on_trajectory(t: Any) -> None:
+        steplog.saw(t)
+        logs["rollouts"].log({"oldest_version": t.oldest_version(), "trainer_version": buffer.version, **t.to_dict()})
+
+    ro = cfg.rollout
+    manager = RolloutManager(
+        env, engines.client, buffer, sampler, ro.sampling(), group_size=ro.group_size, max_in_flight=ro.max_in_flight,
+        episode_timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns, on_trajectory=on_trajectory,
+    )
+    steplog.manager = manager
+    held_out = HeldOut(manager, eval_tasks, cfg.eval, ro.max_tokens)
+    pusher = WeightPusher(trainer, engines, lora_push=cfg.trainer.lora_push)
+    engines.tag_version(state.start_step)
+    if state.start_step > 0:  # the engine starts from the warm-start weights: bring it to the checkpoint
+        await pusher.push(state.start_step)
+    if cfg.eval.every > 0 and state.start_step == 0:  # baseline, before any rollout competes with it
+        live.note(f"evaluating the warm-start model on {len(eval_tasks)} held-out tasks ...")
+        held_out.pending = await held_out.evaluate(0)
+        live.note(f"warm start: eval/reward_mean {held_out.pending['eval/reward_mean']:.3f}")
+    stop = {"now": False}
+    steplog.t_loop = steplog.last_t = time.perf_counter()
+
+    async def push(version: int) -> float:
+        await held_out.before_push()
+        return await pusher.push(version)
+
+    async def on_step(rep: StepReport) -> None:
+        row = steplog.row(rep)
+        out_of_time = bool(cfg.run.max_wall_s) and row["time/wall_s"] > cfg.run.max_wall_s
+        final = rep.version == cfg.trainer.steps or out_of_time
+        stop["now"] = out_of_time
+        await held_out.after_step(rep.version, final)
+        row.update(held_out.take_result())
+        logs["ledger"].log({"step": rep.step, "trained": rep.trained_ids, **buffer.drain_fates()})
+        logs["metrics"].log(row)
+        live.update(row)
+        every = cfg.trainer.checkpoint_every
+        if final or (every and rep.version % every == 0):
+            await checkpoint(run_dir, trainer, buffer, sampler, rep.version)
+
+    try:
+        try:
+            # 6) the loop
+            await rl_loop(
+                buffer, manager, start_step=state.start_step, steps=cfg.trainer.steps,
+                train=lambda batch: asyncio.to_thread(trainer.step, batch.groups), push=push, on_step=on_step,
+                push_every=cfg.trainer.push_every, should_stop=lambda: stop["now"],
+            )
+        except BufferStalled as e:
+            raise AgentrlError(
+                f"training stalled at step {buffer.version}: {e}. The policy produced no learning signal: "
+                "strengthen the warm start (sft.steps / sft.target_reward) or lower trainer.lr; "
+                "checkpoints and logs so far are kept"
+            ) from None
+        held_out.cancel()
+        # 7) finish
+        await finish(cfg, run_dir, trainer, buffer, start_model, live, t_start)
+    finally:
+        for log in logs.values():
+            log.close()
+
+
+class WeightPusher:
+    """Trainer → engines: full weights, or only the LoRA factors to an engine that merges them."""
+
+    def __init__(self, trainer: Any, engines: Engines, lora_push: str):
+        # vLLM's weight routes take whole tensors, so it gets the merged matrices; on a CPU host
+        # shm with merged matrices is the one place merged is faster (benchmarks/weight_push.py)
+        self.trainer, self.engines = trainer, engines
+        self.adapters = trainer.lora and not engines.on_vllm and lora_push == "adapters"
+
+    async def push(self, version: int) -> float:
+        if self.adapters:
+            tensors = await asyncio.to_thread(self.trainer.adapter_tensors)
+            seconds = await self.engines.sync.push(tensors, version, lora=True)
+        else:
+            seconds = await self.engines.sync.push(await asyncio.to_thread(self.trainer.named_tensors), version)
+        self.engines.tag_version(version)
+        return seconds
+
+
+async def checkpoint(run_dir: Path, trainer: Any, buffer: StalenessBuffer, sampler: TaskSampler, version: int) -> None:
+    from agentrl.trainer.checkpoint import save_checkpoint
+
+    state = {"step": version, "buffer": buffer.state_dict(), "sampler": sampler.state_dict()}
+    await asyncio.to_thread(save_checkpoint, run_dir, version, trainer.state_dict(), state)
+
+
+# ----------------------------------------------------------------------------- 7) finish
+
+
+async def finish(
+    cfg: Config, run_dir: Path, trainer: Any, buffer: StalenessBuffer, start_model: Path, live: LiveProgress,
+    t_start: float,
+) -> None:
+    final_dir = run_dir / "final"
+    await asyncio.to_thread(save_model, trainer, start_model, final_dir)
+    summary = {"steps": cfg.trainer.steps, "version": buffer.version, "ledger": buffer.ledger.as_metrics(),
+               "final_model": str(final_dir), "wall_s": time.perf_counter() - t_start}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    lg = buffer.ledger
+    live.note(
+        f"done: {lg.trained} episodes trained, {lg.stale} stale, {lg.filtered} filtered, "
+        f"{lg.errored} errored, {lg.in_flight} in flight at exit (of {lg.started}); model: {final_dir}"
+    )
+
+
+def save_model(trainer: Any, tokenizer_dir: str | Path, out: Path) -> None:
+    """The trainer's current weights as an HF model dir (written beside, then renamed)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.merged_model().save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)

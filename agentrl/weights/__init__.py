@@ -1,0 +1,39 @@
+"""Weight sync in one package: trainer-side push, engine-side receive, the shared manifest.
+
+Trainer side: :func:`make_weight_sync` returns the :class:`WeightSync` for the run's engines
+(``push(named_tensors, version)``): :class:`~agentrl.weights.push.EmbeddedWeightSync` (shm or
+disk, full weights or LoRA factors) or :class:`~agentrl.weights.vllm.VLLMWeightSync` (NCCL).
+Engine side: :mod:`agentrl.weights.receive` (load named tensors, safetensors files, shared
+memory) and :mod:`agentrl.weights.lora` (merge adapter factors).  The byte layout both sides
+of a shared-memory push agree on: :mod:`agentrl.weights.manifest`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from agentrl.errors import WeightSyncError
+from agentrl.weights.sync import NamedTensors, WeightSync
+
+__all__ = ["NamedTensors", "WeightSync", "WeightSyncError", "make_weight_sync"]
+
+
+def make_weight_sync(
+    base_urls: str | list[str],
+    transport: Literal["shm", "disk"] = "shm",
+    *,
+    engine: Literal["embedded", "vllm"] = "embedded",
+    work_dir: str | Path | None = None,
+    timeout: float = 300.0,
+) -> WeightSync:
+    """The WeightSync for these engines: agentrl's embedded engine (shm/disk) or ``vllm serve`` (NCCL)."""
+    if engine == "vllm":
+        from agentrl.weights.vllm import VLLMWeightSync
+
+        return VLLMWeightSync(base_urls)
+    if engine != "embedded":
+        raise ValueError(f"no weight sync for engine {engine!r}; use 'embedded' or 'vllm'")
+    from agentrl.weights.push import EmbeddedWeightSync
+
+    return EmbeddedWeightSync(base_urls, transport, work_dir=work_dir, timeout=timeout)
