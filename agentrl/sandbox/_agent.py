@@ -268,7 +268,8 @@ def kill_user_processes(mode, sid=None):
             except OSError:
                 pass
         pids = _other_pids(mode, sid)
-        _reap()
+        if mode != "serve-local":  # local: Popen collects its own child
+            _reap()
         if not pids:
             return
         if mode == "serve-local":
@@ -714,16 +715,15 @@ def empty_tree(top):
 
 
 def _writable_mounts():
-    """(mount point, fstype) of every read-write mount a command could have written to."""
-    out = []
+    """Mount points whose top mount is read-write and holds files (not kernel views)."""
+    top = {}
     with open("/proc/self/mountinfo") as f:
-        for line in f:
+        for line in f:  # a later line on the same point is mounted over the earlier one
             left, _, right = line.partition(" - ")
             fields, rfields = left.split(), right.split()
             point = fields[4].encode().decode("unicode_escape")
-            if "rw" in fields[5].split(",") and rfields and rfields[0] not in _VIRTUAL_FS:
-                out.append((point, rfields[0]))
-    return out
+            top[point] = "rw" in fields[5].split(",") and bool(rfields) and rfields[0] not in _VIRTUAL_FS
+    return [p for p, writable in top.items() if writable]
 
 
 def _leftovers(uid, roots):
@@ -792,7 +792,7 @@ def op_reset(req, mode):
     if mode == "serve-local":
         left = [f"{d}/{n}" for d in dirs for n in os.listdir(d)]
     else:
-        roots = list(dirs) + [p for p, _ in _writable_mounts()]
+        roots = list(dirs) + _writable_mounts()
         left = _leftovers(os.getuid(), roots)
         procs = _other_pids(mode, None)
         if procs:

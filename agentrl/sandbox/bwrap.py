@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import fcntl
 import glob
 import json
 import os
@@ -37,6 +38,7 @@ from agentrl.sandbox.base import (
 )
 
 NOBODY = 65534
+SANDBOX_UID = 65532  # inside; not the overflow id (65534), which unmapped owners show as
 AGENT_PATH = "/.agentrl/agent.py"
 _ETC = [
     "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime",
@@ -45,6 +47,7 @@ _ETC = [
 ]  # fmt: skip
 HOSTS = "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 SLIRP_DNS = "10.0.2.3"
+NS_GET_USERNS = 0xB701  # ioctl on a namespace fd: the user namespace that owns it
 _STREAM_LIMIT = 256 << 20  # longest response line (a base64 file of MAX_FILE_BYTES fits)
 
 
@@ -78,6 +81,7 @@ class BwrapSandbox(AgentSandbox):
         self._slirp: asyncio.subprocess.Process | None = None
         self._slirp_exit_w: int | None = None
         self._child_pid: int | None = None
+        self._info_r: int | None = None
 
     def _drop(self) -> bool:
         return os.geteuid() == 0
@@ -90,6 +94,7 @@ class BwrapSandbox(AgentSandbox):
             raise SandboxError("no python3 under /usr or /bin for the sandbox agent")
         a = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
              "--unshare-net", "--die-with-parent", "--new-session", "--hostname", "sandbox",
+             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
              "--ro-bind", "/usr", "/usr"]  # fmt: skip
         if os.path.isdir("/usr/local"):  # site config, pip installs, secrets: not the sandbox's business
             a += ["--size", "4096", "--tmpfs", "/usr/local", "--remount-ro", "/usr/local"]
@@ -117,12 +122,10 @@ class BwrapSandbox(AgentSandbox):
                 "network=True needs slirp4netns (apt-get install slirp4netns); refusing to share the host's network"
             )
         drop = self._drop()
-        inner = NOBODY if drop else os.getuid()
-        gid = NOBODY if drop else os.getgid()
         files = {
             "hosts": HOSTS,
-            "passwd": f"sandbox:x:{inner}:{gid}:sandbox:{self.workdir}:/bin/sh\n",
-            "group": f"sandbox:x:{gid}:\n",
+            "passwd": f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{self.workdir}:/bin/sh\n",
+            "group": f"sandbox:x:{SANDBOX_UID}:\n",
             "agent": AGENT_SOURCE,
         }
         if self.limits.network:
@@ -159,8 +162,7 @@ class BwrapSandbox(AgentSandbox):
             for fd in fds.values():
                 os.close(fd)
         self._stderr_task = asyncio.get_running_loop().create_task(self._read_stderr())
-        if info_r is not None:
-            await self._start_network(info_r)
+        self._info_r = info_r  # read once the sandbox answers (its namespaces are complete then)
 
     async def _start_network(self, info_r: int) -> None:
         """slirp4netns on the sandbox's own network namespace: outbound NAT, no host loopback."""
@@ -173,26 +175,38 @@ class BwrapSandbox(AgentSandbox):
             self._child_pid = int(json.loads(raw)["child-pid"])
         except (ValueError, KeyError) as e:
             raise SandboxError(f"bwrap reported no sandbox pid: {raw[:200]!r}") from e
+        pid = self._child_pid
+        # the user namespace that owns the sandbox's network namespace (with --uid bwrap nests
+        # a second one for the process itself, which slirp4netns must not join)
+        try:
+            net_fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                owner_fd = fcntl.ioctl(net_fd, NS_GET_USERNS)
+            finally:
+                os.close(net_fd)
+        except OSError as e:
+            raise SandboxError(f"cannot find the sandbox's network namespace: {e}") from e
         ready_r, ready_w = os.pipe()
         exit_r, self._slirp_exit_w = os.pipe()
         os.set_inheritable(self._slirp_exit_w, False)
-        pid = self._child_pid
+        # The user-mode NAT parses the sandbox's packets: --enable-sandbox puts it in an empty
+        # mount namespace without capabilities (it needs root only to open /dev/net/tun first)
+        # and --enable-seccomp narrows its syscalls.
         kwargs: dict[str, Any] = {}
-        if self._drop():  # the user-mode NAT parses the sandbox's packets: never as root
-            kwargs.update(user=NOBODY, group=NOBODY, extra_groups=[])
         try:
             self._slirp = await asyncio.create_subprocess_exec(
                 slirp_path() or "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
                 "--enable-sandbox", "--enable-seccomp", f"--ready-fd={ready_w}", f"--exit-fd={exit_r}",
-                f"--userns-path=/proc/{pid}/ns/user", str(pid), "tap0",
+                f"--userns-path=/proc/self/fd/{owner_fd}", str(pid), "tap0",
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-                pass_fds=[ready_w, exit_r], start_new_session=True, **kwargs,
+                pass_fds=[ready_w, exit_r, owner_fd], start_new_session=True, **kwargs,
             )  # fmt: skip
         except OSError as e:
             raise SandboxError(f"could not start slirp4netns: {e}") from e
         finally:
             os.close(ready_w)
             os.close(exit_r)
+            os.close(owner_fd)
         try:
             ok = await asyncio.wait_for(loop.run_in_executor(None, os.read, ready_r, 1), 20.0)
         finally:
@@ -205,6 +219,13 @@ class BwrapSandbox(AgentSandbox):
             raise SandboxError(f"slirp4netns failed to configure the sandbox network: {err.decode(errors='replace')}")
 
     async def _confine(self) -> None:
+        """Once the agent answers: the cgroup, then the network (if asked for)."""
+        await self._confine_cgroup()
+        if self._info_r is not None:
+            info_r, self._info_r = self._info_r, None
+            await self._start_network(info_r)
+
+    async def _confine_cgroup(self) -> None:
         """Move the sandbox's processes (bwrap's init and the agent; nothing else exists yet)
         into a cgroup of its own; every later fork inherits it."""
         from agentrl.sandbox.cgroup import SandboxCgroup, detect
@@ -271,6 +292,9 @@ class BwrapSandbox(AgentSandbox):
             transport = getattr(proc, "_transport", None)
             if transport is not None:
                 transport.close()  # now, not in __del__ after the loop has closed
+        if self._info_r is not None:
+            os.close(self._info_r)
+            self._info_r = None
         await self._stop_network()
         if self._cgroup is not None:
             cg, self._cgroup = self._cgroup, None
