@@ -18,7 +18,7 @@ import threading
 
 import pytest
 
-from agentrl.sandbox import ExecResult, SandboxError, make_sandbox, why_unavailable
+from agentrl.sandbox import ExecResult, SandboxError, SandboxPool, make_sandbox, why_unavailable
 
 GRACE_S = 10.0  # wall-clock deadline beyond the exec timeout; a hang fails the test
 MARK = "4242"  # `sleep 4242` marks attack processes so the host can be scanned for them
@@ -570,3 +570,81 @@ def test_local_backend_warns_when_created(limits):
     with pytest.warns(UnsafeSandboxWarning, match="NOT a security boundary"):
         box = make_sandbox("local", limits)
     asyncio.run(box.close())
+
+
+# ----------------------------------------------------------------------------- one episode, the next
+
+_ATTACKER = r"""
+set -u
+site=$(python3 -c 'import site; print(site.getusersitepackages())')
+mkdir -p "$site" && echo 'print("PWNED by usercustomize")' > "$site/usercustomize.py"
+echo 'echo PWNED by bashrc' > ~/.bashrc; cp ~/.bashrc ~/.profile
+mkdir -p locked/deep/deeper && touch locked/deep/deeper/f locked/f && chmod 000 locked/deep/deeper locked/deep && chmod 555 locked
+mkdir -p /tmp/ro && touch /tmp/ro/f && chmod 000 /tmp/ro /tmp
+touch "$(printf 'new\nline')" "$(printf '\033[2Jesc')" /dev/shm/shm-file
+mkfifo fifo; ln -s /proc/self/fd/1 out; ln -s /etc/passwd passwd
+python3 -c "
+import os
+for _ in range(3000):  # deeper than any recursion limit
+    os.mkdir('d'); os.chdir('d')
+open('bottom', 'w').write('x')
+"
+ipcmk -M 65536 >/dev/null && ipcmk -Q >/dev/null && ipcmk -S 2 >/dev/null
+python3 -c "
+import ctypes
+rt = ctypes.CDLL('librt.so.1', use_errno=True)
+print('mq', rt.mq_open(b'/agentrl-evil', 0o102, 0o600, None))
+"
+echo ipc: $(ipcs -m -q -s | grep -c 0x)
+(setsid sh -c 'exec sleep 4242' &)
+chmod 000 .
+echo planted
+"""
+
+_VICTIM = r"""
+cd /work
+echo "work: $(ls -A /work | wc -l) tmp: $(ls -A /tmp | wc -l) shm: $(ls -A /dev/shm | wc -l)"
+echo "modes: $(stat -c %a /work /tmp /dev/shm | tr '\n' ' ')"
+python3 -c 'print("python ok")'
+bash -ic 'echo bash ok' 2>/dev/null
+echo "ipc: $(ipcs -m -q -s | grep -c 0x)"
+python3 -c "
+import ctypes
+rt = ctypes.CDLL('librt.so.1', use_errno=True)
+print('mq', rt.mq_open(b'/agentrl-evil', 0o2, 0o600, None), ctypes.get_errno())
+"
+touch /work/mine /tmp/mine && echo writable
+"""
+
+
+async def test_pool_attacker_then_victim_sees_a_clean_sandbox(isolating_backend, limits):
+    lim = dataclasses.replace(limits, timeout_s=20.0, cpu_s=10)
+    async with SandboxPool(isolating_backend, lim, max_live=1) as pool:
+        async with pool.acquire() as attacker:
+            r = await run(attacker, ["bash", "-c", _ATTACKER])
+            assert r.stdout.rstrip().endswith("planted") and "ipc: 3" in r.stdout and "mq 3" in r.stdout, r
+            r = await run(attacker, "chmod 755 /work; echo ipc: $(ipcs -m -q -s | grep -c 0x)")
+            assert "ipc: 0" in r.stdout, r  # IPC objects died with the exec that made them
+            await run(attacker, "chmod 000 /work")
+        async with pool.acquire() as victim:
+            assert victim is attacker and pool.stats.reused == 1  # the same sandbox, reset
+            r = await run(victim, ["bash", "-c", _VICTIM])
+    lines = r.stdout.splitlines()
+    assert lines[0] == "work: 0 tmp: 0 shm: 0", r
+    assert lines[1] == "modes: 755 1777 1777 ", r
+    assert "PWNED" not in r.stdout + r.stderr and "python ok" in lines and "bash ok" in lines, r
+    assert "ipc: 0" in lines and "mq -1 2" in lines and lines[-1] == "writable", r  # ENOENT: the queue is gone
+    assert host_processes_matching(f"sleep {MARK}") == []
+
+
+async def test_reset_that_cannot_prove_clean_destroys_the_sandbox(isolating_backend, limits, monkeypatch):
+    """Anything the reset cannot remove (here: the agent's own read-only dir, added to the
+    list) fails the verification; the pool destroys that sandbox and makes a new one."""
+    async with SandboxPool(isolating_backend, limits, max_live=1) as pool:
+        async with pool.acquire() as first:
+            monkeypatch.setattr(first, "_reset_dirs", lambda: ["/work", "/tmp", "/dev/shm", "/.agentrl"])
+        assert not first.alive and pool.stats.destroyed == 1
+        async with pool.acquire() as second:
+            assert second is not first and (await run(second, "echo fresh")).stdout == "fresh\n"
+        with pytest.raises(SandboxError):
+            await first.reset()  # destroyed for good
