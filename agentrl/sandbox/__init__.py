@@ -6,10 +6,12 @@
         await sb.write_file("main.py", "print(6 * 7)")
         r = await sb.exec(["python3", "main.py"])      # ExecResult(exit_code=0, stdout="42\\n", ...)
 
-Backends: ``bwrap`` (default where bubblewrap works: namespaces + rlimits, no daemon),
-``docker`` (any Docker Engine API at $DOCKER_HOST, podman included), ``local`` (plain
-subprocess + rlimits — development only, NOT a security boundary; never chosen by
-``auto``).  :class:`SandboxPool` caps, pre-warms, reuses and cleans up sandboxes.
+Backends: ``bwrap`` (default where bubblewrap works: namespaces, seccomp, a cgroup per
+sandbox where the host delegates one; no daemon), ``docker`` (any Docker Engine API at
+$DOCKER_HOST, podman included; the agent is the container's pid 1), ``local`` (plain
+subprocess + rlimits — development only, NOT a security boundary, warns when created; never
+chosen by ``auto``).  :class:`SandboxPool` caps, pre-warms, resets (verified) and reuses
+sandboxes.  ``agentrl sandbox doctor`` says what this host gives them.
 """
 
 from __future__ import annotations
