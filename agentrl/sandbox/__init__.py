@@ -77,7 +77,10 @@ def why_unavailable(backend: str) -> str | None:
         return None
     with _probe_lock:
         if backend not in _probes:
-            _probes[backend] = _probe_bwrap() if backend == "bwrap" else _probe_docker()
+            from agentrl.sandbox.seccomp import why_unavailable as no_filter
+
+            # both isolating backends install the same host-generated filter: no filter, no sandbox
+            _probes[backend] = no_filter() or (_probe_bwrap() if backend == "bwrap" else _probe_docker())
         return _probes[backend]
 
 

@@ -477,7 +477,7 @@ async def test_network_opt_in_is_its_own_namespace(isolating_backend, limits):
         except SandboxError as e:
             pytest.skip(f"network=True unavailable here: {e}")
         try:
-            r = await run(box, ["python3", "-c", _NET_PROBE, str(server.port), name.decode()])
+            r = await run(box, ["python3", "-c", _NET_PROBE, str(server.port), name.decode()], timeout=20.0)
         finally:
             await box.close()
         assert "connected" not in r.stdout and r.stdout.count("blocked") == 4, r
