@@ -321,6 +321,19 @@ def sandbox_prune(
     typer.echo(prune(everything=everything).summary())
 
 
+@sandbox_app.command("doctor")
+def sandbox_doctor(
+    live: Annotated[bool, typer.Option("--live/--no-live", help="Also start one sandbox per backend.")] = True,
+) -> None:
+    """What this host gives the sandboxes: backends, seccomp, cgroups, network (exit 1: none isolates)."""
+    from agentrl.sandbox.doctor import doctor
+
+    report = doctor(live=live)
+    typer.echo(report.text())
+    if not report.isolating_backend:
+        raise typer.Exit(1)
+
+
 @app.command()
 def view(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (RUN_DIR of `agentrl run`).")],

@@ -6,10 +6,12 @@
         await sb.write_file("main.py", "print(6 * 7)")
         r = await sb.exec(["python3", "main.py"])      # ExecResult(exit_code=0, stdout="42\\n", ...)
 
-Backends: ``bwrap`` (default where bubblewrap works: namespaces + rlimits, no daemon),
-``docker`` (any Docker Engine API at $DOCKER_HOST, podman included), ``local`` (plain
-subprocess + rlimits — development only, NOT a security boundary; never chosen by
-``auto``).  :class:`SandboxPool` caps, pre-warms, reuses and cleans up sandboxes.
+Backends: ``bwrap`` (default where bubblewrap works: namespaces, seccomp, a cgroup per
+sandbox where the host delegates one; no daemon), ``docker`` (any Docker Engine API at
+$DOCKER_HOST, podman included; the agent is the container's pid 1), ``local`` (plain
+subprocess + rlimits — development only, NOT a security boundary, warns when created; never
+chosen by ``auto``).  :class:`SandboxPool` caps, pre-warms, resets (verified) and reuses
+sandboxes.  ``agentrl sandbox doctor`` says what this host gives them.
 """
 
 from __future__ import annotations
@@ -75,7 +77,10 @@ def why_unavailable(backend: str) -> str | None:
         return None
     with _probe_lock:
         if backend not in _probes:
-            _probes[backend] = _probe_bwrap() if backend == "bwrap" else _probe_docker()
+            from agentrl.sandbox.seccomp import why_unavailable as no_filter
+
+            # both isolating backends install the same host-generated filter: no filter, no sandbox
+            _probes[backend] = no_filter() or (_probe_bwrap() if backend == "bwrap" else _probe_docker())
         return _probes[backend]
 
 

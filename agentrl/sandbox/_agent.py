@@ -1,57 +1,220 @@
 """The in-sandbox agent: runs commands and file operations for the host.
 
-This file is executed *inside* the sandbox by the system ``python3`` (``python3 -I -S -c
-<this source> MODE``), so it uses only the standard library and must not import agentrl.
-It speaks one JSON object per line: a request ``{"id", "op", ...}`` in, a response
-``{"id", "ok", ...}`` out.
+This file is executed *inside* the sandbox by the system ``python3`` (``python3 -I -S``), so
+it uses only the standard library and must not import agentrl.  It speaks one JSON object
+per line: a request ``{"id", "op", "token", ...}`` in, a response ``{"id", "ok", ...}`` out.
+The first request is ``init``; it fixes the token every later request must carry.
 
 Modes:
-  ``serve``        bwrap: a long-lived agent (pid 2 of the sandbox's pid namespace) reading
-                   requests on stdin.  Every process but itself and pid 1 is the user's, so
-                   ``kill(-1, SIGKILL)`` is an exact "kill everything the user started".
-  ``serve-local``  local backend: same loop, but the host is shared, so only processes in
-                   the command's own session are killed (children calling setsid escape:
-                   the local backend is not a security boundary).
-  ``once``         docker: one request from $AGENTRL_REQ (or the file $AGENTRL_REQ_FILE),
-                   one response on stdout, then exit.  Runs beside ``init`` (pid 1).
-  ``init``         docker: pid 1 of the container; reaps orphans so they do not pile up as
-                   zombies against the pids limit.
+  ``serve``        bwrap and docker: a long-lived agent reading requests on stdin (bwrap:
+                   pid 2 of the sandbox, under bwrap's init; docker: pid 1 of the container).
+  ``serve-local``  local backend: same protocol, plain subprocesses, no isolation at all.
 
-Each command runs in a pid namespace of its own (nested ``bwrap``, else ``unshare``, when
-the sandbox has one), so ``kill -9 -1`` or ``pkill python`` in user code cannot reach the
-agent; the agent, one namespace up, still sees and kills every user process.
+``init`` (serve mode) makes the agent's own world, then gives up every privilege:
+  1. a user + mount namespace of its own (the only way to mount without privileges on the
+     host or in the container), where it mounts the writable tmpfs (size- *and* inode-capped),
+     covers host paths that must not show (``hide``) with empty read-only tmpfs, and binds
+     synthetic files (``/etc/hosts``);
+  2. drops every capability (bounding set, ambient, permitted) and sets no_new_privs;
+  3. proves that a command really runs isolated (a probe exec) — or fails: fail closed.
 
-Invariant in every mode: no process started by a command outlives that command's exec
-(it is killed when the main process exits or the deadline passes), so between execs
+Every command then runs as pid 2 of fresh user + pid + IPC namespaces (pid 1 is a tiny
+init forked from this agent), under rlimits and the host-generated seccomp filter, so:
+  - ``kill -9 -1``/``pkill`` cannot reach the agent, and SysV shm, message queues and POSIX
+    message queues vanish with the exec;
+  - no nested user namespace (seccomp denies it; where ``/proc/sys`` is writable the
+    namespace's ``user.max_user_namespaces`` is 0 as well);
+  - the exit status, the signal and the CPU time are reported by the init over a pipe the
+    command never holds, so result flags come from kernel facts only (never from output).
+
+Invariant: no process started by a command outlives that command's exec, so between execs
 nothing of the user's runs, and a request is never read while user code could be watching.
 """
 
 import base64
+import ctypes
 import errno
 import json
 import os
 import resource
 import selectors
-import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
 
 CHUNK = 1 << 16
-TAIL = 4096  # last bytes of stderr kept for out-of-memory detection even when truncated
-OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory", b"memory exhausted")
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
+MS_REC, MS_PRIVATE = 16384, 1 << 18
+PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_CAP_AMBIENT = 4, 24, 38, 22, 47
+SECCOMP_MODE_FILTER, PR_CAP_AMBIENT_CLEAR_ALL = 2, 4
+# mounts whose contents are the kernel's, not files a command could have left behind
+_VIRTUAL_FS = {"proc", "sysfs", "devtmpfs", "cgroup", "cgroup2", "devpts", "mqueue", "debugfs", "tracefs", "securityfs",
+               "pstore", "bpf", "configfs", "fusectl", "binfmt_misc", "hugetlbfs", "autofs", "nsfs"}  # fmt: skip
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+_libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+
+
+class AgentError(Exception):
+    """The sandbox cannot do what was asked safely: the host treats the sandbox as broken."""
+
+
+class _Prog(ctypes.Structure):  # struct sock_fprog
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+class State:
+    token = None
+    isolate = False  # serve mode after init: commands get namespaces + seccomp
+    seccomp = None  # (buffer, _Prog) kept alive for the forked children
+    oom_fd = None  # the container's memory cgroup events file (docker), read before/after exec
+    tmpfs_modes = {}  # path -> mode to restore on reset
+    sysctls = {}  # per-exec-namespace sysctls (best effort, where /proc/sys is writable)
+
+
+def _check(rc, what):
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise AgentError(f"{what}: {os.strerror(e)}")
 
 
 def _non_dumpable():
-    # Without this, a user process (same uid) could open /proc/<agent>/fd/1 and forge
-    # responses, or ptrace the agent.  PR_SET_DUMPABLE = 4.
-    try:
-        import ctypes
+    # A user process (same uid) must not open /proc/<agent>/fd/* or ptrace the agent.
+    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
-    except Exception:
-        pass
+
+def _write_id_maps(uid, gid):
+    # /proc/self of a non-dumpable process belongs to root, so we are dumpable for the few
+    # microseconds this takes; no user process exists yet that could use the window.
+    _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open("/proc/self/" + name, "w") as f:
+                f.write(text)
+    finally:
+        _non_dumpable()
+
+
+def _mount(src, target, fstype, flags, data=None):
+    _check(_libc.mount(src and src.encode(), target.encode(), fstype and fstype.encode(), flags,
+                       data and data.encode()), f"mount {target}")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def op_init(req, mode):
+    if State.token is not None:
+        raise AgentError("init twice")
+    State.token = req["token"]
+    if mode == "serve-local":
+        return {"isolation": "none"}
+    uid, gid = os.getuid(), os.getgid()
+    _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare(user, mount)")
+    _write_id_maps(uid, gid)
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    if req.get("oom_counter") == "self":
+        State.oom_fd = _open_own_oom_counter()
+    for t in req.get("tmpfs", []):
+        opts = f"size={int(t['size'])},nr_inodes={int(t['inodes'])},mode={int(t['mode']):o}"
+        _mount("tmpfs", t["path"], "tmpfs", MS_NOSUID | MS_NODEV, opts)
+        State.tmpfs_modes[t["path"]] = int(t["mode"])
+    files = req.get("files") or {}
+    if files:
+        stash = req["stash"]  # a directory of ours to hold synthetic files, read-only after
+        _mount("tmpfs", stash, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=1m,nr_inodes=64,mode=755")
+        for i, (target, text) in enumerate(sorted(files.items())):
+            if not os.path.exists(target):
+                continue
+            src = os.path.join(stash, f"file{i}")
+            with open(src, "w") as f:
+                f.write(text)
+            _mount(src, target, None, MS_BIND)
+            _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        _mount(None, stash, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=1m,nr_inodes=64,mode=755")
+    for path in req.get("hide", []):
+        if os.path.isdir(path):
+            _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=4,mode=555")
+    State.sysctls = dict(req.get("sysctls") or {})
+    _drop_privileges()
+    bpf = base64.b64decode(req.get("seccomp") or "")
+    if not bpf or len(bpf) % 8:
+        raise AgentError("no seccomp filter: refusing to run commands unfiltered")
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    State.seccomp = (buf, _Prog(len(bpf) // 8, ctypes.addressof(buf)))
+    State.isolate = True
+    return {"isolation": "namespaces+seccomp", "probe": _probe(req), "oom_counter": State.oom_fd is not None}
+
+
+def _open_own_oom_counter():
+    """fd of this container's memory cgroup event counters (read with pread), or None."""
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+    return None
+
+
+def _oom_kills():
+    if State.oom_fd is None:
+        return None
+    for line in os.pread(State.oom_fd, 4096, 0).decode().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return None
+
+
+def _status_caps():
+    caps = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            caps[key] = value.strip()
+    return caps
+
+
+def _drop_privileges():
+    for cap in range(64):
+        _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the last cap: fine
+    _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    hdr, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(hdr), data), "capset")
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    st = _status_caps()
+    if any(int(st.get(k, "1"), 16) for k in ("CapEff", "CapPrm", "CapAmb")) or st.get("NoNewPrivs") != "1":
+        raise AgentError(f"could not drop privileges: {st}")
+
+
+def _probe(req):
+    """Run one command the normal way and check it is filtered and namespaced (fail closed)."""
+    limits = {"RLIMIT_CPU": 5, "RLIMIT_NOFILE": 64, "RLIMIT_CORE": 0}
+    r = run_command(["cat", "/proc/self/status"], b"", 10.0, "/", {"PATH": "/usr/bin:/bin"}, limits, 1 << 16, "serve")
+    text = base64.b64decode(r["stdout"]).decode(errors="replace")
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    nspid = fields.get("NSpid", "").split()
+    seccomp_on = fields.get("Seccomp", "").strip() == "2"
+    if r["exit_code"] != 0 or not seccomp_on or len(nspid) < 2 or nspid[-1] != "2":
+        err = base64.b64decode(r["stderr"]).decode(errors="replace")
+        raise AgentError(f"command isolation probe failed (exit {r['exit_code']}, seccomp={seccomp_on}, "
+                         f"NSpid={nspid}): {err.strip()[:300]}")  # fmt: skip
+    return {"nspid": nspid}
+
+
+# ----------------------------------------------------------------------------- processes
 
 
 def _stat(pid):
@@ -83,17 +246,31 @@ def _other_pids(mode, sid):
     return out
 
 
+def _reap():
+    """Collect every exited child (as pid 1 of a container, orphans are ours too)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def kill_user_processes(mode, sid=None):
     """SIGKILL every user process; loop because a fork can race a single kill(-1)."""
     if mode == "serve-local" and sid is None:
         return
-    for _ in range(200):
+    pause = 0.0002
+    for _ in range(400):
         if mode != "serve-local":
             try:
                 os.kill(-1, signal.SIGKILL)
             except OSError:
                 pass
         pids = _other_pids(mode, sid)
+        if mode != "serve-local":  # local: Popen collects its own child
+            _reap()
         if not pids:
             return
         if mode == "serve-local":
@@ -102,162 +279,158 @@ def kill_user_processes(mode, sid=None):
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-        time.sleep(0.005)
-
-
-_WRAP = []
-CLONE_NEWUSER, CLONE_NEWPID = 0x10000000, 0x20000000
-
-
-def _command_wrapper(mode):
-    """argv prefix that puts a command in its own user+pid namespace (probed once).
-
-    Nested bwrap (with its own /proc) where it works; inside containers a new /proc may not
-    be mounted, so this file's own ``ns`` mode does the unshare + mini-init instead.
-    """
-    if mode == "serve-local":
-        return []
-    if _WRAP:
-        return _WRAP[0]
-    me = os.path.abspath(sys.argv[0])
-    candidates = []
-    bwrap = shutil.which("bwrap", path="/usr/bin:/bin")
-    if bwrap:
-        candidates.append(
-            [bwrap, "--unshare-user", "--unshare-pid", "--die-with-parent", "--dev-bind", "/", "/", "--proc", "/proc", "--"]
-        )
-    if os.path.isfile(me):
-        candidates.append([sys.executable, "-I", "-S", me, "ns"])
-    chosen = []
-    for wrap in candidates:
-        try:
-            ok = subprocess.run(wrap + ["/bin/true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                timeout=10).returncode == 0  # fmt: skip
-        except (OSError, subprocess.SubprocessError):
-            ok = False
-        if ok:
-            chosen = wrap
-            break
-    _WRAP.append(chosen)
-    return chosen
-
-
-def _wrap(argv, cwd, mode):
-    wrap = _command_wrapper(mode)
-    if wrap and wrap[0].endswith("bwrap"):
-        return wrap[:-1] + ["--chdir", cwd, "--"] + argv
-    return wrap + argv
-
-
-def _status(st):
-    return 128 + os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st)
-
-
-def ns_exec(argv):
-    """Run argv as pid 2 of a new user+pid namespace; exit with its status.
-
-    Pid 1 is a mini-init (the kernel drops default-action signals such as SIGXCPU sent to a
-    namespace's init, so the command itself must not be pid 1); when it exits, the kernel
-    kills everything left in the namespace.
-    """
-    import ctypes
-
-    uid, gid = os.getuid(), os.getgid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWPID) != 0:
-        sys.stderr.write(f"agentrl: cannot create a pid namespace: errno {ctypes.get_errno()}\n")
-        os._exit(125)
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-        with open("/proc/self/" + name, "w") as f:
-            f.write(text)
-    init = os.fork()
-    if init == 0:
-        child = os.fork()
-        if child == 0:
-            try:
-                os.execvp(argv[0], argv)
-            except OSError as e:
-                sys.stderr.write(f"{argv[0]}: {e.strerror}\n")
-                os._exit(127 if isinstance(e, FileNotFoundError) else 126)
-        while True:  # reap orphans until the command itself is done
-            pid, st = os.wait()
-            if pid == child:
-                os._exit(_status(st))
-    _, st = os.waitpid(init, 0)
-    os._exit(_status(st))
+        time.sleep(pause)  # the dying need a moment; start short, most execs leave nothing
+        pause = min(pause * 2, 0.005)
 
 
 def _set_limits(limits):
-    def apply():
-        for name, value in limits.items():
-            if value is None:
-                continue
-            res = getattr(resource, name)
-            hard = value + 1 if name == "RLIMIT_CPU" else value  # soft: SIGXCPU, hard: SIGKILL
-            resource.setrlimit(res, (value, hard))
+    for name, value in limits.items():
+        if value is None:
+            continue
+        hard = value + 1 if name == "RLIMIT_CPU" else value  # soft: SIGXCPU, hard: SIGKILL
+        resource.setrlimit(getattr(resource, name), (value, hard))
 
-    return apply
+
+def _exec_command(argv, env, cwd, limits, fds):
+    """In the forked command process: plumbing, limits, filter, execve.  Never returns."""
+    stdin_r, stdout_w, stderr_w = fds
+    try:
+        os.dup2(stdin_r, 0)
+        os.dup2(stdout_w, 1)
+        os.dup2(stderr_w, 2)
+        os.closerange(3, 1 << 16)
+        os.setsid()
+        os.chdir(cwd)
+        # the first user process: nothing of the user's exists yet that could use our memory
+        _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+        try:  # the OOM killer prefers user code to the agent (raising is always allowed)
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
+        _set_limits(limits)
+        if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "no_new_privs")
+        _, prog = State.seccomp
+        if _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "seccomp")
+    except BaseException as e:
+        os.write(2, f"agentrl: cannot start the command safely: {e}\n".encode())
+        os._exit(125)
+    try:
+        os.execvpe(argv[0], argv, env)
+    except OSError as e:
+        os.write(2, f"{argv[0]}: {'command not found' if isinstance(e, FileNotFoundError) else e.strerror}\n".encode())
+        os._exit(127 if isinstance(e, FileNotFoundError) else 126)
+
+
+def _ns_child(argv, env, cwd, limits, fds, status_w):
+    """The forked child: new user + pid + IPC namespaces, then init (pid 1) and the command."""
+    uid, gid = os.getuid(), os.getgid()
+    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWIPC) != 0:
+        raise AgentError(f"unshare(user, pid, ipc): {os.strerror(ctypes.get_errno())}")
+    _write_id_maps(uid, gid)
+    for key, value in State.sysctls.items():  # best effort: /proc/sys is read-only in containers
+        try:
+            with open("/proc/sys/" + key.replace(".", "/"), "w") as f:
+                f.write(str(value))
+        except OSError:
+            pass
+    init = os.fork()
+    if init == 0:  # pid 1 of the new pid namespace
+        command = os.fork()
+        if command == 0:
+            os.close(status_w)
+            _exec_command(argv, env, cwd, limits, fds)
+        for fd in fds:
+            os.close(fd)
+        while True:  # reap orphans until the command itself is done
+            pid, status, ru = os.wait4(-1, 0)
+            if pid == command:
+                break
+        report = json.dumps({"status": status, "cpu_s": ru.ru_utime + ru.ru_stime})
+        os.write(status_w, report.encode())
+        os._exit(0)  # the kernel now kills whatever is left in the namespace
+    os._exit(0)
+
+
+def _spawn_isolated(argv, env, cwd, limits):
+    """Fork the namespaced command; returns (pid of the forked child, stdin_w, stdout_r, stderr_r, status_r)."""
+    in_r, in_w = os.pipe2(os.O_CLOEXEC)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    st_r, st_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for fd in (in_w, out_r, err_r, st_r):
+                os.close(fd)
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            _ns_child(argv, env, cwd, limits, (in_r, out_w, err_w), st_w)
+        except BaseException as e:
+            try:
+                os.write(st_w, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            finally:
+                os._exit(125)
+        os._exit(0)
+    for fd in (in_r, out_w, err_w, st_w):
+        os.close(fd)
+    return pid, in_w, out_r, err_r, st_r
 
 
 class _Capture:
     def __init__(self, cap):
-        self.cap, self.head, self.tail, self.total = cap, bytearray(), b"", 0
+        self.cap, self.head, self.total = cap, bytearray(), 0
 
     def add(self, chunk):
         self.total += len(chunk)
         room = self.cap - len(self.head)
         if room > 0:
             self.head += chunk[:room]
-        self.tail = (self.tail + chunk)[-TAIL:]
 
 
-def op_exec(req, mode):
-    timeout = float(req["timeout"])
-    argv = req["argv"]
-    stdin_data = base64.b64decode(req.get("stdin") or "")
-    out, err = _Capture(int(req["output_bytes"])), _Capture(int(req["output_bytes"]))
-    cpu_limit = req["limits"].get("RLIMIT_CPU")
-    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+def run_command(argv, stdin_data, timeout, cwd, env, limits, output_bytes, mode):
+    """Run one command to completion (or deadline); every process it started is dead after."""
+    out, err = _Capture(output_bytes), _Capture(output_bytes)
+    oom0 = _oom_kills()
     start = time.monotonic()
-    try:
-        if argv and "/" not in argv[0] and not shutil.which(argv[0], path=req["env"].get("PATH", "")):
-            raise FileNotFoundError(errno.ENOENT, "command not found")
-        proc = subprocess.Popen(
-            _wrap(argv, req["cwd"], mode),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=req["cwd"],
-            env=req["env"],
-            preexec_fn=_set_limits(req["limits"]),
-            start_new_session=True,
-            close_fds=True,
-        )
-    except OSError as e:
-        code = 127 if isinstance(e, FileNotFoundError) else 126
-        msg = f"{argv[0] if argv else ''}: {e.strerror or e}\n".encode()
-        return {"exit_code": code, "stdout": "", "stderr": base64.b64encode(msg).decode(),
-                "stdout_truncated": False, "stderr_truncated": False,
-                "wall_s": time.monotonic() - start, "timed_out": False, "oom": False, "cpu_exceeded": False}
+    proc = None
+    if mode == "serve-local":
+        usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    cwd=cwd, env=env, preexec_fn=lambda: _set_limits(limits),
+                                    start_new_session=True, close_fds=True)  # fmt: skip
+        except OSError as e:
+            code = 127 if isinstance(e, FileNotFoundError) else 126
+            msg = f"{argv[0]}: {'command not found' if code == 127 else e.strerror}\n".encode()
+            return _result(code, None, b"", msg, False, False, time.monotonic() - start, False, 0.0, None)
+        child, stdin_fd, out_fd, err_fd = proc.pid, proc.stdin.fileno(), proc.stdout.fileno(), proc.stderr.fileno()
+        status_fd = os.pidfd_open(proc.pid)
+    else:
+        if not State.isolate:
+            raise AgentError("sandbox not initialised: refusing to run a command unisolated")
+        child, stdin_fd, out_fd, err_fd, status_fd = _spawn_isolated(argv, env, cwd, limits)
 
     sel = selectors.DefaultSelector()
-    sinks = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    sinks = {out_fd: out, err_fd: err}
     for fd in sinks:
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
-    pidfd = os.pidfd_open(proc.pid)
-    sel.register(pidfd, selectors.EVENT_READ)
-    stdin_fd = proc.stdin.fileno()
-    if stdin_data:
+    sel.register(status_fd, selectors.EVENT_READ)
+    status_buf = bytearray()
+    pending = memoryview(stdin_data)
+    stdin_open = True
+    if pending:
         os.set_blocking(stdin_fd, False)
         sel.register(stdin_fd, selectors.EVENT_WRITE)
     else:
-        proc.stdin.close()
-    pending = memoryview(stdin_data)
+        os.close(stdin_fd)
+        stdin_open = False
 
     def pump(deadline, until_eof):
         """Move bytes until the main process exits (or, with until_eof, every pipe closes)."""
-        nonlocal pending
+        nonlocal pending, stdin_open
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -266,8 +439,17 @@ def op_exec(req, mode):
                 return True
             for key, _ in sel.select(left):
                 fd = key.fd
-                if fd == pidfd:
-                    sel.unregister(pidfd)
+                if fd == status_fd:
+                    if mode == "serve-local":
+                        sel.unregister(fd)
+                        if not until_eof:
+                            return True
+                        continue
+                    chunk = os.read(fd, 4096)
+                    if chunk:
+                        status_buf.extend(chunk)
+                        continue
+                    sel.unregister(fd)
                     if not until_eof:
                         return True
                 elif fd == stdin_fd:
@@ -280,7 +462,8 @@ def op_exec(req, mode):
                         pending = pending[:0]
                     if not pending:
                         sel.unregister(fd)
-                        proc.stdin.close()
+                        os.close(fd)
+                        stdin_open = False
                 else:
                     try:
                         chunk = os.read(fd, CHUNK)
@@ -296,56 +479,143 @@ def op_exec(req, mode):
     timed_out = not exited
     # Whatever is still running (the main process on timeout, background children either
     # way) dies now; then every pipe reaches EOF and the rest of the output is drained.
-    kill_user_processes(mode, proc.pid)
+    kill_user_processes(mode, child)
     pump(time.monotonic() + 5.0, until_eof=True)
-    rc = proc.wait()
     wall = time.monotonic() - start
-    for f in (proc.stdout, proc.stderr):
-        f.close()
-    if not proc.stdin.closed:
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
+    for fd in list(sinks):
+        os.close(fd)
+    for fd in (out_fd, err_fd):
+        if fd not in sinks:
+            os.close(fd)
+    if stdin_open:
+        os.close(stdin_fd)
     sel.close()
-    os.close(pidfd)
+    os.close(status_fd)
 
-    usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu_used = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
-    sig = -rc if rc < 0 else None
-    exit_code = 128 + sig if sig else rc
-    cpu_exceeded = not timed_out and cpu_limit is not None and (
-        sig == signal.SIGXCPU
-        or rc == 128 + signal.SIGXCPU  # a shell reporting its child's SIGXCPU
-        or (sig == signal.SIGKILL and cpu_used >= cpu_limit * 0.95)
-    )
-    text = bytes(err.head) + err.tail
-    oom = not timed_out and not cpu_exceeded and (
-        any(m in text for m in OOM_MARKERS)
-        # under a cgroup memory limit (docker) the kernel's OOM killer sends SIGKILL
-        or (mode == "once" and (sig == signal.SIGKILL or rc == 137))
-    )
+    if mode == "serve-local":
+        rc = proc.wait()
+        usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
+        sig = -rc if rc < 0 else None
+        code = 128 + sig if sig else rc
+        return _result(code, sig, out.head, err.head, out.total > out.cap, err.total > err.cap, wall, timed_out, cpu, None)
+    try:
+        os.waitpid(child, 0)
+    except ChildProcessError:
+        pass  # already collected by kill_user_processes
+    _reap()
+    report = {}
+    if status_buf:
+        try:
+            report = json.loads(bytes(status_buf))
+        except ValueError:
+            report = {"error": "unreadable status report"}
+    if "error" in report:
+        raise AgentError(f"could not start the command isolated: {report['error']}")
+    # No report: the exec's init was killed — by our deadline, or by the OOM killer (the
+    # command cannot signal its own namespace's init).  Either way the command is dead.
+    st = report.get("status")
+    sig = os.WTERMSIG(st) if st is not None and os.WIFSIGNALED(st) else None
+    code = (128 + sig if sig else os.WEXITSTATUS(st)) if st is not None else 128 + signal.SIGKILL
+    oom1 = _oom_kills()
+    oom_kills = oom1 - oom0 if oom0 is not None and oom1 is not None else None
+    return _result(code, sig, out.head, err.head, out.total > out.cap, err.total > err.cap, wall, timed_out,
+                   float(report.get("cpu_s", 0.0)), oom_kills)  # fmt: skip
+
+
+def _result(code, sig, out, err, out_trunc, err_trunc, wall, timed_out, cpu_s, oom_kills):
     return {
-        "exit_code": exit_code,
-        "stdout": base64.b64encode(bytes(out.head)).decode(),
-        "stderr": base64.b64encode(bytes(err.head)).decode(),
-        "stdout_truncated": out.total > out.cap,
-        "stderr_truncated": err.total > err.cap,
+        "exit_code": code,
+        "signal": sig,
+        "stdout": base64.b64encode(bytes(out)).decode(),
+        "stderr": base64.b64encode(bytes(err)).decode(),
+        "stdout_truncated": out_trunc,
+        "stderr_truncated": err_trunc,
         "wall_s": wall,
         "timed_out": timed_out,
-        "oom": bool(oom),
-        "cpu_exceeded": bool(cpu_exceeded),
+        "cpu_s": cpu_s,
+        "oom_kills": oom_kills,
     }
 
 
-def op_write(req, mode):
-    path = req["path"]
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    data = base64.b64decode(req["data"])
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, req.get("mode", 0o644))
+def op_exec(req, mode):
+    argv = [str(a) for a in req["argv"]]
+    if not argv:
+        raise AgentError("empty argv")
+    limits = req["limits"]  # required: a request without limits is not ours
+    if not isinstance(limits, dict) or "RLIMIT_CPU" not in limits:
+        raise AgentError("exec without limits")
+    return run_command(argv, base64.b64decode(req.get("stdin") or ""), float(req["timeout"]), req["cwd"],
+                       req["env"], limits, int(req["output_bytes"]), mode)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- files
+
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _components(rel):
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in rel:
+        raise OSError(errno.EPERM, "path must be relative to the work dir, without '.', '..' or '//'")
+    return parts
+
+
+def _open_parent(base, rel, create):
+    """fd of the directory holding ``rel`` beneath ``base``; no symlink is ever followed."""
+    parts = _components(rel)
+    fd = os.open(base, _O_DIR)
     try:
+        for name in parts[:-1]:
+            try:
+                nxt = os.open(name, _O_DIR, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                os.mkdir(name, 0o755, dir_fd=fd)
+                nxt = os.open(name, _O_DIR, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise OSError(errno.ELOOP, f"{name!r} is not a directory (symbolic links are not followed)") from None
+                raise
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+def _regular(fd, name):
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, f"{name!r} is not a regular file")
+    return st
+
+
+def _open_beneath(base, rel, flags, create=False):
+    dfd, name = _open_parent(base, rel, create)
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "symbolic links are not followed") from None
+        if e.errno == errno.ENXIO:
+            raise OSError(errno.EINVAL, f"{name!r} is not a regular file") from None
+        raise
+    finally:
+        os.close(dfd)
+    return fd, name
+
+
+def op_write(req, mode):
+    data = base64.b64decode(req["data"])
+    fd, name = _open_beneath(req["base"], req["path"], os.O_WRONLY | os.O_CREAT, create=True)
+    try:
+        _regular(fd, name)  # checks first ...
+        os.ftruncate(fd, 0)  # ... truncate after
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
@@ -356,39 +626,195 @@ def op_write(req, mode):
 
 def op_read(req, mode):
     limit = int(req["max_bytes"])
-    with open(req["path"], "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise OSError(errno.EFBIG, f"file larger than {limit} bytes")
-    return {"data": base64.b64encode(data).decode()}
+    fd, name = _open_beneath(req["base"], req["path"], os.O_RDONLY)
+    try:
+        st = _regular(fd, name)
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"file larger than {limit} bytes")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(CHUNK * 16, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise OSError(errno.EFBIG, f"file larger than {limit} bytes")
+    finally:
+        os.close(fd)
+    return {"data": base64.b64encode(b"".join(chunks)).decode()}
+
+
+# ----------------------------------------------------------------------------- reset
+
+
+def _clear_level(fd):
+    """Unlink every non-directory in the directory ``fd``; return its subdirectories (made rwx)."""
+    subdirs = []
+    with os.scandir(fd) as it:
+        entries = list(it)
+    for e in entries:
+        try:
+            is_dir = e.is_dir(follow_symlinks=False)
+        except OSError:
+            is_dir = False
+        if is_dir:
+            try:
+                os.chmod(e.name, 0o700, dir_fd=fd)
+            except OSError:
+                pass
+            subdirs.append(e.name)
+        else:
+            try:
+                os.unlink(e.name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                pass  # verification reports it
+    return subdirs
+
+
+def empty_tree(top):
+    """Remove everything below ``top`` whatever its permissions or depth (one fd, no recursion).
+
+    Safe only while nothing else runs in the sandbox (the caller killed every user process):
+    it climbs back up with ``..``.
+    """
+    try:
+        os.chmod(top, 0o700)
+        cur = os.open(top, _O_DIR)
+    except OSError:
+        return
+    stack = []  # (pending subdirectories of the level above, the name we descended into)
+    pending = _clear_level(cur)
+    while True:
+        if pending:
+            name = pending.pop()
+            try:
+                os.rmdir(name, dir_fd=cur)
+                continue
+            except OSError:
+                pass
+            try:
+                nxt = os.open(name, _O_DIR, dir_fd=cur)
+            except OSError:
+                continue  # verification reports it
+            os.close(cur)
+            cur = nxt
+            stack.append((pending, name))
+            pending = _clear_level(cur)
+            continue
+        if not stack:
+            break
+        parent = os.open("..", _O_DIR, dir_fd=cur)
+        os.close(cur)
+        cur = parent
+        pending, name = stack.pop()
+        try:
+            os.rmdir(name, dir_fd=cur)
+        except OSError:
+            pass
+    os.close(cur)
+
+
+def _writable_mounts():
+    """Mount points whose top mount is read-write and holds files (not kernel views)."""
+    top = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:  # a later line on the same point is mounted over the earlier one
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            point = fields[4].encode().decode("unicode_escape")
+            top[point] = "rw" in fields[5].split(",") and bool(rfields) and rfields[0] not in _VIRTUAL_FS
+    return [p for p, writable in top.items() if writable]
+
+
+def _leftovers(uid, roots):
+    """What a command left behind: entries it owns on writable mounts, IPC, processes."""
+    left = []
+    seen_dev = set()
+    for root in sorted(set(roots)):
+        try:
+            top = os.lstat(root)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(top.st_mode):
+            continue  # a file bind-mounted on its own (e.g. /dev/null)
+        if (top.st_dev, top.st_ino) in seen_dev:
+            continue  # the same mount reached twice
+        seen_dev.add((top.st_dev, top.st_ino))
+        todo = [root]
+        while todo and len(left) < 20:
+            d = todo.pop()
+            try:
+                with os.scandir(d) as it:
+                    entries = list(it)
+            except OSError as e:
+                left.append(f"{d}: unreadable ({e.strerror})")
+                continue
+            for e in entries:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if st.st_dev != top.st_dev:
+                    continue  # another mount: listed on its own
+                if st.st_uid == uid:
+                    left.append(e.path)
+                elif stat.S_ISREG(st.st_mode) and st.st_mode & 0o002:
+                    left.append(f"{e.path}: world-writable file")
+                elif stat.S_ISDIR(st.st_mode):
+                    todo.append(e.path)
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                n = len(f.read().splitlines()) - 1
+        except OSError:
+            continue
+        if n > 0:
+            left.append(f"{n} SysV {kind} object(s)")
+    try:
+        mq = os.listdir("/dev/mqueue")
+    except OSError:
+        mq = []
+    if mq:
+        left.append(f"{len(mq)} POSIX message queue(s)")
+    return left
 
 
 def op_reset(req, mode):
     kill_user_processes(mode)
-    for d in req["dirs"]:
+    dirs = req["dirs"]
+    for d in dirs:
+        empty_tree(d)
+    for d in dirs:
         try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            continue
-        for name in names:
-            p = os.path.join(d, name)
-            if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
-    return {}
+            os.chmod(d, State.tmpfs_modes.get(d, 0o755 if mode == "serve-local" else 0o1777))
+        except OSError:
+            pass
+    if mode == "serve-local":
+        left = [f"{d}/{n}" for d in dirs for n in os.listdir(d)]
+    else:
+        roots = list(dirs) + _writable_mounts()
+        left = _leftovers(os.getuid(), roots)
+        procs = _other_pids(mode, None)
+        if procs:
+            left.append(f"{len(procs)} process(es) still alive")
+    return {"clean": not left, "left": left[:20]}
 
 
-OPS = {"exec": op_exec, "write": op_write, "read": op_read, "reset": op_reset, "ping": lambda r, m: {}}
+OPS = {"init": op_init, "exec": op_exec, "write": op_write, "read": op_read, "reset": op_reset,
+       "ping": lambda r, m: {}}  # fmt: skip
 
 
 def handle(line, mode):
     req = {}
     try:
         req = json.loads(line)
+        if not isinstance(req, dict):
+            raise AgentError("request is not an object")
+        if req.get("op") not in ("init", "ping") and (State.token is None or req.get("token") != State.token):
+            raise AgentError("request without the session token: refused")
         resp = OPS[req["op"]](req, mode)
         resp["ok"] = True
     except OSError as e:
@@ -409,33 +835,12 @@ def serve(mode):
         stdout.flush()
 
 
-def init():
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    while True:
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            time.sleep(1.0)
-
-
 def main():
     mode = sys.argv[1]
-    if mode == "init":
-        return init()
-    if mode == "ns":
-        return ns_exec(sys.argv[2:])
     _non_dumpable()
-    if mode == "once":
-        path = os.environ.pop("AGENTRL_REQ_FILE", None)
-        if path:
-            with open(path, "rb") as f:
-                line = f.read()
-            os.unlink(path)
-        else:
-            line = os.environ.pop("AGENTRL_REQ").encode()
-        sys.stdout.buffer.write(handle(line, mode))
-        sys.stdout.buffer.flush()
-        return
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    if os.getpid() == 1:  # docker: we are the container's init; terminate on SIGTERM
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     serve(mode)
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import base64
+import errno
 import json
 import os
+import re
 import secrets
 import signal
 import threading
@@ -37,42 +39,92 @@ class SandboxError(AgentrlError):
     """
 
 
+AGENT_RESERVE_BYTES = 48 << 20  # the agent, the per-exec init and the wrappers, in the sandbox cgroup
+TMPFS_COUNT = 3  # /work, /tmp, /dev/shm
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-sandbox limits.  Each exec gets the wall timeout; the rest bind every process."""
+    """Per-sandbox limits.  Each exec gets the wall timeout; the rest bind the sandbox.
+
+    Where the host gives a cgroup (docker always; bwrap where a memory/pids cgroup is
+    delegated, see ``agentrl sandbox doctor``) memory, processes and CPU are capped for the
+    whole sandbox.  Elsewhere they fall back to per-process rlimits — see
+    :meth:`worst_case_memory_bytes` for what that means.
+    """
 
     timeout_s: float = 10.0
     """Default wall-clock limit per exec; on expiry every process of the exec is SIGKILLed."""
     cpu_s: int = 10
     """CPU seconds per process (RLIMIT_CPU): SIGXCPU, then SIGKILL one second later."""
     memory_bytes: int = 512 << 20
-    """Address space per process (RLIMIT_AS); docker also caps the whole container (cgroup)."""
+    """Memory for the sandbox's processes.  With a memory cgroup: all of them together (plus
+    room for the tmpfs files and the agent, see :meth:`sandbox_memory_bytes`; going over
+    runs the OOM killer).  Without one: address space per process (RLIMIT_AS)."""
     pids: int = 64
-    """Processes alive at once (RLIMIT_NPROC in the sandbox's user namespace; docker: pids cgroup)."""
+    """Processes (and threads) alive at once: pids cgroup, else RLIMIT_NPROC."""
     output_bytes: int = 256 << 10
     """Bytes kept of each of stdout and stderr; the rest is drained and dropped (flagged)."""
     disk_bytes: int = 64 << 20
     """Size of each writable tmpfs (/work, /tmp, /dev/shm) and the largest file (RLIMIT_FSIZE)."""
+    files: int = 8192
+    """Files and directories per writable tmpfs (``nr_inodes``): bounds the kernel memory
+    that millions of empty files would otherwise cost."""
     open_files: int = 256
     """Open file descriptors per process (RLIMIT_NOFILE)."""
+    cpus: float = 1.0
+    """CPU bandwidth of the whole sandbox, in cores (cgroup cpu quota; 0 = unlimited)."""
     network: bool = False
-    """Give the sandbox the host's network.  Off: no interface but loopback."""
+    """Outbound network: a network namespace of its own behind a user-mode NAT (bwrap:
+    slirp4netns; docker: the engine's default network).  The host's loopback and abstract
+    sockets stay unreachable.  Off: no interface but the sandbox's own loopback."""
 
-    def rlimits(self, *, nproc: bool) -> dict[str, int | None]:
+    def rlimits(self, *, nproc: bool, address_space: bool = True) -> dict[str, int | None]:
         return {
             "RLIMIT_CPU": int(self.cpu_s),
-            "RLIMIT_AS": int(self.memory_bytes),
+            "RLIMIT_AS": int(self.memory_bytes) if address_space else None,
             "RLIMIT_FSIZE": int(self.disk_bytes),
             "RLIMIT_NOFILE": int(self.open_files),
-            # +2: the sandbox's init and the agent share the uid and count against it
-            "RLIMIT_NPROC": int(self.pids) + 2 if nproc else None,
+            "RLIMIT_NPROC": int(self.pids) if nproc else None,
             "RLIMIT_CORE": 0,
+        }
+
+    def sandbox_memory_bytes(self) -> int:
+        """The memory cgroup's cap: processes + the tmpfs files (they live in RAM) + the agent."""
+        return int(self.memory_bytes) + TMPFS_COUNT * int(self.disk_bytes) + AGENT_RESERVE_BYTES
+
+    def worst_case_memory_bytes(self) -> int:
+        """Without a memory cgroup, what one sandbox can pin: every process at its address-space
+        limit, plus memfds (each capped by RLIMIT_FSIZE, up to RLIMIT_NOFILE of them per
+        process), plus full tmpfs.  SysV shm and POSIX queues die with each exec."""
+        per_process = int(self.memory_bytes) + int(self.open_files) * int(self.disk_bytes)
+        return int(self.pids) * per_process + TMPFS_COUNT * int(self.disk_bytes)
+
+    def tmpfs(self, paths: list[str]) -> list[dict[str, int | str]]:
+        modes = {"/tmp": 0o1777, "/dev/shm": 0o1777}
+        return [{"path": p, "size": int(self.disk_bytes), "inodes": int(self.files), "mode": modes.get(p, 0o755)}
+                for p in paths]  # fmt: skip
+
+    def exec_sysctls(self) -> dict[str, int]:
+        """Applied inside each exec's own namespaces where /proc/sys is writable (best effort;
+        seccomp and the cgroup are the real guards)."""
+        return {
+            "user.max_user_namespaces": 0,
+            "kernel.shmmax": int(self.disk_bytes),
+            "kernel.shmall": max(1, int(self.disk_bytes) // 4096),
+            "kernel.shmmni": 64,
+            "kernel.msgmni": 32,
         }
 
 
 @dataclass
 class ExecResult:
-    """What one command did.  A non-zero exit or a limit flag is data, not an exception."""
+    """What one command did.  A non-zero exit or a limit flag is data, not an exception.
+
+    The flags come from kernel facts only — the exit signal, the CPU time the kernel
+    accounted, the cgroup's OOM-kill counter, the agent's own deadline — never from what the
+    command printed.
+    """
 
     exit_code: int
     """Process exit status; 128+N when killed by signal N (a shell's convention)."""
@@ -84,19 +136,28 @@ class ExecResult:
     timed_out: bool = False
     """The wall-clock timeout expired and every process of the exec was killed."""
     oom: bool = False
-    """An allocation failed against the memory limit (or the OOM killer fired under docker)."""
+    """The kernel's OOM killer killed a process of this exec (memory cgroup event).  Without a
+    memory cgroup an allocation simply fails (e.g. Python's MemoryError) and this stays False."""
     cpu_exceeded: bool = False
-    """The CPU-seconds limit killed the command."""
+    """The command died of the CPU-time limit's signal (SIGXCPU/SIGKILL, directly or as its
+    shell reports it) and the kernel accounted at least ``cpu_s`` CPU seconds to it and the
+    children it waited for."""
+    signal: int | None = None
+    """The signal that killed the main process (None when it exited)."""
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not (self.timed_out or self.oom or self.cpu_exceeded)
 
     def as_text(self, limit: int | None = None) -> str:
-        """Compact text for a tool reply: output, then any non-zero status or limit."""
-        parts = [self.stdout]
+        """Compact text for a tool reply: output, then any non-zero status or limit.
+
+        Control characters (NUL, ESC, CR, C1, bidi overrides) are shown escaped (``\\x1b``), so
+        a command cannot drive the terminal or log viewer of whoever reads the reply.
+        """
+        parts = [escape_controls(self.stdout)]
         if self.stderr:
-            parts.append(self.stderr)
+            parts.append(escape_controls(self.stderr))
         text = "".join(p if p.endswith("\n") or not p else p + "\n" for p in parts)
         if limit is not None and len(text) > limit:
             text = text[:limit] + "\n[... output truncated]\n"
@@ -111,6 +172,15 @@ class ExecResult:
         elif self.exit_code != 0:
             text += f"[exit code {self.exit_code}]\n"
         return text
+
+
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_controls(text: str) -> str:
+    """Every control character but newline and tab, written out (``\\x1b``, ``\\u202e``)."""
+    text = text.replace("\r\n", "\n")
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
 
 
 @runtime_checkable
@@ -157,6 +227,9 @@ class AgentSandbox:
     def __init__(self, limits: SandboxLimits | None = None) -> None:
         self.limits = limits or SandboxLimits()
         self.id = f"agentrl-{os.getpid()}-{secrets.token_hex(4)}"
+        self.info: dict[str, Any] = {}
+        """What the agent reported at start (isolation mode, probe)."""
+        self._token = secrets.token_hex(16)  # every request carries it; the agent refuses others
         self._lock = asyncio.Lock()
         self._started = False
         self._broken: str | None = None
@@ -179,8 +252,33 @@ class AgentSandbox:
         """Last-resort synchronous teardown for atexit/signal handlers."""
         raise NotImplementedError
 
+    async def _confine(self) -> None:
+        """Hook: after the agent answered its first ping, before it is initialised (cgroups)."""
+
+    def _init_request(self) -> dict[str, Any]:
+        """What the agent sets up before serving (mounts, filter); backends add their parts."""
+        from agentrl.sandbox.seccomp import SeccompUnavailable, filter_bpf
+
+        try:
+            bpf = filter_bpf()
+        except (SeccompUnavailable, OSError) as e:
+            raise SandboxError(f"no seccomp filter, refusing to start a sandbox: {e}") from e
+        return {
+            "tmpfs": self.limits.tmpfs([self.workdir, "/tmp", "/dev/shm"]),
+            "seccomp": base64.b64encode(bpf).decode(),
+            "sysctls": self.limits.exec_sysctls(),
+        }
+
     def _nproc_rlimit(self) -> bool:
         return True
+
+    def _memory_cgroup(self) -> bool:
+        """True when a memory cgroup caps the whole sandbox (then no per-process RLIMIT_AS)."""
+        return False
+
+    def _oom_kills(self) -> int | None:
+        """Host-side OOM-kill counter of the sandbox's cgroup (None: the agent reports it)."""
+        return None
 
     def _base_env(self) -> dict[str, str]:
         return {
@@ -201,6 +299,9 @@ class AgentSandbox:
         try:
             await self._start()
             await self._call({"op": "ping"}, timeout=30.0)
+            await self._confine()
+            init = {"op": "init", "token": self._token, **self._init_request()}
+            self.info = await self._call(init, timeout=60.0)
         except BaseException:
             await self.close()
             raise
@@ -234,6 +335,7 @@ class AgentSandbox:
         if self._broken:
             raise SandboxError(f"sandbox {self.id} is broken: {self._broken}")
         req["id"] = secrets.token_hex(8)
+        req.setdefault("token", self._token)
         async with self._lock:
             try:
                 resp = await asyncio.wait_for(self._request(req, timeout), timeout)
@@ -255,9 +357,11 @@ class AgentSandbox:
         if not resp.get("ok"):
             kind, msg, no = resp.get("kind"), resp.get("error", "?"), resp.get("errno", 0)
             if kind == "AgentError":
-                raise SandboxError(f"sandbox agent failed on '{req['op']}': {msg}")
+                await self._break(f"agent failed on '{req['op']}': {msg}")
+                raise SandboxError(f"sandbox {self.id}: {self._broken}")
             exc_type = {"FileNotFoundError": FileNotFoundError, "IsADirectoryError": IsADirectoryError,
-                        "PermissionError": PermissionError, "NotADirectoryError": NotADirectoryError}
+                        "PermissionError": PermissionError, "NotADirectoryError": NotADirectoryError,
+                        "FileExistsError": FileExistsError}  # fmt: skip
             raise exc_type.get(kind, OSError)(no, msg, req.get("path"))
         return resp
 
@@ -266,8 +370,18 @@ class AgentSandbox:
             self._broken = why
         await asyncio.shield(self._stop())
 
-    def _path(self, path: str) -> str:
-        return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
+    def _relpath(self, path: str) -> str:
+        """``path`` relative to the work dir; anything that could leave it is refused."""
+        p = path
+        if p.startswith("/"):
+            root = self.workdir.rstrip("/") + "/"
+            if not p.startswith(root):
+                raise PermissionError(errno.EPERM, f"outside the sandbox's work dir {self.workdir}", path)
+            p = p[len(root) :]
+        parts = [c for c in p.split("/") if c not in ("", ".")]
+        if not parts or ".." in parts or "\0" in p:
+            raise PermissionError(errno.EPERM, "not a file path beneath the work dir", path)
+        return "/".join(parts)
 
     # --- public API
     async def exec(
@@ -294,10 +408,23 @@ class AgentSandbox:
             "timeout": timeout,
             "cwd": self.workdir,
             "env": {**self._base_env(), **(env or {})},
-            "limits": self.limits.rlimits(nproc=self._nproc_rlimit()),
+            "limits": self.limits.rlimits(nproc=self._nproc_rlimit(), address_space=not self._memory_cgroup()),
             "output_bytes": self.limits.output_bytes,
         }
+        oom0 = self._oom_kills()
         r = await self._call(req, timeout=timeout + self.grace_s)
+        oom1 = self._oom_kills()
+        oom_kills = oom1 - oom0 if oom0 is not None and oom1 is not None else r.get("oom_kills")
+        sig = r.get("signal")
+        timed_out = bool(r["timed_out"])
+        oom = bool(oom_kills)
+        cpu_limit = float(self.limits.cpu_s)
+        # the CPU-limit signal (directly, or as a shell reports its child's: 128+N) counts only
+        # when the kernel accounted the CPU time to match: `kill -XCPU $$` alone is not enough
+        limit_signals = (signal.SIGXCPU, signal.SIGKILL)
+        died_of_limit = sig in limit_signals or int(r["exit_code"]) in [128 + s for s in limit_signals]
+        cpu_exceeded = (not timed_out and not oom and died_of_limit
+                        and float(r.get("cpu_s") or 0.0) >= cpu_limit * 0.98)  # fmt: skip
         return ExecResult(
             exit_code=int(r["exit_code"]),
             stdout=base64.b64decode(r["stdout"]).decode("utf-8", "replace"),
@@ -305,26 +432,49 @@ class AgentSandbox:
             stdout_truncated=bool(r["stdout_truncated"]),
             stderr_truncated=bool(r["stderr_truncated"]),
             wall_s=float(r["wall_s"]),
-            timed_out=bool(r["timed_out"]),
-            oom=bool(r["oom"]),
-            cpu_exceeded=bool(r["cpu_exceeded"]),
+            timed_out=timed_out,
+            oom=oom,
+            cpu_exceeded=cpu_exceeded,
+            signal=sig,
         )
 
     async def write_file(self, path: str, data: bytes | str) -> None:
-        """Create or replace a file (parents created); relative paths are under ``workdir``."""
+        """Create or replace a regular file beneath ``workdir`` (parents created).
+
+        ``path`` is relative to the work dir (or absolute inside it).  Symbolic links are
+        never followed, only regular files are written, and nothing is truncated before
+        those checks pass.
+        """
         if isinstance(data, str):
             data = data.encode()
-        req = {"op": "write", "path": self._path(path), "data": base64.b64encode(data).decode()}
+        req = {"op": "write", "base": self.workdir, "path": self._relpath(path),
+               "data": base64.b64encode(data).decode()}  # fmt: skip
         await self._call(req, timeout=60.0)
 
     async def read_file(self, path: str) -> bytes:
-        """Whole file contents (at most 64 MiB); relative paths are under ``workdir``."""
-        r = await self._call({"op": "read", "path": self._path(path), "max_bytes": MAX_FILE_BYTES}, 60.0)
+        """A regular file beneath ``workdir`` (at most 64 MiB; no symlinks, FIFOs or devices)."""
+        req = {"op": "read", "base": self.workdir, "path": self._relpath(path), "max_bytes": MAX_FILE_BYTES}
+        r = await self._call(req, 60.0)
         return base64.b64decode(r["data"])
 
     async def reset(self) -> None:
-        """Kill leftover processes and empty the writable dirs, for reuse by another episode."""
-        await self._call({"op": "reset", "dirs": self._reset_dirs()}, timeout=60.0)
+        """Make the sandbox as new for another episode, or raise :class:`SandboxError`.
+
+        Kills leftover processes, removes everything in the writable dirs (fixing
+        permissions first, at any depth), then verifies: no file of the sandbox's user on any
+        writable mount, no SysV/POSIX IPC object, no process.  Anything left breaks the
+        sandbox (a pool then destroys and replaces it; it is never reused).
+        """
+        r = await self._call({"op": "reset", "dirs": self._reset_dirs()}, timeout=60.0)
+        left = list(r.get("left") or [])
+        left += await self._host_leftovers()
+        if not r.get("clean") or left:
+            await self._break(f"reset could not clean the sandbox: {'; '.join(map(str, left))[:500]}")
+            raise SandboxError(f"sandbox {self.id}: {self._broken}")
+
+    async def _host_leftovers(self) -> list[str]:
+        """Hook: what the host can see left behind (e.g. processes in the sandbox's cgroup)."""
+        return []
 
     def _reset_dirs(self) -> list[str]:
         return [self.workdir, "/tmp", "/dev/shm"]

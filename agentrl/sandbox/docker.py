@@ -1,11 +1,18 @@
 """Docker backend: one container per sandbox, through the Docker Engine API at $DOCKER_HOST.
 
 Works with Docker and with podman's Docker-compatible service (what CI runs, see
-``.ci/docker-engine``).  The container: read-only root, size-capped tmpfs for /work, /tmp
-and /dev/shm, ``network_mode="none"`` (podman ignores ``network_disabled``), all
-capabilities dropped, no-new-privileges, uid 65534, a memory cgroup limit (swap off) and a
-pids limit on top of the per-process rlimits.  Pid 1 is a tiny reaper; each request is one
-``exec`` of the agent in ``once`` mode, so a wedged command never wedges the transport.
+``.ci/docker-engine``).  The container: read-only root, ``network_mode="none"`` (podman
+ignores ``network_disabled``), all capabilities dropped, no-new-privileges, uid 65532, and
+the engine's cgroup limits for the whole container: memory (swap off; tmpfs counts), pids,
+CPU quota.  The engine's seccomp profile applies to everything, and each command gets ours
+on top (filters stack).
+
+Speed: pid 1 of the container *is* the agent (the same one bwrap runs), and the host talks
+to it over one attached stdin/stdout stream for the container's whole life, so an exec is
+one message each way — no runtime process per exec.  Inside, the agent builds the same
+world as under bwrap (its own user + mount namespace, inode-capped tmpfs over /work, /tmp,
+/dev/shm; /run, /var/tmp and /sys hidden; a synthetic /etc/hosts without the host's
+entries), and every command runs in its own user + pid + IPC namespaces with the filter.
 
 Every container carries the ``agentrl.sandbox`` label and its owner (host, pid, process
 start time) so that ``agentrl sandbox prune`` can remove the ones a killed run left.
@@ -17,14 +24,14 @@ local — ``.ci/docker-engine`` builds ``local/base:latest``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
-import io
+import contextlib
 import json
 import os
 import socket
-import tarfile
+import struct
 import threading
-import time
 from typing import Any
 
 from agentrl.sandbox.base import (
@@ -33,12 +40,14 @@ from agentrl.sandbox.base import (
     AgentSandbox,
     SandboxError,
     SandboxLimits,
+    encode_request,
 )
 
 DEFAULT_IMAGE = "local/base:latest"
+SANDBOX_UID = 65532  # not the overflow id (65534) that files of unmapped owners show as
 AGENT_DIR = "/.agentrl"
-_INIT = "import os,time\nwhile 1:\n try: os.waitpid(-1,0)\n except ChildProcessError: time.sleep(1)"
-_ENV_REQUEST_MAX = 100_000  # bigger requests travel as a file (one env var holds < 128 KiB)
+HOSTS = "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+_STDOUT, _STDERR = 1, 2  # stream ids in the attach protocol's frame headers
 _clients: dict[str, Any] = {}
 _clients_lock = threading.Lock()
 # The SDK is synchronous: its calls run here, sized for many concurrent sandboxes (the
@@ -85,20 +94,10 @@ def owner_label() -> str:
     return f"{socket.gethostname()}:{pid}:{process_start_time(pid)}"
 
 
-def _tar(name: str, data: bytes, mode: int, uid: int = 0) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        info = tarfile.TarInfo(name)
-        info.size, info.mode, info.uid, info.gid, info.mtime = len(data), mode, uid, uid, int(time.time())
-        tf.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 class DockerSandbox(AgentSandbox):
-    """A container per sandbox; the agent runs once per request via ``exec``."""
+    """A container per sandbox; its pid 1 is the agent, spoken to over the attach stream."""
 
     backend = "docker"
-    agent_mode = "once"
     grace_s = 30.0  # engine round trips under load are slower than a local pipe
 
     def __init__(self, limits: SandboxLimits | None = None, *, image: str | None = None) -> None:
@@ -107,43 +106,66 @@ class DockerSandbox(AgentSandbox):
         self._tlock = threading.Lock()  # guards _cid/_stopping against a create still in flight
         self._cid: str | None = None
         self._stopping = False
+        self._attach: Any = None  # the hijacked HTTP connection (kept to close it)
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._outbuf = bytearray()
+        self._stderr_tail: collections.deque[bytes] = collections.deque(maxlen=32)
 
     def _nproc_rlimit(self) -> bool:
-        return False  # uid 65534 is shared by every container: the pids cgroup limits instead
+        return False  # the pids cgroup limits the whole container instead
+
+    def _memory_cgroup(self) -> bool:
+        return True  # the container's memory cgroup: RLIMIT_AS would only get in its way
+
+    def _init_request(self) -> dict[str, Any]:
+        req = super()._init_request()
+        req.update(
+            hide=["/run", "/var/tmp", "/sys"],  # engine-made writable dirs and the host's sysfs
+            files={"/etc/hosts": HOSTS, "/etc/hostname": "sandbox\n"},
+            stash=AGENT_DIR,
+            oom_counter="self",  # the agent reads its container's memory cgroup events
+        )
+        return req
 
     async def _in_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, fn, *args)
 
     # --- lifecycle
     async def _start(self) -> None:
-        await self._in_thread(self._create_sync)
+        sock = await self._in_thread(self._create_sync)
+        self._reader, self._writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
 
-    def _create_sync(self) -> None:
+    def _create_sync(self) -> socket.socket:
         import docker.errors
         import docker.types
 
         lim = self.limits
         disk = f"size={lim.disk_bytes},mode=1777"
+        memory = lim.sandbox_memory_bytes()
         try:
             c = client().containers.create(
                 self.image,
-                command=["python3", "-I", "-S", "-c", _INIT],
+                command=["python3", "-I", "-S", "-c", AGENT_SOURCE, self.agent_mode],
                 name=self.id,
                 labels={LABEL: "1", "agentrl.owner": owner_label()},
-                user="65534:65534",
-                working_dir=self.workdir,
+                user=f"{SANDBOX_UID}:{SANDBOX_UID}",
+                working_dir="/",
                 read_only=True,
+                stdin_open=True,
+                # mount points for the agent's own inode-capped tmpfs (the engine's have no nr_inodes)
                 tmpfs={self.workdir: disk, "/tmp": disk, AGENT_DIR: "size=1m,mode=0755"},
                 shm_size=lim.disk_bytes,
                 network_mode=None if lim.network else "none",
-                mem_limit=lim.memory_bytes + (128 << 20),  # + the agent's own footprint
-                memswap_limit=lim.memory_bytes + (128 << 20),
-                pids_limit=lim.pids + 4,
+                mem_limit=memory,
+                memswap_limit=memory,
+                pids_limit=lim.pids + 4,  # + the agent, the per-exec init and its parent
+                nano_cpus=int(lim.cpus * 1e9) if lim.cpus > 0 else None,
                 cap_drop=["ALL"],
                 security_opt=["no-new-privileges"],
                 # podman: passing ulimits replaces its defaults, and nproc must stay <= 32768
                 ulimits=[
-                    docker.types.Ulimit(name="nofile", soft=lim.open_files, hard=lim.open_files),
+                    docker.types.Ulimit(name="nofile", soft=1024, hard=1024),
                     docker.types.Ulimit(name="nproc", soft=32768, hard=32768),
                 ],
                 detach=True,
@@ -159,11 +181,17 @@ class DockerSandbox(AgentSandbox):
             self._remove_sync()
             raise SandboxError("sandbox closed during creation")
         try:
+            # attach before start: the agent's first words cannot be missed
+            self._attach = client().api.attach_socket(c.id, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
             c.start()
-            c.put_archive(AGENT_DIR, _tar("agent.py", AGENT_SOURCE.encode(), 0o444))
         except docker.errors.APIError as e:
             self._remove_sync()  # a container that failed to start is left behind otherwise
             raise SandboxError(f"container start failed: {e}") from e
+        raw = getattr(self._attach, "_sock", self._attach)
+        if not isinstance(raw, socket.socket) or hasattr(raw, "context"):  # TLS: not an fd asyncio can adopt
+            self._remove_sync()
+            raise SandboxError("the docker backend needs a plain unix/tcp DOCKER_HOST (TLS is not supported)")
+        return raw
 
     def _remove_sync(self) -> None:
         import docker.errors
@@ -181,36 +209,36 @@ class DockerSandbox(AgentSandbox):
         self._remove_sync()
 
     async def _stop(self) -> None:
+        if self._writer is not None:
+            self._writer.close()  # the agent sees EOF and exits; removal follows regardless
+            self._writer = None
         await self._in_thread(self._stop_sync)
+        if self._attach is not None:
+            with contextlib.suppress(Exception):
+                self._attach.close()
+            self._attach = None
 
     def kill_sync(self) -> None:
         self._stop_sync()
 
-    # --- transport
+    # --- transport: multiplexed frames (8-byte header: stream id, 3 zero bytes, size)
     async def _request(self, req: dict[str, Any], timeout: float) -> dict[str, Any]:
-        return await self._in_thread(self._request_sync, json.dumps(req))
-
-    def _request_sync(self, line: str) -> dict[str, Any]:
-        import docker.errors
-
-        api = client().api
-        cid = self._cid or self.id
-        env = {"AGENTRL_REQ": line}
+        if self._reader is None or self._writer is None:
+            raise SandboxError("sandbox not started")
         try:
-            if len(line) > _ENV_REQUEST_MAX:
-                name = f".agentrl-req-{os.urandom(6).hex()}.json"
-                api.put_archive(cid, "/tmp", _tar(name, line.encode(), 0o600, uid=65534))
-                env = {"AGENTRL_REQ_FILE": f"/tmp/{name}"}
-            exec_id = api.exec_create(
-                cid, ["python3", "-I", "-S", f"{AGENT_DIR}/agent.py", "once"],
-                environment=env, user="65534:65534", workdir=self.workdir,
-            )["Id"]  # fmt: skip
-            out = api.exec_start(exec_id, demux=True)
-        except docker.errors.APIError as e:
-            raise SandboxError(f"docker exec failed: {e}") from e
-        stdout, stderr = out if isinstance(out, tuple) else (out, b"")
-        lines = (stdout or b"").strip().splitlines()
-        if not lines:
-            why = (stderr or b"").decode("utf-8", "replace").strip()[-500:]
-            raise SandboxError(f"agent gave no answer (container gone?): {why or 'no message'}")
-        return json.loads(lines[-1])
+            self._writer.write(encode_request(req))
+            await self._writer.drain()
+            while b"\n" not in self._outbuf:
+                header = await self._reader.readexactly(8)
+                stream, size = struct.unpack(">BxxxL", header)
+                payload = await self._reader.readexactly(size)
+                if stream == _STDOUT:
+                    self._outbuf += payload
+                elif stream == _STDERR:
+                    self._stderr_tail.append(payload)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            tail = b"".join(self._stderr_tail).decode("utf-8", "replace").strip()[-500:]
+            raise SandboxError(f"sandbox {self.id}: container agent gone ({type(e).__name__}): {tail or 'no message'}") from e
+        line, _, rest = bytes(self._outbuf).partition(b"\n")
+        self._outbuf = bytearray(rest)
+        return json.loads(line)

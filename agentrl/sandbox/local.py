@@ -15,11 +15,24 @@ import shutil
 import signal
 import sys
 import tempfile
+import warnings
+from typing import Any
 
 from agentrl.sandbox.base import AGENT_SOURCE, DEFAULT_PATH, LABEL, SandboxError, SandboxLimits
 from agentrl.sandbox.bwrap import _STREAM_LIMIT, BwrapSandbox
 
 TEMP_PREFIX = f"{LABEL}-"  # prune removes <tmp>/agentrl.sandbox-<pid>-* of dead pids
+
+
+class UnsafeSandboxWarning(UserWarning):
+    """A sandbox that does not isolate anything was created."""
+
+
+WARNING = (
+    "agentrl: the 'local' sandbox backend is NOT a security boundary: commands run as your user "
+    "on this host, with your files, network, processes and no seccomp or namespaces. Use it only "
+    "to develop an environment; train on model-written code with backend 'bwrap' or 'docker'."
+)
 
 
 class LocalSandbox(BwrapSandbox):
@@ -29,6 +42,7 @@ class LocalSandbox(BwrapSandbox):
     agent_mode = "serve-local"
 
     def __init__(self, limits: SandboxLimits | None = None) -> None:
+        warnings.warn(WARNING, UnsafeSandboxWarning, stacklevel=3)
         super().__init__(limits)
         self._dir = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
         self.workdir = os.path.join(self._dir, "work")
@@ -43,6 +57,12 @@ class LocalSandbox(BwrapSandbox):
         env = super()._base_env()
         env["TMPDIR"] = self._tmp
         return env
+
+    def _init_request(self) -> dict[str, Any]:
+        return {}  # nothing to set up: the local backend has no namespaces to build
+
+    async def _confine(self) -> None:
+        return None
 
     def _reset_dirs(self) -> list[str]:
         return [self.workdir, self._tmp]

@@ -23,12 +23,13 @@ class PruneReport:
     containers: list[str] = field(default_factory=list)
     temp_dirs: list[str] = field(default_factory=list)
     processes: list[int] = field(default_factory=list)
+    cgroups: list[str] = field(default_factory=list)
     docker_note: str = ""
 
     def summary(self) -> str:
         line = (
             f"removed {len(self.containers)} container(s), {len(self.temp_dirs)} temp dir(s), "
-            f"{len(self.processes)} stray sandbox process(es)"
+            f"{len(self.processes)} stray sandbox process(es), {len(self.cgroups)} cgroup(s)"
         )
         return line + (f" ({self.docker_note})" if self.docker_note else "")
 
@@ -95,4 +96,11 @@ def prune(*, everything: bool = False) -> PruneReport:
                 report.processes.append(int(name))
             except OSError:
                 pass
+
+    # per-sandbox cgroups (bwrap) whose owner process is gone
+    from agentrl.sandbox.cgroup import remove_dirs, stale_dirs
+
+    for d in stale_dirs(everything=everything):
+        if remove_dirs([d], timeout=2.0):
+            report.cgroups.append(d)
     return report

@@ -76,8 +76,13 @@ def sandbox_leftovers() -> list[str]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "bwrap" in cmd or "agent.py" in cmd or "_agent" in cmd or "serve-local" in cmd:
+        if any(k in cmd for k in ("bwrap", "agent.py", "_agent", "serve-local", "slirp4netns")):
             left.append(f"process {pid}: {cmd[:80]}")
+    from agentrl.sandbox.cgroup import stale_dirs
+
+    for d in stale_dirs(everything=True):  # per-sandbox cgroups of this process
+        if f"agentrl-{os.getpid()}-" in d:
+            left.append(f"cgroup {d}")
     prefix = f"agentrl.sandbox-{os.getpid()}-"
     left += [f"temp dir {d}" for d in os.listdir(tempfile.gettempdir()) if d.startswith(prefix)]
     if why_unavailable("docker") is None:

@@ -1,0 +1,85 @@
+"""Host-side pieces on their own: the generated seccomp filter, path confinement, escaping."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import sys
+
+import pytest
+
+from agentrl.sandbox import SandboxLimits
+from agentrl.sandbox.base import AgentSandbox, ExecResult, escape_controls, unregister
+
+seccomp = pytest.importorskip("agentrl.sandbox.seccomp")
+
+_APPLY = r"""
+import base64, ctypes, errno, os, socket, sys
+bpf = base64.b64decode(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+buf = ctypes.create_string_buffer(bpf, len(bpf))
+prog = Prog(len(bpf) // 8, ctypes.addressof(buf))
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # no_new_privs
+assert libc.prctl(22, 2, ctypes.addressof(prog), 0, 0) == 0, ctypes.get_errno()
+def err(r):
+    return "ok" if r >= 0 else errno.errorcode[ctypes.get_errno()]
+print("unshare", err(libc.unshare(0x10000000)))
+print("clone3", err(libc.syscall(435, 0, 0)))
+try:
+    socket.socket(17, socket.SOCK_RAW); print("packet ok")
+except OSError as e:
+    print("packet", errno.errorcode[e.errno])
+socket.socket().close(); print("tcp ok")
+print("pid", os.getpid() > 0)
+"""
+
+
+def test_filter_is_generated_by_libseccomp_and_denies_what_it_says():
+    why = seccomp.why_unavailable()
+    if why:
+        pytest.skip(why)
+    bpf = seccomp.filter_bpf()
+    assert len(bpf) % 8 == 0 and len(bpf) // 8 > 20
+    text = seccomp.filter_text()
+    for name in ("unshare", "io_uring_setup", "keyctl", "bpf", "perf_event_open", "userfaultfd", "mount"):
+        assert f'"{name}"' in text, name
+    assert "KILL_PROCESS" in text  # syscalls of another ABI
+    # the same bytes the agent installs, applied to a plain process on the host
+    out = subprocess.run([sys.executable, "-c", _APPLY, base64.b64encode(bpf).decode()], capture_output=True,
+                         text=True, timeout=30)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert "unshare EPERM" in lines and "clone3 ENOSYS" in lines and "packet EAFNOSUPPORT" in lines, out.stdout
+    assert "tcp ok" in lines and "pid True" in lines
+
+
+class _Box(AgentSandbox):
+    workdir = "/work"
+
+
+def _relpath(path: str) -> str:
+    box = _Box(SandboxLimits())
+    unregister(box)  # never started: nothing to clean up
+    return box._relpath(path)
+
+
+@pytest.mark.parametrize("path,expected", [("a.txt", "a.txt"), ("./d/e.txt", "d/e.txt"), ("/work/x/y", "x/y"),
+                                           ("d//e", "d/e")])  # fmt: skip
+def test_paths_resolve_beneath_the_work_dir(path, expected):
+    assert _relpath(path) == expected
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "/workx/a", "../a", "a/../../b", "/work", "", ".", "a\0b"])
+def test_paths_outside_the_work_dir_are_refused(path):
+    with pytest.raises(PermissionError):
+        _relpath(path)
+
+
+def test_control_characters_are_escaped():
+    assert escape_controls("a\x1b[31mb\x00\x07\r\n\t\u202e\x9b") == "a\\x1b[31mb\\x00\\x07\n\t\\u202e\\x9b"
+    r = ExecResult(exit_code=0, stdout="\x1b]0;title\x07ok\n", stderr="")
+    assert r.as_text() == "\\x1b]0;title\\x07ok\n"
