@@ -38,6 +38,8 @@ class SandboxError(AgentrlError):
     episode errored.
     """
 
+    error_kind = "sandbox"  # inside an episode: errored with this kind (agentrl.errors)
+
 
 AGENT_RESERVE_BYTES = 48 << 20  # the agent, the per-exec init and the wrappers, in the sandbox cgroup
 TMPFS_COUNT = 3  # /work, /tmp, /dev/shm
