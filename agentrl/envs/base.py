@@ -15,7 +15,7 @@ returns a :class:`~agentrl.types.Trajectory`; it never raises for episode-level 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from agentrl.episode import PolicyClientLike, run_episode
@@ -104,6 +104,9 @@ class Environment:
     name: str = "env"
     version: str = "0"
     reward_range: tuple[float, float] | None = None
+    # the best reward an episode can score; the checker's reference solution must reach it
+    # (None: task-dependent, only checked to run without errors)
+    max_reward: float | None = 1.0
 
     def __init__(
         self,
@@ -177,6 +180,11 @@ class Environment:
     def demonstrations(self, n: int, seed: int = 0) -> list[list[Message]]:
         """``n`` full solved conversations for warm-start SFT (optional)."""
         raise NotImplementedError(f"{type(self).__name__} provides no demonstrations")
+
+    def reference_policy(self) -> Callable[[Task, list[Message]], Message] | None:
+        """Optional: ``policy(task, conversation) -> assistant message`` that solves tasks (the
+        checker plays it and requires ``max_reward``); None when the env has none."""
+        return None
 
     def parse_assistant(self, text: str, state: State) -> Message:
         """Turn the model's raw text into the assistant message (ToolEnv parses tool calls)."""

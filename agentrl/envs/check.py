@@ -184,13 +184,47 @@ async def check_environment(
     num_episodes: int = 3,
     sampling: SamplingParams | None = None,
 ) -> CheckReport:
-    """Run the contract checklist; returns a report (never raises for env faults)."""
-    from agentrl.rubrics import Rubric
+    """Run the contract checklist; returns a report (never raises for env faults).
 
+    1. datasets; 2. rubric and tool schemas; 3. demonstrations (optional); 4. episodes with
+    ``client`` (or a scripted policy replaying the demonstrations): the loop's contract,
+    cleanup, token accounting, rewards, tools that raised; 5. a failing endpoint gives an
+    errored episode; 6. the env's reference policy (optional) scores ``env.max_reward``.
+    """
     report = CheckReport()
     sampling = sampling or SamplingParams(max_tokens=256, temperature=1.0)
+    tasks = _check_datasets(env, report)
+    _check_rubric_and_tools(env, report)
+    demos = _check_demonstrations(env, report)
+    if not tasks:
+        return report
+    cleanups: list[int] = []
+    original_cleanup = env.cleanup
 
-    # 1) datasets
+    async def counting_cleanup(state: State) -> None:
+        cleanups.append(id(state))
+        await original_cleanup(state)
+
+    env.cleanup = counting_cleanup  # type: ignore[method-assign]
+    try:
+        policy = client or ScriptedClient(replay_policy(demos) if demos else None)
+        await _check_episodes(env, policy, tasks[:num_episodes], sampling, report, cleanups)
+        before = len(cleanups)
+        broken = await env.rollout(ScriptedClient(fail=True), tasks[0], sampling)
+        report.add(
+            "endpoint_failure",
+            broken.error is not None and broken.error_kind == "endpoint" and len(cleanups) > before,
+            f"error={broken.error!r} (kind {broken.error_kind}), cleanup ran={len(cleanups) > before}",
+        )
+        await _check_reference(env, tasks[:num_episodes], sampling, report)
+    except Exception as e:
+        report.add("episodes_run", False, f"rollout raised {type(e).__name__}: {e} (rollout must never raise)")
+    finally:
+        del env.cleanup
+    return report
+
+
+def _check_datasets(env: Environment, report: CheckReport) -> list[Any]:
     tasks: list[Any] = []
     try:
         for t in env.dataset():
@@ -215,8 +249,12 @@ async def check_environment(
             )
     except Exception as e:
         report.add("eval_dataset", False, f"eval_dataset() raised {type(e).__name__}: {e}")
+    return tasks
 
-    # 2) rubric and tools
+
+def _check_rubric_and_tools(env: Environment, report: CheckReport) -> None:
+    from agentrl.rubrics import Rubric
+
     rubric = getattr(env, "rubric", None)
     weighted = isinstance(rubric, Rubric) and any(f.weight != 0 for f in rubric.funcs)
     report.add("rubric", weighted, f"{len(rubric.funcs)} functions" if weighted else "no Rubric with a weighted function")
@@ -228,67 +266,108 @@ async def check_environment(
     except Exception as e:
         report.add("tool_schemas", False, f"tool_schemas() raised {type(e).__name__}: {e}")
 
-    # 3) demonstrations (optional)
-    demos: list[list[Message]] = []
+
+def _check_demonstrations(env: Environment, report: CheckReport) -> list[list[Message]]:
     try:
         demos = env.demonstrations(4, seed=0)
-        shaped = len(demos) == 4 and all(
-            d and all(isinstance(m, Message) for m in d) and any(m.role == "assistant" for m in d) for d in demos
-        )
-        report.add("demonstrations", shaped, "4 conversations" if shaped else "expected 4 lists of Messages with assistant turns")
     except NotImplementedError:
-        pass
+        return []
     except Exception as e:
         report.add("demonstrations", False, f"demonstrations() raised {type(e).__name__}: {e}")
+        return []
+    shaped = len(demos) == 4 and all(
+        d and all(isinstance(m, Message) for m in d) and any(m.role == "assistant" for m in d) for d in demos
+    )
+    report.add("demonstrations", shaped, "4 conversations" if shaped else "expected 4 lists of Messages with assistant turns")
+    return demos
 
-    if not tasks:
-        return report
 
-    # 4) episodes: contract of the loop, cleanup, token accounting, rewards
-    cleanups: list[int] = []
-    original_cleanup = env.cleanup
+class _PolicyClient:
+    """A chat client whose replies are a reference policy's assistant messages."""
 
-    async def counting_cleanup(state: State) -> None:
-        cleanups.append(id(state))
-        await original_cleanup(state)
+    def __init__(self, policy: Callable[[Any, list[Message]], Message], task: Any) -> None:
+        self.policy, self.task = policy, task
 
-    env.cleanup = counting_cleanup  # type: ignore[method-assign]
-    try:
-        policy = client or ScriptedClient(replay_policy(demos) if demos else None)
-        episodes = tasks[:num_episodes]
-        trajs = [await env.rollout(policy, t, sampling) for t in episodes]
-        await env.rubric.score_group(trajs)
-        report.trajectories = trajs
-        errored = [t.error for t in trajs if t.error]
-        report.add("episodes_run", not errored, f"{len(trajs)} episodes" if not errored else f"errored: {errored[0]}")
-        bad_stop = [t.stop_reason for t in trajs if t.stop_reason not in _STOP_REASONS]
-        report.add("stop_reasons", not bad_stop, ", ".join(sorted({str(t.stop_reason) for t in trajs})))
-        token_problems = []
-        for t in trajs:
-            try:
-                for s in t.sequences:
-                    s.validate()
-                sampled = sum(len(turn.completion_ids) for turn in t.turns)
-                if sampled != t.num_sampled_tokens:
-                    token_problems.append(f"{sampled} sampled tokens in turns but {t.num_sampled_tokens} in sequences")
-            except ValueError as e:
-                token_problems.append(str(e))
-        report.add("token_sequences", not token_problems, token_problems[0] if token_problems else "consistent")
-        lo, hi = env.reward_range or (-math.inf, math.inf)
-        bad_rewards = [t.reward for t in trajs if not (math.isfinite(t.reward) and lo <= t.reward <= hi)]
-        report.add("rewards", not bad_rewards, f"rewards {[round(t.reward, 3) for t in trajs]}")
-        report.add("cleanup", len(cleanups) >= len(trajs), f"cleanup ran {len(cleanups)}× for {len(trajs)} episodes")
+    async def chat(self, messages: list[dict], sampling: SamplingParams, tools=None, n: int = 1) -> list[Completion]:
+        reply = self.policy(self.task, [Message.from_dict(m) for m in messages])
+        return [Completion(reply.content, finish_reason="stop", tool_calls=list(reply.tool_calls))]
 
-        # 5) a failing endpoint must give an errored episode, and cleanup still runs
-        before = len(cleanups)
-        broken = await env.rollout(ScriptedClient(fail=True), tasks[0], sampling)
-        report.add(
-            "endpoint_failure",
-            broken.error is not None and broken.stop_reason == "error" and len(cleanups) > before,
-            f"error={broken.error!r}, cleanup ran={len(cleanups) > before}",
-        )
-    except Exception as e:
-        report.add("episodes_run", False, f"rollout raised {type(e).__name__}: {e} (rollout must never raise)")
-    finally:
-        del env.cleanup
-    return report
+
+# the env's own fault when an episode errors with one of these (not the endpoint's)
+_ENV_KINDS = {"env", "tool", "sandbox", "rubric", "timeout"}
+
+
+async def _check_episodes(
+    env: Environment, policy: Any, tasks: list[Any], sampling: SamplingParams, report: CheckReport,
+    cleanups: list[int],
+) -> None:
+    """The loop's contract on real episodes: errors, stop reasons, tokens, rewards, tools, cleanup."""
+    from agentrl.rubrics import score_episodes
+
+    trajs = [await env.rollout(policy, t, sampling) for t in tasks]
+    await score_episodes(env.rubric, trajs)
+    report.trajectories = trajs
+    errored = [t for t in trajs if t.error]
+    env_fault = [t for t in errored if t.error_kind in _ENV_KINDS]
+    ok = not env_fault and len(errored) < len(trajs)
+    detail = f"{len(trajs)} episodes, {len(errored)} errored"
+    if errored:
+        first = (env_fault or errored)[0]
+        detail += f"; first ({first.error_kind}): {first.error}"
+    report.add("episodes_run", ok, detail)
+    bad_stop = [t.stop_reason for t in trajs if t.stop_reason not in _STOP_REASONS]
+    report.add("stop_reasons", not bad_stop, ", ".join(sorted({str(t.stop_reason) for t in trajs})))
+    token_problems = []
+    for t in trajs:
+        try:
+            for s in t.sequences:
+                s.validate()
+            sampled = sum(len(turn.completion_ids) for turn in t.turns)
+            if sampled != t.num_sampled_tokens:
+                token_problems.append(f"{sampled} sampled tokens in turns but {t.num_sampled_tokens} in sequences")
+        except ValueError as e:
+            token_problems.append(str(e))
+    report.add("token_sequences", not token_problems, token_problems[0] if token_problems else "consistent")
+    lo, hi = env.reward_range or (-math.inf, math.inf)
+    valid = [t for t in trajs if not t.error]
+    bad_rewards = [t.reward for t in valid if not (math.isfinite(t.reward) and lo <= t.reward <= hi)]
+    report.add("rewards", bool(valid) and not bad_rewards,
+               f"rewards {[round(t.reward, 3) for t in valid]}" if valid else "no episode was scored (all errored)")
+    _check_tools_raised(trajs, report)
+    report.add("cleanup", len(cleanups) >= len(trajs), f"cleanup ran {len(cleanups)}× for {len(trajs)} episodes")
+
+
+def _check_tools_raised(trajs: list[Trajectory], report: CheckReport) -> None:
+    """A tool that raised on every call is broken (the model cannot tell it from its own mistake)."""
+    calls: dict[str, float] = {}
+    raised: dict[str, float] = {}
+    for t in trajs:
+        for k, v in t.metrics.items():
+            if k.startswith("tool_calls/"):
+                calls[k.split("/", 1)[1]] = calls.get(k.split("/", 1)[1], 0) + v
+            elif k.startswith("tool_raised/"):
+                raised[k.split("/", 1)[1]] = raised.get(k.split("/", 1)[1], 0) + v
+    if not calls:
+        return
+    always = sorted(name for name, n in raised.items() if n >= calls.get(name, 0) > 0)
+    detail = ", ".join(f"{name} raised {int(raised.get(name, 0))}/{int(n)}" for name, n in sorted(calls.items()))
+    report.add("tools", not always, (f"always raised: {', '.join(always)}; " if always else "") + detail)
+
+
+async def _check_reference(env: Environment, tasks: list[Any], sampling: SamplingParams, report: CheckReport) -> None:
+    """The env's reference policy (``env.reference_policy()``), if it has one, must score ``env.max_reward``."""
+    from agentrl.rubrics import score_episodes
+
+    policy = env.reference_policy()
+    if policy is None:
+        return
+    trajs = [await env.rollout(_PolicyClient(policy, task), task, sampling, token_exact=False) for task in tasks]
+    await score_episodes(env.rubric, trajs)
+    errored = [t for t in trajs if t.error]
+    short = [t.reward for t in trajs if not t.error and env.max_reward is not None and t.reward < env.max_reward]
+    detail = f"rewards {[round(t.reward, 3) for t in trajs]}"
+    if env.max_reward is not None:
+        detail += f" (max {env.max_reward:g})"
+    if errored:
+        detail = f"errored ({errored[0].error_kind}): {errored[0].error}"
+    report.add("reference_solution", not errored and not short, detail)

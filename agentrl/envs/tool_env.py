@@ -212,6 +212,8 @@ class ToolEnv(Environment):
             replies.append(Message("tool", f"Error: {err}"))
         for call in assistant_msg.tool_calls:
             state.count("tool_calls")
+            if call.name in self.tools:
+                state.count(f"tool_calls/{call.name}")
             replies.append(Message("tool", await self.call_tool(call, state), tool_call_id=call.id, name=call.name))
         return replies
 
@@ -221,6 +223,8 @@ class ToolEnv(Environment):
         def fail(kind: str, message: str) -> str:
             state.count("tool_errors")
             state.count(f"tool_{kind}")
+            if kind == "raised":  # named: a tool that always raises is the env's bug (env test)
+                state.count(f"tool_raised/{call.name}")
             return f"Error: {message}"
 
         tool = self.tools.get(call.name)

@@ -1,3 +1,4 @@
+# ruff: noqa: F821 (kill_user_processes, _reap and OPS live in part 2: _agent_cleanup.py)
 """The in-sandbox agent: runs commands and file operations for the host.
 
 This file is executed *inside* the sandbox by the system ``python3`` (``python3 -I -S``), so
@@ -33,13 +34,11 @@ nothing of the user's runs, and a request is never read while user code could be
 
 import base64
 import ctypes
-import errno
 import json
 import os
 import resource
 import selectors
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -214,75 +213,6 @@ def _probe(req):
     return {"nspid": nspid}
 
 
-# ----------------------------------------------------------------------------- processes
-
-
-def _stat(pid):
-    """(state, session id) of a pid, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rfind(b")") + 2 :].split()
-    return fields[0], int(fields[3])
-
-
-def _other_pids(mode, sid):
-    me = os.getpid()
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        if pid in (1, me):
-            continue
-        st = _stat(pid)
-        if st is None or st[0] in (b"Z", b"X"):
-            continue
-        if mode == "serve-local" and st[1] != sid:
-            continue
-        out.append(pid)
-    return out
-
-
-def _reap():
-    """Collect every exited child (as pid 1 of a container, orphans are ours too)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def kill_user_processes(mode, sid=None):
-    """SIGKILL every user process; loop because a fork can race a single kill(-1)."""
-    if mode == "serve-local" and sid is None:
-        return
-    pause = 0.0002
-    for _ in range(400):
-        if mode != "serve-local":
-            try:
-                os.kill(-1, signal.SIGKILL)
-            except OSError:
-                pass
-        pids = _other_pids(mode, sid)
-        if mode != "serve-local":  # local: Popen collects its own child
-            _reap()
-        if not pids:
-            return
-        if mode == "serve-local":
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-        time.sleep(pause)  # the dying need a moment; start short, most execs leave nothing
-        pause = min(pause * 2, 0.005)
-
-
 def _set_limits(limits):
     for name, value in limits.items():
         if value is None:
@@ -389,6 +319,105 @@ class _Capture:
             self.head += chunk[:room]
 
 
+class _Pipes:
+    """A running command's stdin, stdout, stderr and status fd, moved by one selector."""
+
+    def __init__(self, mode, fds, stdin_data, out, err):
+        stdin_fd, out_fd, err_fd, self.status_fd = fds
+        self.mode, self.stdin_fd, self.out_fds = mode, stdin_fd, (out_fd, err_fd)
+        self.sel = selectors.DefaultSelector()
+        self.sinks = {out_fd: out, err_fd: err}
+        for fd in self.sinks:
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ)
+        self.sel.register(self.status_fd, selectors.EVENT_READ)
+        self.status_buf = bytearray()
+        self.pending = memoryview(stdin_data)
+        self.stdin_open = True
+        if self.pending:
+            os.set_blocking(stdin_fd, False)
+            self.sel.register(stdin_fd, selectors.EVENT_WRITE)
+        else:
+            os.close(stdin_fd)
+            self.stdin_open = False
+
+    def pump(self, deadline, until_eof):
+        """Move bytes until the main process exits (or, with until_eof, every pipe closes)."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if until_eof and not self.sinks:
+                return True
+            for key, _ in self.sel.select(left):
+                fd = key.fd
+                if fd == self.status_fd:
+                    if self._status(fd) and not until_eof:
+                        return True
+                elif fd == self.stdin_fd:
+                    self._feed(fd)
+                else:
+                    self._drain(fd)
+
+    def _status(self, fd):
+        """Read the status pipe; True once it closed (the command's init is done)."""
+        if self.mode != "serve-local":
+            chunk = os.read(fd, 4096)
+            if chunk:
+                self.status_buf.extend(chunk)
+                return False
+        self.sel.unregister(fd)
+        return True
+
+    def _feed(self, fd):
+        try:
+            n = os.write(fd, self.pending[:CHUNK])
+            self.pending = self.pending[n:]
+        except BlockingIOError:
+            return
+        except OSError:  # the command closed its stdin: the rest is dropped
+            self.pending = self.pending[:0]
+        if not self.pending:
+            self.sel.unregister(fd)
+            os.close(fd)
+            self.stdin_open = False
+
+    def _drain(self, fd):
+        try:
+            chunk = os.read(fd, CHUNK)
+        except BlockingIOError:
+            return
+        if chunk:
+            self.sinks[fd].add(chunk)
+        else:
+            self.sel.unregister(fd)
+            del self.sinks[fd]
+
+    def close(self):
+        for fd in list(self.sinks):
+            os.close(fd)
+        for fd in self.out_fds:
+            if fd not in self.sinks:
+                os.close(fd)
+        if self.stdin_open:
+            os.close(self.stdin_fd)
+        self.sel.close()
+        os.close(self.status_fd)
+
+
+def _start_local(argv, cwd, env, limits):
+    """serve-local: a plain child process (no isolation); returns (proc, fds) or an error result."""
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=cwd, env=env, preexec_fn=lambda: _set_limits(limits),
+                                start_new_session=True, close_fds=True)  # fmt: skip
+    except OSError as e:
+        code = 127 if isinstance(e, FileNotFoundError) else 126
+        msg = f"{argv[0]}: {'command not found' if code == 127 else e.strerror}\n".encode()
+        return None, _result(code, None, b"", msg, False, False, 0.0, False, 0.0, None)
+    return proc, (proc.stdin.fileno(), proc.stdout.fileno(), proc.stderr.fileno(), os.pidfd_open(proc.pid))
+
+
 def run_command(argv, stdin_data, timeout, cwd, env, limits, output_bytes, mode):
     """Run one command to completion (or deadline); every process it started is dead after."""
     out, err = _Capture(output_bytes), _Capture(output_bytes)
@@ -397,108 +426,34 @@ def run_command(argv, stdin_data, timeout, cwd, env, limits, output_bytes, mode)
     proc = None
     if mode == "serve-local":
         usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        try:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    cwd=cwd, env=env, preexec_fn=lambda: _set_limits(limits),
-                                    start_new_session=True, close_fds=True)  # fmt: skip
-        except OSError as e:
-            code = 127 if isinstance(e, FileNotFoundError) else 126
-            msg = f"{argv[0]}: {'command not found' if code == 127 else e.strerror}\n".encode()
-            return _result(code, None, b"", msg, False, False, time.monotonic() - start, False, 0.0, None)
-        child, stdin_fd, out_fd, err_fd = proc.pid, proc.stdin.fileno(), proc.stdout.fileno(), proc.stderr.fileno()
-        status_fd = os.pidfd_open(proc.pid)
+        proc, fds = _start_local(argv, cwd, env, limits)
+        if proc is None:
+            return fds  # the error result
+        child = proc.pid
     else:
         if not State.isolate:
             raise AgentError("sandbox not initialised: refusing to run a command unisolated")
-        child, stdin_fd, out_fd, err_fd, status_fd = _spawn_isolated(argv, env, cwd, limits)
-
-    sel = selectors.DefaultSelector()
-    sinks = {out_fd: out, err_fd: err}
-    for fd in sinks:
-        os.set_blocking(fd, False)
-        sel.register(fd, selectors.EVENT_READ)
-    sel.register(status_fd, selectors.EVENT_READ)
-    status_buf = bytearray()
-    pending = memoryview(stdin_data)
-    stdin_open = True
-    if pending:
-        os.set_blocking(stdin_fd, False)
-        sel.register(stdin_fd, selectors.EVENT_WRITE)
-    else:
-        os.close(stdin_fd)
-        stdin_open = False
-
-    def pump(deadline, until_eof):
-        """Move bytes until the main process exits (or, with until_eof, every pipe closes)."""
-        nonlocal pending, stdin_open
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if until_eof and not sinks:
-                return True
-            for key, _ in sel.select(left):
-                fd = key.fd
-                if fd == status_fd:
-                    if mode == "serve-local":
-                        sel.unregister(fd)
-                        if not until_eof:
-                            return True
-                        continue
-                    chunk = os.read(fd, 4096)
-                    if chunk:
-                        status_buf.extend(chunk)
-                        continue
-                    sel.unregister(fd)
-                    if not until_eof:
-                        return True
-                elif fd == stdin_fd:
-                    try:
-                        n = os.write(fd, pending[:CHUNK])
-                        pending = pending[n:]
-                    except BlockingIOError:
-                        continue
-                    except OSError:  # the command closed its stdin: the rest is dropped
-                        pending = pending[:0]
-                    if not pending:
-                        sel.unregister(fd)
-                        os.close(fd)
-                        stdin_open = False
-                else:
-                    try:
-                        chunk = os.read(fd, CHUNK)
-                    except BlockingIOError:
-                        continue
-                    if chunk:
-                        sinks[fd].add(chunk)
-                    else:
-                        sel.unregister(fd)
-                        del sinks[fd]
-
-    exited = pump(start + timeout, until_eof=False)
-    timed_out = not exited
+        child, *fds = _spawn_isolated(argv, env, cwd, limits)
+    pipes = _Pipes(mode, fds, stdin_data, out, err)
+    timed_out = not pipes.pump(start + timeout, until_eof=False)
     # Whatever is still running (the main process on timeout, background children either
     # way) dies now; then every pipe reaches EOF and the rest of the output is drained.
     kill_user_processes(mode, child)
-    pump(time.monotonic() + 5.0, until_eof=True)
+    pipes.pump(time.monotonic() + 5.0, until_eof=True)
     wall = time.monotonic() - start
-    for fd in list(sinks):
-        os.close(fd)
-    for fd in (out_fd, err_fd):
-        if fd not in sinks:
-            os.close(fd)
-    if stdin_open:
-        os.close(stdin_fd)
-    sel.close()
-    os.close(status_fd)
-
+    pipes.close()
+    truncated = (out.total > out.cap, err.total > err.cap)
     if mode == "serve-local":
         rc = proc.wait()
         usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
         sig = -rc if rc < 0 else None
-        code = 128 + sig if sig else rc
-        return _result(code, sig, out.head, err.head, out.total > out.cap, err.total > err.cap, wall, timed_out, cpu, None)
+        return _result(128 + sig if sig else rc, sig, out.head, err.head, *truncated, wall, timed_out, cpu, None)
+    return _isolated_result(child, pipes.status_buf, out, err, truncated, wall, timed_out, oom0)
+
+
+def _isolated_result(child, status_buf, out, err, truncated, wall, timed_out, oom0):
+    """The result of an isolated command, from its init's status report and kernel counters."""
     try:
         os.waitpid(child, 0)
     except ChildProcessError:
@@ -519,7 +474,7 @@ def run_command(argv, stdin_data, timeout, cwd, env, limits, output_bytes, mode)
     code = (128 + sig if sig else os.WEXITSTATUS(st)) if st is not None else 128 + signal.SIGKILL
     oom1 = _oom_kills()
     oom_kills = oom1 - oom0 if oom0 is not None and oom1 is not None else None
-    return _result(code, sig, out.head, err.head, out.total > out.cap, err.total > err.cap, wall, timed_out,
+    return _result(code, sig, out.head, err.head, *truncated, wall, timed_out,
                    float(report.get("cpu_s", 0.0)), oom_kills)  # fmt: skip
 
 
@@ -549,264 +504,6 @@ def op_exec(req, mode):
                        req["env"], limits, int(req["output_bytes"]), mode)  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- files
-
-_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _components(rel):
-    parts = rel.split("/")
-    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in rel:
-        raise OSError(errno.EPERM, "path must be relative to the work dir, without '.', '..' or '//'")
-    return parts
-
-
-def _open_parent(base, rel, create):
-    """fd of the directory holding ``rel`` beneath ``base``; no symlink is ever followed."""
-    parts = _components(rel)
-    fd = os.open(base, _O_DIR)
-    try:
-        for name in parts[:-1]:
-            try:
-                nxt = os.open(name, _O_DIR, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                os.mkdir(name, 0o755, dir_fd=fd)
-                nxt = os.open(name, _O_DIR, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise OSError(errno.ELOOP, f"{name!r} is not a directory (symbolic links are not followed)") from None
-                raise
-            os.close(fd)
-            fd = nxt
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, parts[-1]
-
-
-def _regular(fd, name):
-    st = os.fstat(fd)
-    if stat.S_ISDIR(st.st_mode):
-        raise IsADirectoryError(errno.EISDIR, "is a directory")
-    if not stat.S_ISREG(st.st_mode):
-        raise OSError(errno.EINVAL, f"{name!r} is not a regular file")
-    return st
-
-
-def _open_beneath(base, rel, flags, create=False):
-    dfd, name = _open_parent(base, rel, create)
-    try:
-        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o644, dir_fd=dfd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "symbolic links are not followed") from None
-        if e.errno == errno.ENXIO:
-            raise OSError(errno.EINVAL, f"{name!r} is not a regular file") from None
-        raise
-    finally:
-        os.close(dfd)
-    return fd, name
-
-
-def op_write(req, mode):
-    data = base64.b64decode(req["data"])
-    fd, name = _open_beneath(req["base"], req["path"], os.O_WRONLY | os.O_CREAT, create=True)
-    try:
-        _regular(fd, name)  # checks first ...
-        os.ftruncate(fd, 0)  # ... truncate after
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-    return {}
-
-
-def op_read(req, mode):
-    limit = int(req["max_bytes"])
-    fd, name = _open_beneath(req["base"], req["path"], os.O_RDONLY)
-    try:
-        st = _regular(fd, name)
-        if st.st_size > limit:
-            raise OSError(errno.EFBIG, f"file larger than {limit} bytes")
-        chunks, total = [], 0
-        while True:
-            chunk = os.read(fd, min(CHUNK * 16, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limit:
-                raise OSError(errno.EFBIG, f"file larger than {limit} bytes")
-    finally:
-        os.close(fd)
-    return {"data": base64.b64encode(b"".join(chunks)).decode()}
-
-
-# ----------------------------------------------------------------------------- reset
-
-
-def _clear_level(fd):
-    """Unlink every non-directory in the directory ``fd``; return its subdirectories (made rwx)."""
-    subdirs = []
-    with os.scandir(fd) as it:
-        entries = list(it)
-    for e in entries:
-        try:
-            is_dir = e.is_dir(follow_symlinks=False)
-        except OSError:
-            is_dir = False
-        if is_dir:
-            try:
-                os.chmod(e.name, 0o700, dir_fd=fd)
-            except OSError:
-                pass
-            subdirs.append(e.name)
-        else:
-            try:
-                os.unlink(e.name, dir_fd=fd)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                pass  # verification reports it
-    return subdirs
-
-
-def empty_tree(top):
-    """Remove everything below ``top`` whatever its permissions or depth (one fd, no recursion).
-
-    Safe only while nothing else runs in the sandbox (the caller killed every user process):
-    it climbs back up with ``..``.
-    """
-    try:
-        os.chmod(top, 0o700)
-        cur = os.open(top, _O_DIR)
-    except OSError:
-        return
-    stack = []  # (pending subdirectories of the level above, the name we descended into)
-    pending = _clear_level(cur)
-    while True:
-        if pending:
-            name = pending.pop()
-            try:
-                os.rmdir(name, dir_fd=cur)
-                continue
-            except OSError:
-                pass
-            try:
-                nxt = os.open(name, _O_DIR, dir_fd=cur)
-            except OSError:
-                continue  # verification reports it
-            os.close(cur)
-            cur = nxt
-            stack.append((pending, name))
-            pending = _clear_level(cur)
-            continue
-        if not stack:
-            break
-        parent = os.open("..", _O_DIR, dir_fd=cur)
-        os.close(cur)
-        cur = parent
-        pending, name = stack.pop()
-        try:
-            os.rmdir(name, dir_fd=cur)
-        except OSError:
-            pass
-    os.close(cur)
-
-
-def _writable_mounts():
-    """Mount points whose top mount is read-write and holds files (not kernel views)."""
-    top = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:  # a later line on the same point is mounted over the earlier one
-            left, _, right = line.partition(" - ")
-            fields, rfields = left.split(), right.split()
-            point = fields[4].encode().decode("unicode_escape")
-            top[point] = "rw" in fields[5].split(",") and bool(rfields) and rfields[0] not in _VIRTUAL_FS
-    return [p for p, writable in top.items() if writable]
-
-
-def _leftovers(uid, roots):
-    """What a command left behind: entries it owns on writable mounts, IPC, processes."""
-    left = []
-    seen_dev = set()
-    for root in sorted(set(roots)):
-        try:
-            top = os.lstat(root)
-        except OSError:
-            continue
-        if not stat.S_ISDIR(top.st_mode):
-            continue  # a file bind-mounted on its own (e.g. /dev/null)
-        if (top.st_dev, top.st_ino) in seen_dev:
-            continue  # the same mount reached twice
-        seen_dev.add((top.st_dev, top.st_ino))
-        todo = [root]
-        while todo and len(left) < 20:
-            d = todo.pop()
-            try:
-                with os.scandir(d) as it:
-                    entries = list(it)
-            except OSError as e:
-                left.append(f"{d}: unreadable ({e.strerror})")
-                continue
-            for e in entries:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if st.st_dev != top.st_dev:
-                    continue  # another mount: listed on its own
-                if st.st_uid == uid:
-                    left.append(e.path)
-                elif stat.S_ISREG(st.st_mode) and st.st_mode & 0o002:
-                    left.append(f"{e.path}: world-writable file")
-                elif stat.S_ISDIR(st.st_mode):
-                    todo.append(e.path)
-    for kind in ("shm", "msg", "sem"):
-        try:
-            with open(f"/proc/sysvipc/{kind}") as f:
-                n = len(f.read().splitlines()) - 1
-        except OSError:
-            continue
-        if n > 0:
-            left.append(f"{n} SysV {kind} object(s)")
-    try:
-        mq = os.listdir("/dev/mqueue")
-    except OSError:
-        mq = []
-    if mq:
-        left.append(f"{len(mq)} POSIX message queue(s)")
-    return left
-
-
-def op_reset(req, mode):
-    kill_user_processes(mode)
-    dirs = req["dirs"]
-    for d in dirs:
-        empty_tree(d)
-    for d in dirs:
-        try:
-            os.chmod(d, State.tmpfs_modes.get(d, 0o755 if mode == "serve-local" else 0o1777))
-        except OSError:
-            pass
-    if mode == "serve-local":
-        left = [f"{d}/{n}" for d in dirs for n in os.listdir(d)]
-    else:
-        roots = list(dirs) + _writable_mounts()
-        left = _leftovers(os.getuid(), roots)
-        procs = _other_pids(mode, None)
-        if procs:
-            left.append(f"{len(procs)} process(es) still alive")
-    return {"clean": not left, "left": left[:20]}
-
-
-OPS = {"init": op_init, "exec": op_exec, "write": op_write, "read": op_read, "reset": op_reset,
-       "ping": lambda r, m: {}}  # fmt: skip
-
-
 def handle(line, mode):
     req = {}
     try:
@@ -815,7 +512,7 @@ def handle(line, mode):
             raise AgentError("request is not an object")
         if req.get("op") not in ("init", "ping") and (State.token is None or req.get("token") != State.token):
             raise AgentError("request without the session token: refused")
-        resp = OPS[req["op"]](req, mode)
+        resp = OPS[req["op"]](req, mode)  # noqa: F821 (defined in part 2, _agent_cleanup.py)
         resp["ok"] = True
     except OSError as e:
         resp = {"ok": False, "error": e.strerror or str(e), "errno": e.errno or 0, "kind": type(e).__name__}

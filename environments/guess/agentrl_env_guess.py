@@ -145,6 +145,12 @@ class GuessEnv(MultiTurnEnv):
             state.count("out_of_range")
         return [Message("user", _feedback(secret, guess, low, high))]
 
+    def reference_policy(self):
+        """Bisection: finds the number within the turn budget."""
+        return lambda task, conversation: Message(
+            "assistant", binary_search_policy("\n".join(m.content for m in conversation))
+        )
+
     def demonstrations(self, n: int, seed: int = 0) -> list[list[Message]]:
         """Bisection games on training tasks (always solved within the turn budget)."""
         demos = []

@@ -1,0 +1,68 @@
+"""The checker (`agentrl env test`) fails environments whose faults would look like policy mistakes."""
+
+from agentrl.envs import ToolEnv, check_environment
+from agentrl.plugins import load_environment
+from agentrl.rubrics import Rubric
+from agentrl.types import Message, ToolCall
+
+
+def lookup(key: str) -> str:
+    """Look a key up.
+
+    Args:
+        key: what to look up
+    """
+    raise KeyError(key)  # broken on every call
+
+
+
+def ok(completion) -> float:
+    return 1.0
+
+
+class Broken(ToolEnv):
+    def demonstrations(self, n, seed=0):
+        call = ToolCall("lookup", '{"key": "a"}')
+        return [[Message("user", "find a"), Message("assistant", "", tool_calls=[call]),
+                 Message("tool", "x", tool_call_id=call.id), Message("assistant", "done")]] * n
+
+
+async def test_a_tool_that_raises_on_every_call_fails_the_check_by_name():
+    env = Broken(tools=[lookup], dataset=["find a", "find b"], rubric=Rubric([ok]))
+    report = await check_environment(env, num_episodes=2)
+    tools = next(r for r in report.results if r.name == "tools")
+    assert not tools.ok and "always raised: lookup" in tools.detail and "lookup raised 2/2" in tools.detail
+    assert not report.ok
+
+
+async def test_all_errored_episodes_fail_the_rewards_and_episodes_checks():
+    def nan(completion) -> float:
+        return float("nan")
+
+    env = ToolEnv(tools=[], dataset=["q"], rubric=Rubric([nan]))
+    report = await check_environment(env, num_episodes=1)
+    by = {r.name: r for r in report.results}
+    assert not by["rewards"].ok and "all errored" in by["rewards"].detail
+    assert not by["episodes_run"].ok and "(rubric)" in by["episodes_run"].detail
+
+
+async def test_the_reference_policy_must_reach_the_max_reward():
+    env = load_environment("calc", num_train=20)
+    report = await check_environment(env, num_episodes=3)
+    ref = next(r for r in report.results if r.name == "reference_solution")
+    assert ref.ok, ref.detail
+
+    class Wrong(type(env)):
+        def reference_policy(self):
+            return lambda task, conversation: Message("assistant", "0")
+
+    report = await check_environment(Wrong(num_train=20), num_episodes=3)
+    ref = next(r for r in report.results if r.name == "reference_solution")
+    assert not ref.ok and "max 1" in ref.detail
+
+
+async def test_the_endpoint_failure_check_wants_an_endpoint_error():
+    env = load_environment("calc", num_train=20)
+    report = await check_environment(env, num_episodes=1)
+    line = next(r for r in report.results if r.name == "endpoint_failure")
+    assert line.ok and "kind endpoint" in line.detail
