@@ -119,6 +119,7 @@ class StalenessBuffer:
         min_valid_episodes: int = 2,
         overprovision: float = 0.0,
         stall_groups: int = 0,
+        std_normalize: bool = False,
     ) -> None:
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
@@ -127,6 +128,7 @@ class StalenessBuffer:
         self.min_valid_episodes = min_valid_episodes
         self.overprovision = overprovision
         self.stall_groups = stall_groups  # 0 = never give up waiting
+        self.std_normalize = std_normalize
         self._untrainable_run = 0
         self._recent_rewards: list[float] = []
         self.version = 0
@@ -185,6 +187,7 @@ class StalenessBuffer:
         valid = [t for t in group.trajectories if not t.errored]
         self._settle("errored", errored)
         group.trajectories = valid
+        group.assign_advantages(self.std_normalize)
         self._recent_rewards = ([t.reward for t in valid] + self._recent_rewards)[:256]
         if len(valid) < self.min_valid_episodes:
             self._settle("filtered", valid)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentrl.errors import ConfigError
 from agentrl.inference.engine_args import EngineArgs
@@ -96,15 +96,23 @@ class BufferConfig(Section):
 
 
 class LossConfig(Section):
-    name: Literal["icepop", "ppo", "decoupled_ppo", "tis", "cispo", "gspo"] = Field(
-        "icepop", description="Policy loss (see agentrl/trainer/losses.py)."
+    name: Literal["icepop", "ppo", "decoupled_ppo", "tis", "cispo", "gspo", "topr"] = Field(
+        "icepop", description="Policy loss (formulas: agentrl/trainer/losses.py)."
     )
     trust_low: float = Field(0.5, gt=0, description="IcePop band: mask tokens with π/μ below this.")
     trust_high: float = Field(2.0, gt=0, description="IcePop band: mask tokens with π/μ above this.")
     clip_eps: float = Field(0.2, ge=0, description="PPO-style clip ε (ppo/decoupled_ppo/gspo).")
-    clip_eps_high: float | None = Field(None, description="Asymmetric upper clip (None = clip_eps).")
-    tis_cap: float = Field(2.0, gt=0, description="TIS/CISPO truncation cap on the IS weight.")
-    kl_coef: float = Field(0.0, ge=0, description="Coefficient of the k3 KL on log(π/μ).")
+    clip_eps_high: float | None = Field(
+        None, description="Upper clip ε_h (None = clip_eps); CISPO caps its IS weight at 1 + ε_h."
+    )
+    tis_cap: float = Field(2.0, gt=0, description="TIS truncation cap C on the IS weight π/μ.")
+    kl_coef: float = Field(0.0, ge=0, description="Coefficient of the k3 KL on log(π/μ), on tokens inside the trust band.")
+    seq_rejection: Literal["none", "geo", "k3", "veto"] = Field(
+        "none", description="Drop whole trajectories by ρ = π_prox/μ: geo mean in [seq_low, seq_high], "
+        "mean k3 ≤ seq_high, or veto any token below seq_low (needs a proximal forward)."
+    )
+    seq_low: float = Field(0.5, gt=0, description="seq_rejection lower bound (geo, veto).")
+    seq_high: float = Field(2.0, gt=0, description="seq_rejection upper bound (geo), or the k3 threshold.")
     aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = Field(
         "token_mean", description="How per-token losses are reduced."
     )
@@ -115,6 +123,8 @@ class TrainerConfig(Section):
     steps: int = Field(100, ge=0, description="Optimizer steps (each one a weight version).")
     batch_groups: int = Field(16, ge=1, description="Groups per optimizer step.")
     micro_batch_tokens: int = Field(8192, ge=16, description="Tokens per packed micro-batch.")
+    minibatches: int = Field(1, ge=1, description="Optimizer updates per batch (the groups split evenly).")
+    epochs: int = Field(1, ge=1, description="Passes over the batch; updates per step = epochs × minibatches.")
     lr: float = Field(2e-4, gt=0, description="AdamW learning rate.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -181,6 +191,16 @@ class Config(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        eta = self.buffer.max_staleness_cap if self.buffer.adaptive else self.buffer.max_staleness
+        if self.trainer.push_every > eta + 1:
+            raise ValueError(
+                f"trainer.push_every = {self.trainer.push_every} > buffer.max_staleness + 1 = {eta + 1}: every "
+                "group would be too stale to train; lower push_every or raise max_staleness"
+            )
+        return self
 
     @property
     def run_dir(self) -> Path:
@@ -254,6 +274,8 @@ def _format_errors(err: ValidationError) -> str:
         loc = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown key '{loc}'")
+        elif not loc:  # a check across sections
+            lines.append(str(e["msg"]).removeprefix("Value error, "))
         else:
             lines.append(f"{loc}: {e['msg']} (got {e.get('input')!r})")
     return "; ".join(lines)

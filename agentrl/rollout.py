@@ -193,13 +193,14 @@ class RolloutManager:
             for t in group.trajectories:
                 t.group_id = group.id
             await score_episodes(self.env.rubric, group.trajectories)
-            for t in group.trajectories:
+            finished = list(group.trajectories)
+            self.buffer.put(group)  # sets the advantages the trainer will use
+            done = True
+            for t in finished:
                 self.sampled_tokens += t.num_sampled_tokens
                 if self.on_trajectory is not None:
                     self.on_trajectory(t)
-            self.episodes_finished += len(group.trajectories)
-            self.buffer.put(group)
-            done = True
+            self.episodes_finished += len(finished)
         finally:
             if pin is not None:
                 pin.release()

@@ -323,6 +323,19 @@ class Group:
     def oldest_version(self) -> int | None:
         return oldest_version(v for t in self.trajectories if (v := t.oldest_version()) is not None)
 
+    def assign_advantages(self, std_normalize: bool = False, eps: float = 1e-6) -> None:
+        """GRPO-style: each episode's reward minus the group mean (÷ the group std if asked).
+
+        Set when the group is scored, so the advantage logged with an episode is the one trained.
+        """
+        rewards = [t.reward for t in self.trajectories]
+        if not rewards:
+            return
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        for t in self.trajectories:
+            t.advantage = (t.reward - mean) / (std + eps) if std_normalize and len(rewards) > 1 else t.reward - mean
+
     def staleness(self, trainer_version: int) -> list[int]:
         return [x for t in self.trajectories for x in t.staleness(trainer_version)]
 

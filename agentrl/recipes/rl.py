@@ -158,11 +158,12 @@ class RLState:
     start_step: int = 0
 
 
-def make_buffer(bc: BufferConfig, batch_groups: int) -> StalenessBuffer:
+def make_buffer(bc: BufferConfig, batch_groups: int, std_normalize: bool = False) -> StalenessBuffer:
     adaptive = AdaptiveStaleness(bc.min_staleness, bc.max_staleness_cap, bc.adaptive_idle_max, bc.adaptive_kl_max)
     return StalenessBuffer(
         batch_groups, bc.max_staleness, filter_zero_variance=bc.filter_zero_variance,
         adaptive=adaptive if bc.adaptive else None, overprovision=bc.overprovision, stall_groups=bc.stall_groups,
+        std_normalize=std_normalize,
     )
 
 
@@ -173,7 +174,8 @@ def build_state(
     from agentrl.trainer.trainer import Trainer
 
     trainer = Trainer(start_model, cfg.trainer, cfg.rollout.sampling(), seed=cfg.run.seed)
-    state = RLState(trainer, make_buffer(cfg.buffer, cfg.trainer.batch_groups), TaskSampler(train_tasks, seed=cfg.run.seed))
+    buffer = make_buffer(cfg.buffer, cfg.trainer.batch_groups, cfg.trainer.loss.std_normalize)
+    state = RLState(trainer, buffer, TaskSampler(train_tasks, seed=cfg.run.seed))
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is not None:
         trainer_state, saved = load_checkpoint(ckpt)

@@ -1,21 +1,26 @@
-"""The optimizer step: groups → advantages → micro-batches → loss on π_θ/μ → AdamW.
+"""The optimizer step: groups → trajectories → micro-batches → loss on π_θ/μ → AdamW.
 
 One :meth:`Trainer.step` per weight version:
 
-1. advantages: GRPO-style, reward − group mean (÷ group std if ``std_normalize``);
-2. samples: every TokenSequence with sampled tokens becomes one row; its loss tokens are
-   the sampled ones (mask 1), with μ and the sequence's advantage;
-3. micro-batches: rows sorted by length and greedily filled up to
-   ``micro_batch_tokens`` (rows padded to the longest in the micro-batch);
-4. per micro-batch: forward, log-softmax of logits/T (T = sampling temperature, so π_θ
-   is on the same basis as the engine's μ), the pure loss from ``losses.py``, backward
-   (gradients accumulate; per-token weights make the sum the batch loss);
-5. clip the global grad norm, AdamW step, LR schedule step.
+1. trajectories: every sequence with sampled tokens becomes one row (a template break makes
+   several rows of one trajectory); its loss tokens are the sampled ones, with μ, their
+   support K and the trajectory's advantage (set when the group was scored);
+2. proximal pass (when the loss needs π_prox: decoupled PPO, sequence rejection): one
+   no-grad forward over every row before any update;
+3. ``trainer.epochs`` × ``trainer.minibatches`` updates, each over whole groups: micro-batches
+   keep a trajectory's rows together (GSPO/TOPR need the whole trajectory) and fill up to
+   ``micro_batch_tokens``; per micro-batch a forward in eval mode (dropout off: the policy
+   trains on the distribution it sampled), π_θ on the sampler's support
+   (:mod:`agentrl.trainer.logprobs`), the pure loss (:mod:`agentrl.trainer.losses`), backward;
+4. per update: clip the global grad norm; a non-finite norm skips that update (no optimizer
+   step); the LR schedule steps once per weight version if any update applied.  A step whose
+   every update was skipped reports ``skipped`` so the caller bumps no version and pushes
+   nothing.
 
 Optional LoRA (peft): only adapters train; :meth:`named_tensors` returns just the merged
 weights of the adapted modules (W + s·B·A), so a push moves only what changed, and
 :meth:`adapter_tensors` returns only the factors (A, s·B) for an engine that merges them
-itself (the embedded engine; see ``agentrl.inference.lora``).
+itself (the embedded engine; see ``agentrl.weights.lora``).
 """
 
 from __future__ import annotations
@@ -27,16 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
-from agentrl.trainer.losses import (
-    LossSpec,
-    add_stats,
-    group_advantages,
-    policy_loss,
-    summarize,
-    token_weights,
-)
+from agentrl.trainer.logprobs import token_logprobs
+from agentrl.trainer.losses import LossSpec, add_stats, policy_loss, summarize, token_weights
 from agentrl.types import Group, SamplingParams
 
 if TYPE_CHECKING:
@@ -47,11 +45,16 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass
 class _Row:
+    """One sequence of one trajectory, as the loss sees it."""
+
     ids: list[int]
     mask: list[int]
     mu: list[float]
+    support: list[int]
     adv: float
+    traj: int  # index of its trajectory in the step
     weight: float = 0.0
+    prox: list[float] | None = None  # π_prox per position (aligned with ids[1:])
 
 
 def resolve_device(name: str) -> torch.device:
@@ -101,7 +104,7 @@ class Trainer:
                 LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=LORA_TARGETS, lora_dropout=0.0),
             )
         self.model = model.to(self.device)
-        self.model.train()
+        self.model.eval()  # dropout off everywhere: RL trains on the distribution that was sampled
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -111,12 +114,65 @@ class Trainer:
     # ------------------------------------------------------------------ the step
 
     def step(self, groups: list[Group]) -> dict[str, float]:
-        rows = self._rows(groups)
+        """One weight version from these groups (module docstring); returns summed-then-averaged stats."""
+        lr = self.scheduler.get_last_lr()[0]
+        per_group = [self._rows(g, first) for g, first in zip(groups, _offsets(groups), strict=True)]
+        rows = [r for rs in per_group for r in rs]
         if not rows:
-            return {"loss": 0.0, "grad_norm": 0.0, "entropy": 0.0, "lr": self.scheduler.get_last_lr()[0]}
-        for row, w in zip(rows, token_weights([sum(r.mask) for r in rows], self.cfg.loss.aggregation), strict=True):
-            row.weight = w
+            return {"loss": 0.0, "grad_norm": 0.0, "entropy": 0.0, "lr": lr, "skipped": 0.0, "updates": 0.0}
+        if self.spec.needs_prox:
+            self._proximal(rows)
         totals: dict[str, float] = {}
+        loss_sum = ent_sum = 0.0
+        norms: list[float] = []
+        updates = skipped = 0
+        for _ in range(self.cfg.epochs):
+            for part in _split(per_group, self.cfg.minibatches):
+                loss, ent, grad_norm = self._update(part, totals)
+                loss_sum, ent_sum = loss_sum + loss, ent_sum + ent
+                norms.append(grad_norm)
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                    updates += 1
+                else:
+                    skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
+        if updates:
+            self.scheduler.step()
+        n = max(totals.get("tokens", 0.0), 1.0)
+        return {
+            "loss": loss_sum / max(1, updates + skipped),
+            "grad_norm": norms[0] if len(norms) == 1 else max(norms),
+            "entropy": ent_sum / n,
+            "lr": lr,
+            "train_tokens": totals.get("tokens", 0.0) / max(1, self.cfg.epochs),
+            "updates": float(updates),
+            "skipped_updates": float(skipped),
+            "skipped": float(updates == 0),  # the whole step: no version, no push, episodes skipped
+            **summarize(totals),
+        }
+
+    def _rows(self, group: Group, first_traj: int) -> list[_Row]:
+        rows = []
+        for k, t in enumerate(group.trajectories):
+            for s in t.sequences:
+                if s.num_sampled:
+                    support = s.support if len(s.support) == len(s.token_ids) else [0] * len(s.token_ids)
+                    rows.append(_Row(list(s.token_ids), list(s.loss_mask), list(s.logprobs), list(support),
+                                     t.advantage, first_traj + k))  # fmt: skip
+        return rows
+
+    def _update(self, part: list[list[_Row]], totals: dict[str, float]) -> tuple[float, float, float]:
+        """Forward/backward over one minibatch of groups; returns (loss, entropy sum, grad norm)."""
+        rows = [r for rs in part for r in rs]
+        trajs = sorted({r.traj for r in rows})
+        lens = {t: 0 for t in trajs}
+        for r in rows:
+            lens[r.traj] += sum(r.mask[1:])
+        for t, w in zip(trajs, token_weights([lens[t] for t in trajs], self.cfg.loss.aggregation), strict=True):
+            for r in rows:
+                if r.traj == t:
+                    r.weight = w
         loss_sum = ent_sum = 0.0
         for mb in self._micro_batches(rows):
             loss, stats, ent = self._micro_step(mb)
@@ -125,74 +181,84 @@ class Trainer:
             ent_sum += ent
             add_stats(totals, stats)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        n = max(totals.get("tokens", 0.0), 1.0)
-        return {
-            "loss": loss_sum,
-            "grad_norm": grad_norm,
-            "entropy": ent_sum / n,
-            "lr": lr,
-            "train_tokens": totals.get("tokens", 0.0),
-            **summarize(totals),
-        }
-
-    def _rows(self, groups: list[Group]) -> list[_Row]:
-        rows = []
-        for g in groups:
-            rewards = torch.tensor([t.reward for t in g.trajectories], dtype=torch.float64)
-            advs = group_advantages(rewards, std_normalize=self.cfg.loss.std_normalize)
-            for t, a in zip(g.trajectories, advs.tolist(), strict=True):
-                t.advantage = a
-                for s in t.sequences:
-                    if s.num_sampled:
-                        rows.append(_Row(list(s.token_ids), list(s.loss_mask), list(s.logprobs), a))
-        return rows
+        return loss_sum, ent_sum, float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
+        """Whole trajectories per micro-batch, sorted by length, filled up to the token budget."""
+        by_traj: dict[int, list[_Row]] = {}
+        for r in rows:
+            by_traj.setdefault(r.traj, []).append(r)
+        units = sorted(by_traj.values(), key=lambda u: max(len(r.ids) for r in u))
         budget = self.cfg.micro_batch_tokens
         out: list[list[_Row]] = []
         cur: list[_Row] = []
-        for row in sorted(rows, key=lambda r: len(r.ids)):
-            if cur and len(row.ids) * (len(cur) + 1) > budget:  # padded to the (sorted) longest
+        for unit in units:
+            longest = max(len(r.ids) for r in cur + unit)
+            if cur and longest * (len(cur) + len(unit)) > budget:  # padded to the longest
                 out.append(cur)
                 cur = []
-            cur.append(row)
+            cur.extend(unit)
         if cur:
             out.append(cur)
         return out
 
-    def _micro_step(self, mb: list[_Row]) -> tuple[torch.Tensor, dict[str, float], float]:
+    def _tensors(self, mb: list[_Row]) -> dict[str, torch.Tensor]:
         T = max(len(r.ids) for r in mb)
         dev = self.device
 
-        def pad(vals, fill):
-            return [list(v) + [fill] * (T - len(v)) for v in vals]
+        def pad(vals, fill, dtype=None):
+            return torch.tensor([list(v) + [fill] * (T - len(v)) for v in vals], dtype=dtype, device=dev)
 
-        ids = torch.tensor(pad([r.ids for r in mb], self.pad_id), device=dev)
-        attn = torch.tensor(pad([[1] * len(r.ids) for r in mb], 0), device=dev)
-        mask = torch.tensor(pad([r.mask for r in mb], 0), dtype=torch.float32, device=dev)
-        mu = torch.tensor(pad([r.mu for r in mb], 0.0), dtype=torch.float32, device=dev)
-        adv = torch.tensor([r.adv for r in mb], dtype=torch.float32, device=dev)[:, None].expand(-1, T - 1)
-        weight = torch.tensor([r.weight for r in mb], dtype=torch.float32, device=dev)[:, None].expand(-1, T - 1)
-        seq = torch.arange(len(mb), device=dev)[:, None].expand(-1, T - 1)
+        return {
+            "ids": pad([r.ids for r in mb], self.pad_id),
+            "attn": pad([[1] * len(r.ids) for r in mb], 0),
+            "mask": pad([r.mask for r in mb], 0, torch.float32)[:, 1:],
+            "mu": pad([r.mu for r in mb], 0.0, torch.float32)[:, 1:],
+            "support": pad([r.support for r in mb], 0, torch.long)[:, 1:],
+        }
 
-        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / self.temperature
-        logsm = F.log_softmax(logits, dim=-1)  # [B, T-1, V]; predicts tokens 1..T-1
-        logp = logsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        m = mask[:, 1:]
-        with torch.no_grad():
-            ent = float((-(logsm.exp() * logsm).sum(-1) * m).sum())
-        flat = lambda x: x.reshape(-1)  # noqa: E731
+    def _policy_logprobs(self, mb: list[_Row], x: dict[str, torch.Tensor]):
+        """(log π_θ, entropy, outside-support) at the loss positions, flattened in row order."""
+        logits = self.model(input_ids=x["ids"], attention_mask=x["attn"]).logits[:, :-1]
+        sel = x["mask"] > 0
+        return token_logprobs(logits[sel], x["ids"][:, 1:][sel], x["support"][sel], self.sampling.temperature)
+
+    @torch.no_grad()
+    def _proximal(self, rows: list[_Row]) -> None:
+        """π_prox: the current weights' logprobs of every loss token, before any update."""
+        self.model.eval()
+        for mb in self._micro_batches(rows):
+            x = self._tensors(mb)
+            logp, _, _ = self._policy_logprobs(mb, x)
+            full = torch.zeros_like(x["mu"])
+            full[x["mask"] > 0] = logp.to(full.dtype)
+            for r, vals in zip(mb, full.tolist(), strict=True):
+                r.prox = vals
+
+    def _micro_step(self, mb: list[_Row]) -> tuple[torch.Tensor, dict[str, float], float]:
+        self.model.eval()  # dropout off: train on the distribution the engine sampled from
+        x = self._tensors(mb)
+        sel = x["mask"] > 0
+        logp, ent, outside = self._policy_logprobs(mb, x)
+        n_pos = x["mask"].shape[1]
+        rows_of = torch.arange(len(mb), device=self.device)[:, None].expand(-1, n_pos)[sel]
+        adv = torch.tensor([r.adv for r in mb], dtype=torch.float32, device=self.device)[rows_of]
+        weight = torch.tensor([r.weight for r in mb], dtype=torch.float32, device=self.device)[rows_of]
+        traj = torch.tensor([r.traj for r in mb], dtype=torch.long, device=self.device)[rows_of]
+        _, traj = torch.unique(traj, return_inverse=True)  # dense trajectory index within the micro-batch
+        prox = None
+        if self.spec.needs_prox:
+            prox = torch.tensor([r.prox for r in mb], dtype=torch.float32, device=self.device)[sel]
+        # a token outside the trainer's own top-K has no probability under the replayed
+        # distribution: it stays in the denominator but gives no gradient (counted as masked)
+        mask = (~outside).to(torch.float32)
         loss, stats = policy_loss(
-            self.spec, flat(logp), flat(mu[:, 1:]), flat(m), flat(adv), flat(weight),
-            prox_logp=flat(logp).detach(), seq=flat(seq),
+            self.spec, torch.where(outside, x["mu"][sel], logp), x["mu"][sel], mask, adv, weight,
+            prox_logp=prox, seq=traj,
         )
-        return loss, stats, ent
+        stats["tokens"] += float(outside.sum())
+        stats["masked"] += float(outside.sum())
+        return loss, stats, float(ent.sum())
 
     # ------------------------------------------------------------------ weights out
 
@@ -254,3 +320,24 @@ def _hf_name(peft_module_name: str) -> str:
     """``base_model.model.model.layers.0.self_attn.q_proj`` → ``model.layers.0.self_attn.q_proj``."""
     prefix = "base_model.model."
     return peft_module_name[len(prefix):] if peft_module_name.startswith(prefix) else peft_module_name
+
+
+def _offsets(groups: list[Group]) -> list[int]:
+    """Index of each group's first trajectory in the step."""
+    out, n = [], 0
+    for g in groups:
+        out.append(n)
+        n += len(g.trajectories)
+    return out
+
+
+def _split(items: list[Any], parts: int) -> list[list[Any]]:
+    """``items`` in ``parts`` contiguous, nearly equal, non-empty chunks."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    out, i = [], 0
+    for k in range(parts):
+        j = i + size + (1 if k < extra else 0)
+        out.append(items[i:j])
+        i = j
+    return out

@@ -155,10 +155,10 @@ class _FirstGroupStalls(FakeEnv):
         self.stalled_task: str | None = None
         self.cancelled = 0
 
-    async def rollout(self, client, task, sampling, *, max_turns=None):
+    async def rollout(self, client, task, sampling, *, max_turns=None, timeout_s=None):
         self.stalled_task = self.stalled_task or task.id
         if task.id != self.stalled_task:
-            return await super().rollout(client, task, sampling, max_turns=max_turns)
+            return await super().rollout(client, task, sampling, max_turns=max_turns, timeout_s=timeout_s)
         await client.complete([1, 2, 3], sampling)
         try:
             await asyncio.sleep(3600)

@@ -28,9 +28,11 @@ def _traj(prompt, completion, reward, mu=-1.0):
 
 def _groups():
     good, bad = [40, 41, 42], [50, 51, 52]
-    return [Group(task=Task(prompt=[Message("user", "q")]),
-                  trajectories=[_traj([1, 5, 6], good, 1.0), _traj([1, 5, 6], bad, 0.0),
-                                _traj([1, 5, 6, 7, 8], good + [43], 1.0), _traj([1, 5], bad, 0.0)])]
+    g = Group(task=Task(prompt=[Message("user", "q")]),
+              trajectories=[_traj([1, 5, 6], good, 1.0), _traj([1, 5, 6], bad, 0.0),
+                            _traj([1, 5, 6, 7, 8], good + [43], 1.0), _traj([1, 5], bad, 0.0)])
+    g.assign_advantages()  # as the buffer does when the group is scored
+    return [g]
 
 
 def _seq_logp(tr, prompt, completion):
@@ -61,7 +63,7 @@ def test_a_step_moves_probability_toward_rewarded_completions(tiny):
 def test_micro_batching_accumulates_the_same_gradient(tiny, monkeypatch):
     big = Trainer(tiny, _cfg(micro_batch_tokens=4096))
     small = Trainer(tiny, _cfg(micro_batch_tokens=16))
-    assert len(small._micro_batches(small._rows(_groups()))) > 1
+    assert len(small._micro_batches(small._rows(_groups()[0], 0))) > 1
     for tr in (big, small):  # keep the accumulated gradients for inspection
         monkeypatch.setattr(tr.optimizer, "step", lambda: None)
         monkeypatch.setattr(tr.optimizer, "zero_grad", lambda set_to_none=True: None)
@@ -85,10 +87,10 @@ def test_lora_trains_adapters_only_and_pushes_merged_adapted_weights(tiny):
 
 
 def test_adapter_push_merges_to_the_same_weights_and_never_accumulates(tiny):
-    from agentrl.inference.lora import AdapterMerger
     from transformers import AutoModelForCausalLM
 
-    from agentrl.inference.engine import EngineRequestError
+    from agentrl.errors import RequestError as EngineRequestError
+    from agentrl.weights.lora import AdapterMerger
 
     tr = Trainer(tiny, _cfg(lora_rank=4, lora_alpha=8))
     served = AutoModelForCausalLM.from_pretrained(tiny)  # what the engine holds: the base
