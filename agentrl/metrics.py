@@ -312,6 +312,55 @@ class LiveProgress:
             self._live = None
 
 
+class StepProgress:
+    """``with StepProgress("sft", total) as p: p.step("loss 0.3")``: on a terminal a rich bar with
+    ETA; otherwise a plain line every ``every`` steps (CI logs stay readable); nothing if disabled."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True, every: int = 20) -> None:
+        from rich.console import Console
+
+        self.label, self.total, self.enabled, self.every, self.done = label, total, enabled, every, 0
+        self.console = Console(stderr=True)
+        self.bar = progress_bar(self.console) if enabled and self.console.is_terminal else None
+        self._t0 = 0.0
+
+    def __enter__(self) -> StepProgress:
+        import time
+
+        self._t0 = time.perf_counter()
+        if self.bar is not None:
+            self.bar.start()
+            self._task = self.bar.add_task(self.label, total=self.total)
+        return self
+
+    def step(self, info: str = "") -> None:
+        import time
+
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(self._task, advance=1, description=f"{self.label} {info}".strip())
+        elif self.enabled and (self.done % self.every == 1 or self.done == self.total):
+            self.note(f"{self.label} {self.done}/{self.total} {info} ({time.perf_counter() - self._t0:.0f}s)")
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text, highlight=False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def busy(text: str) -> Any:
+    """``with busy("building the tiny model"):`` a spinner with elapsed time on a terminal; quiet otherwise."""
+    import contextlib
+
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    return console.status(text) if console.is_terminal else contextlib.nullcontext()
+
+
 def format_seconds(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"

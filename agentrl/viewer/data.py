@@ -254,12 +254,15 @@ class RunView:
     updates from the ledger (with the advantage the trainer used).  Thread-safe.
     """
 
-    def __init__(self, root: str | Path, tokenizer: str | Path | None = None) -> None:
+    def __init__(self, root: str | Path, tokenizer: str | Path | None = None,
+                 streams: tuple[str, ...] | None = None) -> None:
+        """``streams``: read only these files (e.g. ``("metrics",)`` for plots); default all."""
         self.root = Path(root)
         if not self.root.is_dir():
             raise AgentrlError(f"{self.root} is not a directory")
         self.kind = detect_kind(self.root)
-        self.files = RUN_FILES if self.kind == "run" else EVAL_FILES
+        self.files = {k: v for k, v in (RUN_FILES if self.kind == "run" else EVAL_FILES).items()
+                      if streams is None or k in streams}
         self.config = _read_toml(self.root / "config.toml")
         self._tokenizer_dir = tokenizer
         self._tok: Any = None  # tokenizers.Tokenizer once loaded; False when none was found
