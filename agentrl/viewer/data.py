@@ -69,6 +69,10 @@ CHARTS: list[dict[str, Any]] = [
 ]
 
 
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
 def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         return None
@@ -375,14 +379,14 @@ class RunView:
         return {
             "summary": summary, "fate": fate,
             "answer": task.get("answer", rec.get("answer")), "info": task.get("info"),
-            "messages": [m for m in rec.get("messages") or [] if isinstance(m, dict)],
+            "messages": [m for m in _list(rec.get("messages")) if isinstance(m, dict)],
             "metrics": rec.get("metrics") or {}, "timing": rec.get("timing") or {},
             "error": rec.get("error"), "error_kind": rec.get("error_kind"),
             "trainer_version": rec.get("trainer_version"),
             "turns": [{"finish_reason": t.get("finish_reason"), "latency_s": t.get("latency_s"),
                        "prompt_len": t.get("prompt_len"), "completion_tokens": len(t.get("completion_ids") or [])}
-                      for t in rec.get("turns") or [] if isinstance(t, dict)],
-            "sequences": [self._tokens(s) for s in rec.get("sequences") or [] if isinstance(s, dict)],
+                      for t in _list(rec.get("turns")) if isinstance(t, dict)],
+            "sequences": [self._tokens(s) for s in _list(rec.get("sequences")) if isinstance(s, dict)],
         }
 
     def _tokens(self, seq: dict[str, Any]) -> dict[str, Any]:
