@@ -282,7 +282,7 @@ class LiveProgress:
             self._last_eval = row["eval/reward_mean"]
         ev = f"{self._last_eval:.3f}" if self._last_eval is not None else "-"
         text = (
-            f"step {row['step'] + 1}/{self.total}  eta {self.eta(row)}  reward {row.get('train/reward_mean', 0):.3f}  eval {ev}  "
+            f"step {row['step'] + 1}/{self.total} ({self.eta(row)} left)  reward {row.get('train/reward_mean', 0):.3f}  eval {ev}  "
             f"tok/s {row.get('rollout/tokens_per_s', 0):.0f}  stale {row.get('buffer/staleness_mean', 0):.2f}/"
             f"{row.get('buffer/staleness_max', 0)} (eta {row.get('buffer/max_staleness', 0)})  "
             f"buffer {row.get('buffer/ready', 0)}  in-flight {row.get('rollout/in_flight', 0)}  "
@@ -296,7 +296,7 @@ class LiveProgress:
             self.console.print(text, highlight=False)
 
     def eta(self, row: dict[str, Any]) -> str:
-        """Time left at this process's mean step time so far (RL loop wall time / steps run)."""
+        """Time left (ETA) at this process's mean step time so far (RL loop wall time / steps run)."""
         if self._first_step is None:
             self._first_step = row["step"]
         done = row["step"] - self._first_step + 1

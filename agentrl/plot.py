@@ -39,11 +39,15 @@ def plot_run(run_dir: str | Path, out: str | Path, charts: list[str] | None = No
     rows = -(-len(specs) // cols)
     with plt.rc_context({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False,
                          "axes.spines.right": False}):
-        fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.2 * rows), squeeze=False)
+        size = (6.4, 4.0) if len(specs) == 1 else (4.6 * cols, 3.2 * rows)
+        fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
         panels = [_panel(ax, spec, view.metrics) for ax, spec in zip(axes.flat, specs, strict=False)]
         for ax in list(axes.flat)[len(specs):]:
             ax.set_visible(False)
-        fig.suptitle(title or f"{view.meta()['name']}", fontsize=11)
+        if len(specs) == 1:  # one chart: the title goes on it
+            axes[0, 0].set_title(title or f"{view.meta()['name']}: {specs[0]['title']}")
+        else:
+            fig.suptitle(title or view.meta()["name"], fontsize=11)
         fig.tight_layout()
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=dpi)

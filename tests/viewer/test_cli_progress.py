@@ -55,7 +55,7 @@ def test_run_status_line_has_an_eta(capsys):
     live.update({"step": 0, "time/rl_wall_s": 2.0})
     live.update({"step": 1, "time/rl_wall_s": 4.0})  # 2 s a step, 8 steps left
     err = capsys.readouterr().err
-    assert "step 1/10  eta 18s" in err and "step 2/10  eta 16s" in err
+    assert "step 1/10 (18s left)" in err and "step 2/10 (16s left)" in err
     assert format_seconds(75) == "1m15s" and format_seconds(3700) == "1h01m"
 
 
