@@ -90,10 +90,12 @@ def model_init(
     """Build a tiny Llama model + byte-level BPE tokenizer with a tool-aware chat template."""
     if kind != "tiny":
         raise AgentrlError(f"unknown model kind {kind!r}; available: tiny")
+    from agentrl.metrics import busy
     from agentrl.tiny_model import build_tiny_model
 
     try:
-        path = build_tiny_model(out_dir, layers=layers, hidden=hidden, heads=heads, vocab_size=vocab_size, seed=seed)
+        with busy(f"building a tiny model in {out_dir} ..."):
+            path = build_tiny_model(out_dir, layers=layers, hidden=hidden, heads=heads, vocab_size=vocab_size, seed=seed)
     except ValueError as e:
         raise AgentrlError(str(e)) from e
     typer.echo(str(path))
@@ -336,13 +338,58 @@ def sandbox_doctor(
 
 @app.command()
 def view(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (RUN_DIR of `agentrl run`).")],
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (`agentrl run`) or an `agentrl eval --out` directory.")],
     rollouts: Annotated[int, typer.Option("--rollouts", help="How many recent rollouts to show.")] = 3,
+    serve: Annotated[bool, typer.Option("--serve", help="Serve the browser viewer (curves, episodes, tokens, diff).")] = False,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="--serve: port (0 = a free one).")] = 8765,
+    host: Annotated[str, typer.Option(help="--serve: interface to bind.")] = "127.0.0.1",
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="--serve: tokenizer dir for token text (default: the run's own).")
+    ] = None,
 ) -> None:
-    """Summarise a run: eval curve, last step's metrics, episode ledger, recent rollouts."""
+    """Summarise a run (text), or with --serve follow it in the browser at http://HOST:PORT/."""
+    if serve:
+        from agentrl.viewer.server import serve as serve_viewer
+
+        try:
+            serve_viewer(run_dir, host=host, port=port, tokenizer=tokenizer, on_ready=typer.echo)
+        except OSError as e:
+            raise AgentrlError(f"cannot serve on {host}:{port}: {e.strerror or e}") from e
+        return
+    if (run_dir / "results.jsonl").is_file() and not (run_dir / "metrics.jsonl").is_file():  # an eval --out dir
+        import json
+
+        from rich.console import Console
+
+        from agentrl.recipes.eval import read_results, summarize, summary_table
+
+        records = list(read_results(run_dir).values())
+        meta = json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").is_file() else {}
+        per_task = max((r.get("rollout", 0) + 1 for r in records), default=1)
+        table = summary_table(summarize(records, meta.get("env", "?"), meta.get("model", "?"), per_task, 1.0))
+        Console(width=None if sys.stdout.isatty() else 200).print(table)
+        return
     from agentrl.metrics import summarize_run
 
     typer.echo(summarize_run(run_dir, last_rollouts=rollouts))
+
+
+@app.command()
+def plot(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (RUN_DIR of `agentrl run`).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Image file: .png, .svg or .pdf.")] = Path("curves.png"),
+    charts: Annotated[
+        str | None, typer.Option(help="Comma-separated subset, e.g. reward,staleness (default: all).")
+    ] = None,
+    title: Annotated[str | None, typer.Option(help="Figure title (default: the run's name).")] = None,
+    dpi: Annotated[int, typer.Option(min=50, max=600, help="PNG resolution.")] = 120,
+) -> None:
+    """Draw a run's curves (reward, eval, staleness, KL, ESS, throughput, ledger, ...) into an image."""
+    from agentrl.plot import plot_run
+
+    picked = [c.strip() for c in charts.split(",") if c.strip()] if charts else None
+    result = plot_run(run_dir, out, picked, dpi=dpi, title=title)
+    typer.echo(f"{result['path']}: {len(result['panels'])} chart(s) over {result['steps']} steps")
 
 
 # ----------------------------------------------------------------------------- main

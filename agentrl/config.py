@@ -178,6 +178,17 @@ class RunConfig(Section):
     max_wall_s: float = Field(0.0, ge=0, description="Stop after this many seconds (0 = no limit).")
 
 
+class MetricsConfig(Section):
+    tensorboard: bool = Field(
+        False, description="Also write metrics as TensorBoard scalars to RUN_DIR/tensorboard (extra: agentrl[tensorboard])."
+    )
+    wandb: bool = Field(False, description="Also log metrics to Weights & Biases under RUN_DIR/wandb (extra: agentrl[wandb]).")
+    wandb_project: str = Field("agentrl", description="W&B project name.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="W&B mode: offline needs no network (`wandb sync RUN_DIR/wandb/offline-run-*` later)."
+    )
+
+
 class Config(Section):
     """The whole run. Every section is optional in TOML; defaults run the quickstart."""
 
@@ -191,6 +202,7 @@ class Config(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:

@@ -4,7 +4,9 @@
 ``weights/…``, ``eval/…``, ``ledger/…``, ``time/…``) with one line saying what it is; the
 writer refuses names outside it, and the live status line and ``agentrl view`` read the same
 names.  ``MetricsLogger.log(row)`` appends one JSON object per call; :class:`NullLogger`
-drops rows (tests, benchmarks).  :class:`LiveProgress` shows a run on one rich status line
+drops rows (tests, benchmarks).  Sinks behind the same protocol: :class:`TensorBoardLogger`
+(TensorBoard's ``SummaryWriter``) and :class:`WandbLogger` (``wandb``, offline by default);
+:func:`open_metrics_logger` builds JSONL plus the sinks ``[metrics]`` asks for.  :class:`LiveProgress` shows a run on one rich status line
 (stderr), and falls back to a plain line per step when stderr is not a terminal.
 """
 
@@ -14,7 +16,10 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from agentrl.config import MetricsConfig
 
 SCHEMA: dict[str, str] = {
     "step": "optimizer step just applied (0-based)",
@@ -126,6 +131,103 @@ class JSONLLogger:
             self._f.close()
 
 
+def _numbers(row: dict[str, Any]) -> dict[str, float]:
+    """The numeric metrics of a row (sinks plot numbers; strings stay in the JSONL)."""
+    out = {}
+    for k, v in row.items():
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            out[k] = float(v)
+    return out
+
+
+def _missing_extra(package: str, extra: str) -> Exception:
+    from agentrl.errors import AgentrlError
+
+    return AgentrlError(f"{package} is not installed: pip install 'agentrl[{extra}]' (or turn metrics.{extra} off)")
+
+
+class TensorBoardLogger:
+    """Scalars into TensorBoard event files (``tensorboard --logdir RUN_DIR/tensorboard``).
+
+    The x axis is the row's ``step``; names keep their namespace (``train/loss``), which
+    TensorBoard shows as one section per prefix.
+    """
+
+    def __init__(self, logdir: str | Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # torch's writer needs the tensorboard package
+            raise _missing_extra("tensorboard", "tensorboard") from None
+        self.writer = SummaryWriter(log_dir=str(logdir))
+
+    def log(self, row: dict[str, Any]) -> None:
+        step = int(row.get("step", 0))
+        for k, v in _numbers(row).items():
+            self.writer.add_scalar(k, v, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """Weights & Biases run under ``RUN_DIR/wandb``; ``mode="offline"`` needs no network.
+
+    The run id is derived from the run directory, so ``--resume`` continues the same W&B run.
+    """
+
+    def __init__(self, run_dir: str | Path, *, project: str, mode: str = "offline",
+                 config: dict[str, Any] | None = None) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise _missing_extra("wandb", "wandb") from None
+        import hashlib
+
+        run_dir = Path(run_dir).resolve()
+        run_id = f"{run_dir.name[:40]}-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
+        self.run = wandb.init(project=project, dir=str(run_dir), mode=mode, name=run_dir.name, id=run_id,
+                              resume="allow", config=config or {}, settings=wandb.Settings(console="off"))
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.run.log(_numbers(row), step=int(row.get("step", 0)))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class TeeLogger:
+    """One row to several loggers, in order (the JSONL first: it checks the names)."""
+
+    def __init__(self, loggers: list[MetricsLogger]) -> None:
+        self.loggers = loggers
+
+    def log(self, row: dict[str, Any]) -> None:
+        for lg in self.loggers:
+            lg.log(row)
+
+    def close(self) -> None:
+        for lg in self.loggers:
+            lg.close()
+
+
+def open_metrics_logger(run_dir: str | Path, mc: MetricsConfig | None = None,
+                        config: dict[str, Any] | None = None) -> MetricsLogger:
+    """RUN_DIR/metrics.jsonl (schema-checked), plus TensorBoard / W&B as ``[metrics]`` asks."""
+    run_dir = Path(run_dir)
+    loggers: list[MetricsLogger] = [JSONLLogger(run_dir / "metrics.jsonl", schema=True)]
+    try:
+        if mc is not None and mc.tensorboard:
+            loggers.append(TensorBoardLogger(run_dir / "tensorboard"))
+        if mc is not None and mc.wandb:
+            loggers.append(WandbLogger(run_dir, project=mc.wandb_project, mode=mc.wandb_mode, config=config))
+    except BaseException:
+        for lg in loggers:
+            lg.close()
+        raise
+    return loggers[0] if len(loggers) == 1 else TeeLogger(loggers)
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file; a torn last line (killed writer) is skipped."""
     rows = []
@@ -162,6 +264,7 @@ class LiveProgress:
         self.total = total_steps
         self._live = None
         self._last_eval: float | None = None
+        self._first_step: int | None = None  # the first step this process ran (a resumed run starts later)
         if enabled and self.console.is_terminal:
             from rich.live import Live
 
@@ -179,7 +282,7 @@ class LiveProgress:
             self._last_eval = row["eval/reward_mean"]
         ev = f"{self._last_eval:.3f}" if self._last_eval is not None else "-"
         text = (
-            f"step {row['step'] + 1}/{self.total}  reward {row.get('train/reward_mean', 0):.3f}  eval {ev}  "
+            f"step {row['step'] + 1}/{self.total} ({self.eta(row)} left)  reward {row.get('train/reward_mean', 0):.3f}  eval {ev}  "
             f"tok/s {row.get('rollout/tokens_per_s', 0):.0f}  stale {row.get('buffer/staleness_mean', 0):.2f}/"
             f"{row.get('buffer/staleness_max', 0)} (eta {row.get('buffer/max_staleness', 0)})  "
             f"buffer {row.get('buffer/ready', 0)}  in-flight {row.get('rollout/in_flight', 0)}  "
@@ -192,10 +295,95 @@ class LiveProgress:
         else:
             self.console.print(text, highlight=False)
 
+    def eta(self, row: dict[str, Any]) -> str:
+        """Time left (ETA) at this process's mean step time so far (RL loop wall time / steps run)."""
+        if self._first_step is None:
+            self._first_step = row["step"]
+        done = row["step"] - self._first_step + 1
+        left = self.total - row["step"] - 1
+        wall = row.get("time/rl_wall_s")
+        if not wall or done <= 0:
+            return "-"
+        return format_seconds(wall / done * max(left, 0))
+
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+
+class StepProgress:
+    """``with StepProgress("sft", total) as p: p.step("loss 0.3")``: on a terminal a rich bar with
+    ETA; otherwise a plain line every ``every`` steps (CI logs stay readable); nothing if disabled."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True, every: int = 20) -> None:
+        from rich.console import Console
+
+        self.label, self.total, self.enabled, self.every, self.done = label, total, enabled, every, 0
+        self.console = Console(stderr=True)
+        self.bar = progress_bar(self.console) if enabled and self.console.is_terminal else None
+        self._t0 = 0.0
+
+    def __enter__(self) -> StepProgress:
+        import time
+
+        self._t0 = time.perf_counter()
+        if self.bar is not None:
+            self.bar.start()
+            self._task = self.bar.add_task(self.label, total=self.total)
+        return self
+
+    def step(self, info: str = "") -> None:
+        import time
+
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(self._task, advance=1, description=f"{self.label} {info}".strip())
+        elif self.enabled and (self.done % self.every == 1 or self.done == self.total):
+            self.note(f"{self.label} {self.done}/{self.total} {info} ({time.perf_counter() - self._t0:.0f}s)")
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text, highlight=False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def busy(text: str) -> Any:
+    """``with busy("building the tiny model"):`` a spinner with elapsed time on a terminal; quiet otherwise."""
+    import contextlib
+
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    return console.status(text) if console.is_terminal else contextlib.nullcontext()
+
+
+def format_seconds(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def progress_bar(console: Any = None) -> Any:
+    """A rich progress line on stderr: what, bar, done/total, elapsed, ETA; quiet when not a terminal.
+
+    ``with progress_bar() as p: t = p.add_task("sft", total=n); p.update(t, advance=1, description=...)``
+    """
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    console = console or Console(stderr=True)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("eta"), TimeRemainingColumn(), console=console, disable=not console.is_terminal)
 
 
 # ----------------------------------------------------------------------------- run summary

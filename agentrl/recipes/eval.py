@@ -298,10 +298,10 @@ def run(
 ) -> int:
     """What ``agentrl eval`` does; returns the exit status (:func:`exit_status`)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from agentrl.inference import PolicyClient, open_policy
     from agentrl.inference.launcher import is_model_dir
+    from agentrl.metrics import progress_bar
     from agentrl.plugins import load_environment
 
     # 1) env
@@ -318,9 +318,8 @@ def run(
         total = num_tasks * rollouts
         try:
             await client.probe(token_path=not chat)
-            with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=console, disable=not console.is_terminal) as progress:
-                bar = progress.add_task("episodes", total=total)
+            with progress_bar(console) as progress:  # bar with ETA on a terminal, quiet otherwise
+                bar = progress.add_task("eval", total=total)
                 # 2, 4, 5) results, episodes, summary
                 return await evaluate(
                     env, client, model=model, out_dir=out_dir, num_tasks=num_tasks, rollouts=rollouts,

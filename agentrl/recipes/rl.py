@@ -32,7 +32,7 @@ from typing import Any
 from agentrl.buffer import AdaptiveStaleness, Batch, BufferStalled, StalenessBuffer
 from agentrl.config import BufferConfig, Config, EvalConfig, InferenceConfig
 from agentrl.errors import AgentrlError, RunDirExists
-from agentrl.metrics import JSONLLogger, LiveProgress, truncate_jsonl
+from agentrl.metrics import JSONLLogger, LiveProgress, open_metrics_logger, truncate_jsonl
 from agentrl.rollout import RolloutManager, TaskSampler, mean_reward
 from agentrl.types import SamplingParams, Task
 
@@ -268,8 +268,9 @@ class HeldOut:
     """Held-out evaluation on a fixed weight version (``[eval]``): before the first step, every
     ``eval.every`` steps in the background, and on the final weights."""
 
-    def __init__(self, manager: RolloutManager, tasks: list[Task], ec: EvalConfig, max_tokens: int):
-        self.manager, self.tasks, self.every = manager, tasks, ec.every
+    def __init__(self, manager: RolloutManager, tasks: list[Task], ec: EvalConfig, max_tokens: int,
+                 record: Callable[[int, list[Any]], None] | None = None):
+        self.manager, self.tasks, self.every, self.record = manager, tasks, ec.every, record
         self.sampling = SamplingParams(max_tokens=max_tokens, temperature=ec.temperature)
         self.running: asyncio.Task | None = None
         self.pending: dict[str, Any] | None = None
@@ -277,6 +278,8 @@ class HeldOut:
     async def evaluate(self, version: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         trajs = await self.manager.evaluate(self.tasks, self.sampling)
+        if self.record is not None:
+            self.record(version, trajs)
         return {
             "eval/reward_mean": mean_reward(trajs),
             "eval/errored": sum(1 for t in trajs if t.errored),
@@ -367,8 +370,8 @@ async def _train_loop(
     live: LiveProgress, t_start: float, start_model: Path,
 ) -> None:
     trainer, buffer, sampler = state.trainer, state.buffer, state.sampler
-    logs = {name: JSONLLogger(run_dir / f"{name}.jsonl", schema=name == "metrics")
-            for name in ("metrics", "ledger", "rollouts")}
+    logs = {name: JSONLLogger(run_dir / f"{name}.jsonl") for name in ("ledger", "rollouts", "eval_rollouts")}
+    logs["metrics"] = open_metrics_logger(run_dir, cfg.metrics, cfg.model_dump(mode="json"))  # + TensorBoard/W&B
     steplog = StepLog(None, buffer, engines.sync, t_start)  # type: ignore[arg-type]
 
     def on_trajectory(t: Any) -> None:
@@ -381,7 +384,12 @@ async def _train_loop(
         episode_timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns, on_trajectory=on_trajectory,
     )
     steplog.manager = manager
-    held_out = HeldOut(manager, eval_tasks, cfg.eval, ro.max_tokens)
+
+    def record_eval(version: int, trajs: list[Any]) -> None:  # the same held-out tasks at every eval version
+        for t in trajs:
+            logs["eval_rollouts"].log({"eval_version": version, **t.to_dict()})
+
+    held_out = HeldOut(manager, eval_tasks, cfg.eval, ro.max_tokens, record=record_eval)
     pusher = WeightPusher(trainer, engines, lora_push=cfg.trainer.lora_push)
     engines.tag_version(state.start_step)
     if state.start_step > 0:  # the engine starts from the warm-start weights: bring it to the checkpoint

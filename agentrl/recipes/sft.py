@@ -39,13 +39,16 @@ def ensure_base_model(model_cfg: ModelConfig) -> Path:
         return path
     if model_cfg.init != "tiny":
         raise AgentrlError(f"no model at {str(path)!r} and model.init = 'none'; point model.path at a HF model dir")
+    from agentrl.metrics import busy
     from agentrl.tiny_model import build_tiny_model
 
     tmp = path.with_name(path.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model(
-        tmp, layers=model_cfg.tiny_layers, hidden=model_cfg.tiny_hidden, heads=model_cfg.tiny_heads, seed=model_cfg.seed
-    )
+    with busy(f"building the tiny model at {path} ..."):
+        build_tiny_model(
+            tmp, layers=model_cfg.tiny_layers, hidden=model_cfg.tiny_hidden, heads=model_cfg.tiny_heads,
+            seed=model_cfg.seed,
+        )
     if not (path / "config.json").is_file():  # another process may have won the race
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
@@ -126,6 +129,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentrl.metrics import StepProgress
     from agentrl.trainer.trainer import resolve_device
 
     torch.manual_seed(seed)
@@ -146,34 +150,34 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     t0 = time.perf_counter()
     log = []
-    for step in range(sft.steps):
-        batch = [data[rng.randrange(len(data))] for _ in range(sft.batch_size)]
-        T = max(len(ids) for ids, _ in batch)
-        ids = torch.tensor([i + [pad] * (T - len(i)) for i, _ in batch], device=dev)
-        mask = torch.tensor([m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32, device=dev)
-        attn = torch.tensor([[1] * len(i) + [0] * (T - len(i)) for i, _ in batch], device=dev)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
-        m = mask[:, 1:].reshape(-1)
-        loss = (nll * m).sum() / m.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        log.append({"step": step, "loss": float(loss.detach()), "wall_s": time.perf_counter() - t0})
-        if progress and (step % 20 == 0 or step == sft.steps - 1):
-            _say(progress, f"sft step {step + 1}/{sft.steps} loss {float(loss.detach()):.3f} ({time.perf_counter() - t0:.0f}s)")
-        if not math.isfinite(float(loss.detach())):
-            from agentrl.errors import AgentrlError
+    with StepProgress("sft", sft.steps, enabled=progress) as bar:
+        for step in range(sft.steps):
+            batch = [data[rng.randrange(len(data))] for _ in range(sft.batch_size)]
+            T = max(len(ids) for ids, _ in batch)
+            ids = torch.tensor([i + [pad] * (T - len(i)) for i, _ in batch], device=dev)
+            mask = torch.tensor([m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32, device=dev)
+            attn = torch.tensor([[1] * len(i) + [0] * (T - len(i)) for i, _ in batch], device=dev)
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+            m = mask[:, 1:].reshape(-1)
+            loss = (nll * m).sum() / m.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            log.append({"step": step, "loss": float(loss.detach()), "wall_s": time.perf_counter() - t0})
+            bar.step(f"loss {float(loss.detach()):.3f}")
+            if not math.isfinite(float(loss.detach())):
+                from agentrl.errors import AgentrlError
 
-            raise AgentrlError(f"sft diverged at step {step} (loss {float(loss)}); lower sft.lr")
-        if evaluator is not None and (step + 1) % sft.eval_every == 0:
-            reward = evaluator.score(model, step + 1)
-            log[-1]["eval_reward_mean"] = reward
-            _say(progress, f"sft step {step + 1}: greedy held-out reward {reward:.3f} (target {sft.target_reward})")
-            if reward >= sft.target_reward:
-                break
+                raise AgentrlError(f"sft diverged at step {step} (loss {float(loss)}); lower sft.lr")
+            if evaluator is not None and (step + 1) % sft.eval_every == 0:
+                reward = evaluator.score(model, step + 1)
+                log[-1]["eval_reward_mean"] = reward
+                bar.note(f"sft step {step + 1}: greedy held-out reward {reward:.3f} (target {sft.target_reward})")
+                if reward >= sft.target_reward:
+                    break
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
