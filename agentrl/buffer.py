@@ -19,10 +19,13 @@ the trainer at ``v`` learns from them.  ``η = max_staleness`` bounds that lag t
   holds such a token (:meth:`StalenessBuffer.oldest_trainable_version`), which frees its
   admission slot and its engine slots early instead of finishing doomed work.
 
-The :class:`Ledger` gives every started episode exactly one fate — trained,
-dropped-stale, filtered (zero-variance group or too few valid episodes), errored, or
-in flight (running / waiting; at exit that is "in-flight-at-exit", and after a crash
-"interrupted") — and the counts always add up to episodes started.
+Every episode is tracked by id in the :class:`~agentrl.ledger.Ledger` from the moment its
+group is admitted until it reaches one fate (trained, stale, filtered, errored, interrupted,
+skipped); :meth:`StalenessBuffer.held_ids` is what the buffer itself holds, so the ledger's
+live set can be checked against reality every step.  When too many finished groups in a row
+were untrainable, :meth:`take` raises :class:`BufferStalled` naming what happened (errors by
+kind and their first message, stale drops, or valid-but-equal rewards: only the last blames
+the policy).
 
 :class:`AdaptiveStaleness` (optional) moves η between bounds each step: up by one when
 the trainer waited on data for more than ``idle_max`` of its step, down by one when the
@@ -33,41 +36,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.types import Group, Trajectory, new_id
+from agentrl.ledger import Ledger, LedgerError
+from agentrl.types import Group, Task, Trajectory
 
 
 class BufferStalled(RuntimeError):
-    """Too many finished groups in a row were untrainable (e.g. every reward equal)."""
-
-
-@dataclass
-class Ledger:
-    """Episode fates. ``in_flight`` = started minus every final fate."""
-
-    started: int = 0
-    trained: int = 0
-    stale: int = 0
-    filtered: int = 0
-    errored: int = 0
-    interrupted: int = 0  # in flight when an earlier process died (counted on --resume)
-
-    @property
-    def in_flight(self) -> int:
-        return self.started - self.trained - self.stale - self.filtered - self.errored - self.interrupted
-
-    def as_metrics(self) -> dict[str, int]:
-        return {
-            "ledger/started": self.started,
-            "ledger/trained": self.trained,
-            "ledger/stale": self.stale,
-            "ledger/filtered": self.filtered,
-            "ledger/errored": self.errored,
-            "ledger/interrupted": self.interrupted,
-            "ledger/in_flight": self.in_flight,
-        }
+    """Too many finished groups in a row were untrainable; the message says why and what to fix."""
 
 
 @dataclass
@@ -106,8 +84,44 @@ class Batch:
         return [t for g in self.groups for t in g.trajectories]
 
 
+@dataclass
+class _Untrainable:
+    """Why recent finished groups could not be trained (for the stall message)."""
+
+    run: int = 0  # groups in a row
+    episodes: int = 0
+    errored: Counter = field(default_factory=Counter)  # (kind, first reason) -> episodes
+    stale: int = 0
+    equal_rewards: list[float] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.run, self.episodes, self.stale = 0, 0, 0
+        self.errored.clear()
+        self.equal_rewards.clear()
+
+    def message(self) -> str:
+        total = max(1, self.episodes)
+        if self.errored and sum(self.errored.values()) >= total / 2:
+            (kind, reason), n = self.errored.most_common(1)[0]
+            fix = {"rubric": "fix the rubric function", "env": "fix the environment", "tool": "fix the tool",
+                   "sandbox": "check `agentrl sandbox doctor`", "endpoint": "check the inference endpoint",
+                   "timeout": "raise rollout.episode_timeout_s or the env's timeout",
+                   "parse": "check the endpoint's response format", "context_length": "shorten the prompts or raise "
+                   "inference.max_model_len"}.get(kind, "see rollouts.jsonl")  # fmt: skip
+            return (f"the last {self.run} finished groups could not be trained: {sum(self.errored.values())}/"
+                    f"{self.episodes} episodes errored, most in {kind}: {reason}; {fix}")
+        if self.stale >= total / 2:
+            return (f"the last {self.run} finished groups were all too stale to train ({self.stale}/{self.episodes} "
+                    "episodes dropped as stale): raise buffer.max_staleness or lower trainer.push_every")
+        r = self.equal_rewards
+        mean = sum(r) / max(1, len(r))
+        return (f"the last {self.run} finished groups had no learning signal: every episode of each group got the "
+                f"same reward (mean {mean:.3f}). The policy produced no learning signal: strengthen the warm start "
+                "(sft.steps / sft.target_reward), raise rollout.temperature or lower trainer.lr")
+
+
 class StalenessBuffer:
-    """Scored groups waiting to be trained, with admission control and the ledger."""
+    """Scored groups waiting to be trained, with admission control and the episode ledger."""
 
     def __init__(
         self,
@@ -129,16 +143,14 @@ class StalenessBuffer:
         self.overprovision = overprovision
         self.stall_groups = stall_groups  # 0 = never give up waiting
         self.std_normalize = std_normalize
-        self._untrainable_run = 0
-        self._recent_rewards: list[float] = []
         self.version = 0
         self.ledger = Ledger()
+        self._untrainable = _Untrainable()
+        self._running: dict[str, tuple[Task, list[str]]] = {}  # group id -> (task, episode ids)
+        self._abandoned: set[str] = set()  # episodes of groups cancelled at shutdown (in flight at exit)
         self._ready: list[Group] = []
-        self._running_groups = 0
-        self._running_episodes = 0
         self._in_training: list[Group] = []
         self._changed = asyncio.Event()
-        self._fates: dict[str, list[str]] = {"stale": [], "filtered": [], "errored": []}
 
     # ------------------------------------------------------------------ admission
 
@@ -146,15 +158,16 @@ class StalenessBuffer:
         """Groups the rollout manager may start now (never negative)."""
         if self.oldest_trainable_version() > self.version:
             return 0  # η = 0 while a batch trains: anything sampled now is stale on arrival
-        committed = len(self._in_training) + len(self._ready) + self._running_groups
+        committed = len(self._in_training) + len(self._ready) + len(self._running)
         cap = (self.max_staleness + 1) * self.batch_groups + int(self.overprovision * self.batch_groups)
         return max(0, cap - committed)
 
-    def start_group(self, n_episodes: int) -> None:
-        """Reserve one group's admission slot before its episodes start."""
-        self._running_groups += 1
-        self._running_episodes += n_episodes
-        self.ledger.started += n_episodes
+    def start_group(self, group_id: str, task: Task, episode_ids: list[str]) -> None:
+        """Reserve one group's admission slot and start its episodes in the ledger."""
+        if group_id in self._running:
+            raise LedgerError(f"group {group_id} started twice")
+        self.ledger.start(episode_ids, group_id, task.id)
+        self._running[group_id] = (task, list(episode_ids))
 
     def oldest_trainable_version(self) -> int:
         """Tokens sampled by weights older than this can never be trained.
@@ -166,38 +179,49 @@ class StalenessBuffer:
         eta = self.adaptive.high if self.adaptive is not None else self.max_staleness
         return self.version + (1 if self._in_training else 0) - eta
 
-    def drop_running_group(self, n_episodes: int) -> None:
+    def drop_running_group(self, group_id: str, reason: str) -> None:
         """A running group was cancelled because it could no longer be trained: stale."""
-        self._running_groups -= 1
-        self._running_episodes -= n_episodes
-        self.ledger.stale += n_episodes
-        self._fates["stale"].extend(new_id("ep_") for _ in range(n_episodes))  # never finished: no rollout row
+        _, ids = self._running.pop(group_id)
+        self.ledger.settle(ids, "stale", step=self.version, reason=reason)
+        self._untrainable.stale += len(ids)
+        self._note_untrainable(len(ids))
+
+    def fail_group(self, group_id: str, reason: str, kind: str) -> None:
+        """A running group raised instead of returning episodes: all of them errored."""
+        _, ids = self._running.pop(group_id)
+        self.ledger.settle(ids, "errored", step=self.version, reason=reason, kind=kind)
+        self._untrainable.errored[(kind, reason)] += len(ids)
+        self._note_untrainable(len(ids))
+
+    def abandon_group(self, group_id: str) -> None:
+        """A group cancelled at shutdown: its episodes stay in flight (interrupted on resume)."""
+        _, ids = self._running.pop(group_id)
+        self._abandoned.update(ids)
         self._changed.set()
 
-    def abandon_group(self, n_episodes: int) -> None:
-        """A reserved group never produced a result (cancelled at shutdown): stays in flight."""
-        self._running_groups -= 1
-        self._running_episodes -= n_episodes
-
     def put(self, group: Group) -> None:
-        """A group finished and was scored: classify its episodes, queue the trainable part."""
-        self._running_groups -= 1
-        self._running_episodes -= len(group.trajectories)
+        """A group finished and was scored: errored episodes settle, then the group is filtered or queued."""
+        task, ids = self._running.pop(group.id)
+        if sorted(t.id for t in group.trajectories) != sorted(ids):
+            raise LedgerError(f"group {group.id} came back with other episodes than it started with")
         errored = [t for t in group.trajectories if t.errored]
+        for t in errored:
+            kind = t.error_kind or "env"
+            self.ledger.settle([t.id], "errored", step=self.version, reason=t.error, kind=kind)
+            self._untrainable.errored[(kind, t.error or "")] += 1
         valid = [t for t in group.trajectories if not t.errored]
-        self._settle("errored", errored)
         group.trajectories = valid
         group.assign_advantages(self.std_normalize)
-        self._recent_rewards = ([t.reward for t in valid] + self._recent_rewards)[:256]
         if len(valid) < self.min_valid_episodes:
-            self._settle("filtered", valid)
-            self._untrainable_run += 1
+            self._settle_filtered(valid, f"{len(valid)} valid episodes < {self.min_valid_episodes}")
+            self._note_untrainable(len(errored) + len(valid))
         elif self.filter_zero_variance and len({t.reward for t in valid}) == 1:
-            self._settle("filtered", valid)
-            self._untrainable_run += 1
+            self._settle_filtered(valid, f"every reward was {valid[0].reward:g}")
+            self._untrainable.equal_rewards.extend(t.reward for t in valid)
+            self._note_untrainable(len(errored) + len(valid))
         else:
             self._ready.append(group)
-            self._untrainable_run = 0
+            self._untrainable.reset()
         self._changed.set()
 
     # ------------------------------------------------------------------ training side
@@ -209,30 +233,33 @@ class StalenessBuffer:
             self._drop_stale()
             if len(self._ready) >= self.batch_groups:
                 break
-            if self.stall_groups and self._untrainable_run >= self.stall_groups:
-                r = self._recent_rewards
-                raise BufferStalled(
-                    f"the last {self._untrainable_run} finished groups were all untrainable (equal rewards or "
-                    f"errors; recent mean reward {sum(r) / max(1, len(r)):.3f})"
-                )
+            if self.stall_groups and self._untrainable.run >= self.stall_groups:
+                raise BufferStalled(self._untrainable.message())
             self._changed.clear()
             await self._changed.wait()
         self._ready.sort(key=lambda g: _oldest_version(g, self.version))
         groups, self._ready = self._ready[: self.batch_groups], self._ready[self.batch_groups :]
         self._in_training = groups
         self._changed.set()
-        staleness = [x for g in groups for x in g.staleness(self.version)]
         return Batch(
-            groups=groups, version=self.version, wait_s=time.perf_counter() - t0, staleness=staleness,
-            max_staleness=self.max_staleness,
+            groups=groups, version=self.version, wait_s=time.perf_counter() - t0,
+            staleness=[x for g in groups for x in g.staleness(self.version)], max_staleness=self.max_staleness,
         )
 
     def commit_step(self, new_version: int) -> list[str]:
-        """The batch in training was applied and pushed; returns its episode ids."""
+        """The batch in training was applied (and pushed): its episodes are trained."""
         ids = [t.id for g in self._in_training for t in g.trajectories]
-        self.ledger.trained += len(ids)
+        self.ledger.settle(ids, "trained", step=new_version - 1)
         self._in_training = []
         self.version = new_version
+        self._changed.set()
+        return ids
+
+    def skip_step(self, reason: str) -> list[str]:
+        """The batch's optimizer step was skipped (non-finite gradient): no new version."""
+        ids = [t.id for g in self._in_training for t in g.trajectories]
+        self.ledger.settle(ids, "skipped", step=self.version, reason=reason)
+        self._in_training = []
         self._changed.set()
         return ids
 
@@ -242,10 +269,13 @@ class StalenessBuffer:
             self.max_staleness = self.adaptive.update(self.max_staleness, trainer_idle_frac, mismatch_kl)
         return self.max_staleness
 
-    def drain_fates(self) -> dict[str, list[str]]:
-        """Episode ids that reached a non-trained fate since the last call."""
-        out, self._fates = self._fates, {"stale": [], "filtered": [], "errored": []}
-        return out
+    def held_ids(self) -> set[str]:
+        """Episodes the buffer holds: admitted groups, ready, in training, abandoned at shutdown."""
+        ids = {e for _, running in self._running.values() for e in running} | self._abandoned
+        return ids | {t.id for g in self._ready + self._in_training for t in g.trajectories}
+
+    def running_group_ids(self) -> set[str]:
+        return set(self._running)
 
     def notify(self) -> None:
         """Wake waiters (e.g. an episode slot was freed)."""
@@ -263,16 +293,23 @@ class StalenessBuffer:
         for g in self._ready:
             oldest = g.oldest_version()
             if oldest is not None and self.version - oldest > self.max_staleness:
-                self._settle("stale", g.trajectories)
+                self.ledger.settle([t.id for t in g.trajectories], "stale", step=self.version,
+                                   reason=f"token of version {oldest} at trainer version {self.version} > η={self.max_staleness}")
+                self._untrainable.stale += len(g.trajectories)
+                self._note_untrainable(len(g.trajectories))
             else:
                 keep.append(g)
         if len(keep) != len(self._ready):
             self._ready = keep
             self._changed.set()
 
-    def _settle(self, fate: str, trajs: list[Trajectory]) -> None:
-        setattr(self.ledger, fate, getattr(self.ledger, fate) + len(trajs))
-        self._fates[fate].extend(t.id for t in trajs)
+    def _settle_filtered(self, trajs: list[Trajectory], reason: str) -> None:
+        self.ledger.settle([t.id for t in trajs], "filtered", step=self.version, reason=reason)
+
+    def _note_untrainable(self, episodes: int) -> None:
+        self._untrainable.run += 1
+        self._untrainable.episodes += episodes
+        self._changed.set()
 
     @property
     def ready_groups(self) -> int:
@@ -280,28 +317,32 @@ class StalenessBuffer:
 
     @property
     def running_episodes(self) -> int:
-        return self._running_episodes
+        return sum(len(ids) for _, ids in self._running.values())
 
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
-        """Ledger, version, η and the ready groups (running episodes cannot be saved)."""
+        """Ledger, version, η, the ready groups, and the tasks of running groups (to re-queue)."""
         return {
             "version": self.version,
             "max_staleness": self.max_staleness,
-            "ledger": asdict(self.ledger),
+            "ledger": self.ledger.state_dict(),
             "ready": [g.to_dict() for g in self._ready],
+            "running_tasks": [task.to_dict() for task, _ in self._running.values()],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; episodes that were running when the state was saved become interrupted."""
+    def load_state_dict(self, state: dict[str, Any]) -> list[Task]:
+        """Restore; episodes not in a ready group become interrupted.  Returns the tasks of the
+        groups that were running, for the task sampler to re-queue."""
         self.version = state["version"]
         self.max_staleness = state["max_staleness"]
-        self.ledger = Ledger(**state["ledger"])
+        self.ledger.load_state_dict(state["ledger"])
         self._ready = [Group.from_dict(g) for g in state["ready"]]
-        self.ledger.interrupted += self.ledger.in_flight - sum(len(g.trajectories) for g in self._ready)
-        self._running_groups = self._running_episodes = 0
-        self._in_training = []
+        ready = {t.id for g in self._ready for t in g.trajectories}
+        lost = [eid for eid in self.ledger.live if eid not in ready]
+        self.ledger.settle(lost, "interrupted", step=self.version, reason="in flight when the previous process stopped")
+        self._running, self._abandoned, self._in_training = {}, set(), []
+        return [Task.from_dict(t) for t in state.get("running_tasks", [])]
 
 
 def _oldest_version(group: Group, default: int) -> int:

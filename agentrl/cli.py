@@ -412,9 +412,9 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:
         typer.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
-    except AgentrlError as e:
+    except AgentrlError as e:  # user errors exit 2; failed work (e.g. a stalled run) says its own code
         typer.echo(f"error: {e}", err=True)
-        sys.exit(2)
+        sys.exit(getattr(e, "exit_code", 2))
     except (KeyboardInterrupt, typer.Abort):
         typer.echo("interrupted", err=True)
         sys.exit(130)

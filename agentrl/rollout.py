@@ -24,8 +24,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentrl.buffer import StalenessBuffer
+from agentrl.episode import error_text
+from agentrl.errors import error_kind_of
 from agentrl.rubrics import score_episodes
-from agentrl.types import Completion, Group, SamplingParams, Task, Trajectory, oldest_version
+from agentrl.types import Completion, Group, SamplingParams, Task, Trajectory, new_id, oldest_version
 
 
 class TaskSampler:
@@ -38,6 +40,7 @@ class TaskSampler:
         self.seed = seed
         self.epoch = 0
         self.cursor = 0
+        self.queued: list[Task] = []
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
@@ -45,7 +48,13 @@ class TaskSampler:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    def requeue(self, tasks: Sequence[Task]) -> None:
+        """Hand these tasks out before the next ones (groups interrupted by a crash)."""
+        self.queued.extend(tasks)
+
     def next(self) -> Task:
+        if self.queued:
+            return self.queued.pop(0)
         if self.cursor >= len(self._order):
             self.epoch += 1
             self.cursor = 0
@@ -54,11 +63,12 @@ class TaskSampler:
         self.cursor += 1
         return task
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.cursor}
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "cursor": self.cursor, "queued": [t.to_dict() for t in self.queued]}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self.queued = [Task.from_dict(t) for t in state.get("queued", [])]
         self._order = self._permutation(self.epoch)
 
 
@@ -68,12 +78,13 @@ TrajectorySink = Callable[[Trajectory], None]
 class _RunningGroup:
     """A group's task and the oldest weight version any of its episodes sampled with."""
 
-    __slots__ = ("task", "oldest_version", "doomed")
+    __slots__ = ("task", "oldest_version", "doomed", "group_id", "episode_ids")
 
-    def __init__(self) -> None:
+    def __init__(self, group_id: str, episode_ids: list[str]) -> None:
         self.task: asyncio.Task | None = None
         self.oldest_version: int | None = None
         self.doomed = False
+        self.group_id, self.episode_ids = group_id, episode_ids
 
     def saw(self, completions: list[Completion]) -> None:
         v = oldest_version(v for c in completions or () for v in (c.versions or ()))
@@ -135,6 +146,8 @@ class RolloutManager:
         self.sampled_tokens = 0
         self._running: list[_RunningGroup] = []
         self.groups_cancelled_stale = 0
+        self.sink_errors = 0  # on_trajectory raised (e.g. a task that cannot be logged)
+        self.last_sink_error: str | None = None
         self._stopping = False
 
     # ------------------------------------------------------------------ main loop
@@ -176,40 +189,57 @@ class RolloutManager:
                     run.task.cancel()
 
     def _start_group(self, task: Task) -> None:
-        self.buffer.start_group(self.group_size)
+        group = Group(task=task)
+        run = _RunningGroup(group.id, [new_id("ep_") for _ in range(self.group_size)])
+        self.buffer.start_group(group.id, task, run.episode_ids)
         self.active_episodes += self.group_size
-        run = _RunningGroup()
-        run.task = asyncio.create_task(self._run_group(task, run))
+        run.task = asyncio.create_task(self._run_group(group, run))
         self._running.append(run)
 
-    async def _run_group(self, task: Task, run: _RunningGroup) -> None:
+    def running_episode_ids(self) -> set[str]:
+        """Episodes of the groups whose asyncio tasks are still running (for the ledger check)."""
+        return {e for run in self._running for e in run.episode_ids}
+
+    async def _run_group(self, group: Group, run: _RunningGroup) -> None:
         pin = self.client.pin(self.group_size) if hasattr(self.client, "pin") else None
         client = _Watched(pin or self.client, run)
-        done = False
+        settled = False
         try:
-            group = Group(task=task)
-            trajs = await asyncio.gather(*(self._episode(client, task) for _ in range(self.group_size)))
+            trajs = await asyncio.gather(*(self._episode(client, group.task) for _ in range(self.group_size)))
+            for t, eid in zip(trajs, run.episode_ids, strict=True):
+                t.id, t.group_id = eid, group.id
             group.trajectories = list(trajs)
-            for t in group.trajectories:
-                t.group_id = group.id
             await score_episodes(self.env.rubric, group.trajectories)
             finished = list(group.trajectories)
-            self.buffer.put(group)  # sets the advantages the trainer will use
-            done = True
-            for t in finished:
-                self.sampled_tokens += t.num_sampled_tokens
-                if self.on_trajectory is not None:
-                    self.on_trajectory(t)
-            self.episodes_finished += len(finished)
+            self.buffer.put(group)  # settles errored/filtered episodes; sets the advantages the trainer uses
+            settled = True
+            self._finished(finished)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug below us must not lose the group: its episodes are errored, named
+            if not settled:
+                settled = True
+                self.buffer.fail_group(group.id, f"group failed: {error_text(e)}", error_kind_of(e))
         finally:
             if pin is not None:
                 pin.release()
             self._running.remove(run)
-            if not done:
+            if not settled:
                 if run.doomed:  # cancelled by _cancel_doomed: dropped as stale in the ledger
-                    self.buffer.drop_running_group(self.group_size)
+                    self.buffer.drop_running_group(group.id, "cancelled: it held a token too stale to be trained")
                 else:  # cancelled at shutdown: its episodes stay in flight in the ledger
-                    self.buffer.abandon_group(self.group_size)
+                    self.buffer.abandon_group(group.id)
+
+    def _finished(self, trajs: list[Trajectory]) -> None:
+        for t in trajs:
+            self.sampled_tokens += t.num_sampled_tokens
+            if self.on_trajectory is not None:
+                try:
+                    self.on_trajectory(t)
+                except Exception as e:  # logging must never cost an episode (it already has its fate)
+                    self.sink_errors += 1
+                    self.last_sink_error = error_text(e)
+        self.episodes_finished += len(trajs)
 
     async def _episode(self, client: Any, task: Task) -> Trajectory:
         """One episode; frees its in-flight slot as soon as it ends (before group scoring)."""

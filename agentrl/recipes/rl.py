@@ -32,7 +32,7 @@ from typing import Any
 from agentrl.buffer import AdaptiveStaleness, Batch, BufferStalled, StalenessBuffer
 from agentrl.config import BufferConfig, Config, EvalConfig, InferenceConfig
 from agentrl.errors import AgentrlError, RunDirExists
-from agentrl.metrics import JSONLLogger, LiveProgress, open_metrics_logger, truncate_jsonl
+from agentrl.metrics import JSONLLogger, LiveProgress, open_metrics_logger
 from agentrl.rollout import RolloutManager, TaskSampler, mean_reward
 from agentrl.types import SamplingParams, Task
 
@@ -177,19 +177,27 @@ def build_state(
     buffer = make_buffer(cfg.buffer, cfg.trainer.batch_groups, cfg.trainer.loss.std_normalize)
     state = RLState(trainer, buffer, TaskSampler(train_tasks, seed=cfg.run.seed))
     ckpt = latest_checkpoint(run_dir) if resume else None
+    offsets: dict[str, int] = {}
     if ckpt is not None:
         trainer_state, saved = load_checkpoint(ckpt)
         trainer.load_state_dict(trainer_state)
-        state.buffer.load_state_dict(saved["buffer"])
         state.sampler.load_state_dict(saved["sampler"])
+        # episodes that were running become interrupted; their tasks are handed out again first
+        state.sampler.requeue(state.buffer.load_state_dict(saved["buffer"]))
         state.start_step = saved["step"]
+        offsets = saved.get("logs", {})
         live.note(f"resumed from {ckpt} at step {state.start_step}")
     elif resume:
         live.note(f"no complete checkpoint in {run_dir}; starting from step 0")
-    if resume:  # rows written after the checkpoint are redone
-        for name in ("metrics.jsonl", "ledger.jsonl"):
-            truncate_jsonl(run_dir / name, lambda r: r.get("step", -1) < state.start_step)
+    if resume:  # everything written after the checkpoint is redone: cut the logs back to it
+        for name in LOGS:
+            path = run_dir / f"{name}.jsonl"
+            if path.exists():
+                os.truncate(path, min(offsets.get(name, 0), path.stat().st_size))
     return state
+
+
+LOGS = ("metrics", "ledger", "rollouts", "eval_rollouts")  # RUN_DIR/<name>.jsonl, cut back on --resume
 
 
 # ----------------------------------------------------------------------------- 6) the loop
@@ -229,12 +237,16 @@ async def rl_loop(
         stats = await train(batch)           # 2) loss on π_θ/μ, backward, optimizer step
         push_s = await push(version + 1)     # 3) live push to every engine (every K steps)
         buffer.commit_step(version + 1)      # 4) ledger: trained; admission opens for v + 1
+        check_ledger(buffer, manager)        #    the counted live set = what is really held
         await on_step(report)                # 5) metrics, eval, checkpoint
+
+    A step whose every optimizer update had a non-finite gradient is skipped whole: no
+    version, no push, its episodes' fate is ``skipped``.
 
     Runs steps ``start_step .. steps-1``; returns the number of the next step.
     """
     runner = asyncio.create_task(manager.run())
-    step = start_step
+    step, skipped = start_step, 0
     try:
         while step < steps and not should_stop():
             t0 = time.perf_counter()
@@ -248,12 +260,19 @@ async def rl_loop(
             t1 = time.perf_counter()
             stats = await train(batch)
             t2 = time.perf_counter()
+            if stats.get("skipped"):  # non-finite gradient: no version, no push; episodes skipped
+                buffer.skip_step(f"optimizer step {step} skipped: non-finite gradient (norm {stats.get('grad_norm')})")
+                skipped += 1
+                check_ledger(buffer, manager)
+                continue
             version = step + 1
             push_s = await push(version) if version % push_every == 0 or version == steps else 0.0
             trained_ids = buffer.commit_step(version)
             t3 = time.perf_counter()
-            report = StepReport(step, version, batch, stats, trained_ids, t1 - t0, t2 - t1, push_s, t3 - t0)
+            report = StepReport(step, version, batch, {**stats, "skipped_steps": float(skipped)}, trained_ids,
+                                t1 - t0, t2 - t1, push_s, t3 - t0)
             buffer.adapt(report.wait_s / max(report.step_wall_s, 1e-9), stats.get("mismatch_kl", 0.0))
+            check_ledger(buffer, manager)
             if on_step is not None:
                 await on_step(report)
             step += 1
@@ -262,6 +281,11 @@ async def rl_loop(
         with contextlib.suppress(asyncio.CancelledError):
             await runner
     return step
+
+
+def check_ledger(buffer: StalenessBuffer, manager: RolloutManager) -> None:
+    """The ledger's live set must be exactly the episodes the manager and the buffer hold."""
+    buffer.ledger.check(manager.running_episode_ids() | buffer.held_ids())
 
 
 class HeldOut:
@@ -347,6 +371,7 @@ class StepLog:
             "train/tokens": stats.get("train_tokens", 0.0),
             "train/seconds": rep.train_s,
             "train/idle_frac": rep.wait_s / max(rep.step_wall_s, 1e-9),
+            "train/skipped_steps": stats.get("skipped_steps", 0.0),
             "buffer/staleness_mean": statistics.fmean(st) if st else 0.0,
             "buffer/staleness_max": max(st, default=0),
             "buffer/max_staleness": rep.batch.max_staleness,
@@ -412,12 +437,14 @@ async def _train_loop(
         stop["now"] = out_of_time
         await held_out.after_step(rep.version, final)
         row.update(held_out.take_result())
-        logs["ledger"].log({"step": rep.step, "trained": rep.trained_ids, **buffer.drain_fates()})
+        row["ledger/top_error"] = buffer.ledger.top_error()
+        for record in buffer.ledger.drain_records():  # one line per episode that reached its fate
+            logs["ledger"].log(record)
         logs["metrics"].log(row)
         live.update(row)
         every = cfg.trainer.checkpoint_every
         if final or (every and rep.version % every == 0):
-            await checkpoint(run_dir, trainer, buffer, sampler, rep.version)
+            await checkpoint(run_dir, trainer, buffer, sampler, rep.version, cfg.trainer.keep_checkpoints)
 
     try:
         try:
@@ -428,17 +455,24 @@ async def _train_loop(
                 push_every=cfg.trainer.push_every, should_stop=lambda: stop["now"],
             )
         except BufferStalled as e:
-            raise AgentrlError(
-                f"training stalled at step {buffer.version}: {e}. The policy produced no learning signal: "
-                "strengthen the warm start (sft.steps / sft.target_reward) or lower trainer.lr; "
-                "checkpoints and logs so far are kept"
+            raise TrainingStalled(
+                f"training stalled at step {buffer.version}: {e} (checkpoints and logs so far are kept)"
             ) from None
+        finally:
+            for record in buffer.ledger.drain_records():
+                logs["ledger"].log(record)
         held_out.cancel()
         # 7) finish
         await finish(cfg, run_dir, trainer, buffer, start_model, live, t_start)
     finally:
         for log in logs.values():
             log.close()
+
+
+class TrainingStalled(AgentrlError):
+    """The buffer stalled: the message names what happened and what to change (exit 1)."""
+
+    exit_code = 1
 
 
 class WeightPusher:
@@ -460,11 +494,15 @@ class WeightPusher:
         return seconds
 
 
-async def checkpoint(run_dir: Path, trainer: Any, buffer: StalenessBuffer, sampler: TaskSampler, version: int) -> None:
+async def checkpoint(
+    run_dir: Path, trainer: Any, buffer: StalenessBuffer, sampler: TaskSampler, version: int, keep: int = 2
+) -> None:
+    """Trainer, buffer (with the ledger), sampler, and how far each log had been written."""
     from agentrl.trainer.checkpoint import save_checkpoint
 
-    state = {"step": version, "buffer": buffer.state_dict(), "sampler": sampler.state_dict()}
-    await asyncio.to_thread(save_checkpoint, run_dir, version, trainer.state_dict(), state)
+    logs = {name: (run_dir / f"{name}.jsonl").stat().st_size for name in LOGS if (run_dir / f"{name}.jsonl").exists()}
+    state = {"step": version, "buffer": buffer.state_dict(), "sampler": sampler.state_dict(), "logs": logs}
+    await asyncio.to_thread(save_checkpoint, run_dir, version, trainer.state_dict(), state, keep)
 
 
 # ----------------------------------------------------------------------------- 7) finish

@@ -216,34 +216,21 @@ def episode_summary(rec: dict[str, Any], source: str) -> dict[str, Any] | None:
         "tool_calls": sum(len(m.get("tool_calls") or []) for m in messages if isinstance(m, dict)),
         "tokens": sum(1 for s in rec.get("sequences") or [] for m in s.get("loss_mask") or [] if m),
         "fate": None if source == "train" else ("errored" if rec.get("error") else "evaluated"),
+        "advantage": _num(rec.get("advantage")) if source == "train" else None,
     }
 
 
-def _ledger_fates(row: dict[str, Any]) -> list[tuple[str, str, float | None]]:
-    """``(episode id, fate, advantage or None)`` for one ledger row; ids may be strings or
-    ``{"id": ..., "advantage": ...}``; an ``advantages`` mapping overrides."""
+def _ledger_fates(row: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(episode id, fate, extra)`` from one ledger.jsonl record: one per episode
+    (``{id, group, task, fate, step, reason?, kind?}``); older per-step rows (``{step, <fate>: [ids]}``)
+    are read too."""
+    if isinstance(row.get("id"), str) and row.get("fate") in FATES:
+        return [(row["id"], row["fate"], {k: row[k] for k in ("reason", "kind") if k in row})]
     out = []
-    advantages = row.get("advantages") if isinstance(row.get("advantages"), dict) else {}
     for fate, items in row.items():
-        if fate not in FATES or not isinstance(items, list):
-            continue
-        for it in items:
-            eid = it.get("id") if isinstance(it, dict) else it
-            if eid is None:
-                continue
-            adv = advantages.get(eid, it.get("advantage") if isinstance(it, dict) else None)
-            out.append((str(eid), fate, _num(adv)))
+        if fate in FATES and isinstance(items, list):
+            out += [(str(it.get("id") if isinstance(it, dict) else it), fate, {}) for it in items]
     return out
-
-
-def group_advantages(rewards: list[float], std_normalize: bool) -> list[float]:
-    """What the trainer computes (agentrl.trainer.losses.group_advantages), for ledgers without it."""
-    mean = sum(rewards) / len(rewards)
-    adv = [r - mean for r in rewards]
-    if std_normalize and len(rewards) > 1:
-        std = math.sqrt(sum(a * a for a in adv) / len(adv))
-        adv = [a / (std + 1e-6) for a in adv]
-    return adv
 
 
 # ----------------------------------------------------------------------------- the view
@@ -302,22 +289,11 @@ class RunView:
                 self._add_fates(row)
 
     def _add_fates(self, row: dict[str, Any]) -> None:
-        std_norm = bool(((self.config.get("trainer") or {}).get("loss") or {}).get("std_normalize", False))
-        fates = _ledger_fates(row)
-        groups: dict[Any, list[str]] = {}  # trained episodes per group: the trainer's advantage groups
-        for eid, fate, adv in fates:
-            if fate == "trained" and adv is None and eid in self._where:
-                groups.setdefault(self._where[eid][2]["group"], []).append(eid)
-        recomputed = {}
-        for ids in groups.values():
-            rewards = [self._where[e][2]["reward"] for e in ids]
-            if all(r is not None for r in rewards):
-                recomputed.update(zip(ids, group_advantages(rewards, std_norm), strict=True))
-        for eid, fate, adv in fates:
+        for eid, fate, extra in _ledger_fates(row):
+            # the advantage the trainer used is logged with the episode (set when its group was scored)
+            adv = self._where[eid][2].get("advantage") if eid in self._where and fate == "trained" else None
             entry = {"id": eid, "fate": fate, "step": row.get("step"), "advantage": adv,
-                     "advantage_source": "ledger" if adv is not None else None}
-            if adv is None and eid in recomputed:
-                entry.update(advantage=recomputed[eid], advantage_source="recomputed")
+                     "advantage_source": "rollouts" if adv is not None else None, **extra}
             self.fate_log.append(entry)
             self._fate_of[eid] = entry
 

@@ -82,12 +82,15 @@ class EmbeddedWeightSync:
         t0 = time.perf_counter()
         items = items_of(named_tensors)
         http = self._client()
-        await self._all(http, "POST", "/pause", params={"mode": "keep"})
-        t_paused = time.perf_counter()
-        try:
+        t_paused = t_written = t0
+        aliased = False  # the write went into the buffer CPU engines already map as their weights
+        try:  # pause, write, load: whatever fails, every engine is resumed
+            await self._all(http, "POST", "/pause", params={"mode": "keep"})
+            t_paused = time.perf_counter()
             if self.transport == "shm":
+                reused = self._layout_key == tuple((n, t.dtype, tuple(t.shape)) for n, t in items)
                 manifest, size = await asyncio.to_thread(self._write_shm, items)
-                t_written = time.perf_counter()
+                aliased, t_written = reused, time.perf_counter()
                 body = {
                     "path": str(self._shm_path), "size": size, "manifest": manifest, "weight_version": version,
                     "lora": lora,
@@ -99,6 +102,10 @@ class EmbeddedWeightSync:
                 body = {"model_path": str(path), "weight_version": version, "lora": lora}
                 await self._all(http, "POST", "/update_weights_from_disk", json=body)
                 self._drop_old_disk(path)
+        except BaseException:
+            if aliased:  # CPU engines alias the shared buffer: they already hold the new weights
+                await self._all(http, "POST", "/update_weight_version", check=False, json={"weight_version": version})
+            raise
         finally:
             await self._all(http, "POST", "/resume", check=False)
         t1 = time.perf_counter()

@@ -143,3 +143,20 @@ async def test_adapter_only_push_is_merged_by_the_engine(wengine, model_dir, tra
             await sync.push(bad, version=v + 9, lora=True)
         assert (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"] == v + 3
     await sync.close()
+
+
+async def test_a_push_that_fails_on_one_engine_leaves_no_engine_paused(wengine):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    sync = make_weight_sync([wengine.root_url, dead], "shm")
+    async with httpx.AsyncClient() as http:
+        v = (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"]
+        with pytest.raises(WeightSyncError, match="/pause"):
+            await sync.push({"model.norm.weight": torch.ones(64)}, version=v + 1)
+        assert not (await http.get(wengine.root_url + "/is_paused")).json()["is_paused"]
+        assert (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"] == v
+    await sync.close()

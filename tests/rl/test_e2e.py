@@ -41,15 +41,19 @@ def _trained_staleness(run_dir: Path) -> list[int]:
     """For every trained token: (trainer version that trained it) − (version that sampled it)."""
     episodes = {r["id"]: r for r in read_jsonl(run_dir / "rollouts.jsonl")}
     out = []
-    for row in read_jsonl(run_dir / "ledger.jsonl"):
-        for ep in row["trained"]:
-            for seq in episodes[ep]["sequences"]:
-                out += [row["step"] - v for v, m in zip(seq["versions"], seq["loss_mask"], strict=True) if m]
+    for rec in read_jsonl(run_dir / "ledger.jsonl"):
+        if rec["fate"] == "trained":
+            for seq in episodes[rec["id"]]["sequences"]:
+                out += [rec["step"] - v for v, m in zip(seq["versions"], seq["loss_mask"], strict=True) if m]
     return out
 
 
+def _trained_ids(run_dir: Path) -> list[str]:
+    return [r["id"] for r in read_jsonl(run_dir / "ledger.jsonl") if r["fate"] == "trained"]
+
+
 def _ledger_adds_up(row: dict) -> None:
-    fates = sum(row[f"ledger/{k}"] for k in ("trained", "stale", "filtered", "errored", "interrupted", "in_flight"))
+    fates = sum(row[f"ledger/{k}"] for k in ("trained", "stale", "filtered", "errored", "interrupted", "skipped", "in_flight"))
     assert fates == row["ledger/started"]
     assert row["ledger/in_flight"] >= 0
 
@@ -68,7 +72,7 @@ def test_staleness_is_a_bound_and_the_ledger_adds_up(tiny_model, tmp_path, eta):
     assert [r["step"] for r in rows] == list(range(5))
     assert all(r["buffer/staleness_max"] <= eta for r in rows)
     _ledger_adds_up(rows[-1])
-    trained = [e for r in read_jsonl(run_dir / "ledger.jsonl") for e in r["trained"]]
+    trained = _trained_ids(run_dir)
     assert len(trained) == len(set(trained)) == rows[-1]["ledger/trained"] == 5 * 2 * 4
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ledger"]["ledger/trained"] == rows[-1]["ledger/trained"]
@@ -105,7 +109,7 @@ def test_sigkill_then_resume_continues_without_retraining(tiny_model, tmp_path):
     assert "resumed from" in res.stderr
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(n_steps))  # continues; no step twice
-    trained = [e for r in read_jsonl(run_dir / "ledger.jsonl") for e in r["trained"]]
+    trained = _trained_ids(run_dir)
     assert len(trained) == len(set(trained)) == n_steps * 2 * 4  # no episode trained twice
     _ledger_adds_up(rows[-1])
 

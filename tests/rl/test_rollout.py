@@ -188,4 +188,37 @@ async def test_a_group_that_can_no_longer_be_trained_is_cancelled_and_counted_st
     lg = buf.ledger
     assert lg.stale == 2 and lg.trained == 5 * 2
     assert lg.started == lg.trained + lg.stale + lg.filtered + lg.errored + lg.in_flight
-    assert len(buf.drain_fates()["stale"]) == 2
+    stale = [r for r in buf.ledger.drain_records() if r["fate"] == "stale"]
+    assert len(stale) == 2 and "too stale" in stale[0]["reason"]
+
+
+async def test_a_group_whose_logging_or_env_raises_is_not_lost():
+    """A task that cannot be logged, or an env whose rollout raises (a bug): the episodes get a
+    fate with the cause, the run goes on, and the ledger check (run every step) still holds."""
+
+    class Raising(FakeEnv):
+        async def rollout(self, client, task, sampling, *, max_turns=None, timeout_s=None):
+            if task.answer == "a1":
+                raise TypeError("rollout() got an unexpected keyword argument 'x'")
+            return await super().rollout(client, task, sampling, max_turns=max_turns, timeout_s=timeout_s)
+
+    env = Raising()
+    buf = StalenessBuffer(batch_groups=1, max_staleness=3, filter_zero_variance=False)
+    logged = []
+
+    def sink(t):
+        if t.task.answer == "a2":
+            raise TypeError("Object of type set is not JSON serializable")
+        logged.append(t.id)
+
+    mgr = _manager(env, [FakeEngine()], buf, group_size=2, on_trajectory=sink)
+    tasks = env.dataset()
+    for i in (1, 2, 4):
+        mgr._start_group(tasks[i])
+    while len(mgr._running):
+        await asyncio.sleep(0.01)
+    lg = buf.ledger
+    assert lg.errored == 2 and lg.in_flight == 4 and buf.ready_groups == 2  # a2's group is fine, only unlogged
+    assert "group failed: TypeError" in lg.first_error["env"]
+    assert mgr.sink_errors == 2 and len(logged) == 2
+    buf.ledger.check(mgr.running_episode_ids() | buf.held_ids())

@@ -137,3 +137,44 @@ def test_checkpoint_roundtrip_and_incomplete_ones_are_ignored(tiny, tmp_path):
     fresh.step(g2)
     for p, q in zip(tr.model.parameters(), fresh.model.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6)
+
+
+def _mu_groups(tr):
+    """Two groups whose μ are the model's own logprobs (as if sampled at T=1 by these weights)."""
+    groups = _groups() + _groups()
+    for g in groups:
+        for t in g.trajectories:
+            s = t.sequences[0]
+            ids = torch.tensor([s.token_ids])
+            with torch.no_grad():
+                lp = torch.log_softmax(tr.model(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            s.logprobs = [0.0] + [float(x) if m else 0.0 for x, m in zip(lp, s.loss_mask[1:], strict=True)]
+    return groups
+
+
+def test_decoupled_ppo_recomputes_the_proximal_policy_and_its_clip_acts(tiny):
+    """Several updates per batch: π_θ moves away from π_prox, the clip engages, and the update
+    differs from IcePop's (it used to be an alias: π_prox was π_θ detached)."""
+    dec = Trainer(tiny, _cfg(loss={"name": "decoupled_ppo", "clip_eps": 0.05}, epochs=3, minibatches=2, lr=2e-2))
+    ice = Trainer(tiny, _cfg(loss={"name": "icepop"}, epochs=3, minibatches=2, lr=2e-2))
+    s_dec, s_ice = dec.step(_mu_groups(dec)), ice.step(_mu_groups(ice))
+    assert s_ice["clip_frac"] < s_dec["clip_frac"] or s_ice["masked_frac"] >= 0
+    assert s_dec["updates"] == 6 and s_dec["clip_frac"] > 0
+    moved = [not torch.allclose(p, q) for p, q in zip(dec.model.parameters(), ice.model.parameters(), strict=True)]
+    assert any(moved)
+    # at identical weights the first pass has π_θ = μ exactly (the mismatch the metric reports)
+    fresh = Trainer(tiny, _cfg(loss={"name": "icepop"}), seed=0)
+    assert fresh.step(_mu_groups(fresh))["mismatch_kl"] < 1e-6
+
+
+def test_a_non_finite_gradient_skips_the_step_whole(tiny):
+    tr = Trainer(tiny, _cfg())
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    lr_before = tr.scheduler.get_last_lr()[0]
+    groups = _groups()
+    groups[0].trajectories[0].advantage = float("nan")
+    stats = tr.step(groups)
+    assert stats["skipped"] == 1.0 and stats["updates"] == 0
+    assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
+    assert tr.scheduler.last_epoch == 0 and tr.scheduler.get_last_lr()[0] == lr_before
+    assert tr.step(_groups())["skipped"] == 0.0  # the next clean batch trains normally

@@ -42,7 +42,7 @@ def steps() -> int:
     return STEPS
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # the sync API keeps an event loop running until it exits
 def browser():
     """Debian's chromium driven by playwright (the system browser: no download)."""
     if CHROMIUM is None:

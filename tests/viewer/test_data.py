@@ -101,18 +101,19 @@ def test_fields_are_read_defensively(tmp_path):
     (run / "config.toml").write_text("[trainer]\nsteps = 3\n")
     # a rollout without sequences/messages; one without an id (skipped); a later field rename
     (run / "rollouts.jsonl").write_text(
-        json.dumps({"id": "a", "group_id": "g", "reward": 1.0}) + "\n"
+        json.dumps({"id": "a", "group_id": "g", "reward": 1.0, "advantage": 0.25}) + "\n"
         + json.dumps({"reward": 0.5}) + "\n"
-        + json.dumps({"id": "b", "group_id": "g", "reward": 0.0, "task": {"prompt": "x"}, "new_field": 1}) + "\n")
-    # a ledger that carries the advantage it used, as dict items and as a mapping; unknown keys ignored
-    (run / "ledger.jsonl").write_text(json.dumps({
-        "step": 0, "trained": [{"id": "a", "advantage": 0.25}, "b"], "advantages": {"b": -0.25},
-        "interrupted": [], "some_future_list": ["zzz"]}) + "\n")
+        + json.dumps({"id": "b", "group_id": "g", "reward": 0.0, "advantage": -0.25, "task": {"prompt": "x"},
+                      "new_field": 1}) + "\n")
+    # one ledger record per episode; unknown keys ignored; an old per-step row still reads
+    (run / "ledger.jsonl").write_text(
+        json.dumps({"id": "a", "group": "g", "task": "t", "fate": "trained", "step": 0, "future": 1}) + "\n"
+        + json.dumps({"step": 0, "trained": ["b"], "interrupted": [], "some_future_list": ["zzz"]}) + "\n")
     view = RunView(run)
     got = view.poll()
     assert [e["id"] for e in got["episodes"]] == ["a", "b"]
     assert {(f["id"], f["fate"], f["advantage"], f["advantage_source"]) for f in got["fates"]} == {
-        ("a", "trained", 0.25, "ledger"), ("b", "trained", -0.25, "ledger")}
+        ("a", "trained", 0.25, "rollouts"), ("b", "trained", -0.25, "rollouts")}
     ep = view.episode("a")
     assert ep["messages"] == [] and ep["sequences"] == []
     assert view.meta()["charts"]  # no metrics yet: the layout is still there

@@ -338,7 +338,7 @@ async function openEpisode(id) {
 function renderDetail() {
   const ep = S.openEp, s = ep.summary, f = ep.fate, box = $("#detail");
   const adv = f && f.advantage !== null && f.advantage !== undefined
-    ? `${fmt(f.advantage)}${f.advantage_source === "recomputed" ? " (reward − group mean)" : ""}` : "not trained";
+    ? `${fmt(f.advantage)}` : "not trained";
   const kv = { id: s.id, source: s.source, version: fmt(s.version), reward: fmt(ep.summary.reward), advantage: adv,
     fate: (f ? f.fate + (f.step !== null && f.step !== undefined ? ` at step ${f.step + 1}` : "") : fateOf(s)),
     "stop reason": s.stop_reason, answer: ep.answer, group: s.group };
