@@ -157,8 +157,8 @@ def test_decoupled_ppo_recomputes_the_proximal_policy_and_its_clip_acts(tiny):
     differs from IcePop's (it used to be an alias: π_prox was π_θ detached)."""
     dec = Trainer(tiny, _cfg(loss={"name": "decoupled_ppo", "clip_eps": 0.05}, epochs=3, minibatches=2, lr=2e-2))
     ice = Trainer(tiny, _cfg(loss={"name": "icepop"}, epochs=3, minibatches=2, lr=2e-2))
-    s_dec, s_ice = dec.step(_mu_groups(dec)), ice.step(_mu_groups(ice))
-    assert s_ice["clip_frac"] < s_dec["clip_frac"] or s_ice["masked_frac"] >= 0
+    s_dec = dec.step(_mu_groups(dec))
+    ice.step(_mu_groups(ice))
     assert s_dec["updates"] == 6 and s_dec["clip_frac"] > 0
     moved = [not torch.allclose(p, q) for p, q in zip(dec.model.parameters(), ice.model.parameters(), strict=True)]
     assert any(moved)
