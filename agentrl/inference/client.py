@@ -21,6 +21,7 @@ token ids, their behaviour logprobs μ, their support and the weight version of 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -137,7 +138,10 @@ class PolicyClient:
         default_version: int = 0,
         tokenizer: Any = None,
         requests_per_s: float = 0.0,
+        cache_salt: bool = False,
     ):
+        """``cache_salt``: salt token requests with the weight version (vLLM's ``cache_salt``), so a
+        server's prefix cache never serves K/V computed by older weights."""
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("PolicyClient needs at least one base_url")
@@ -145,6 +149,7 @@ class PolicyClient:
         self.max_retries = max_retries
         # used when a server does not report per-token versions (plain vLLM)
         self.default_version = default_version
+        self.cache_salt = cache_salt
         self.endpoints = [Endpoint(u, api_key, timeout, requests_per_s) for u in urls]
         # A local copy of the served model's tokenizer (a path or a HF tokenizer) renders
         # prompts in-process: same template, same ids, no /tokenize round trip per turn.
@@ -245,6 +250,8 @@ class PolicyClient:
         aiohttp instead of through the SDK's request/response models (~10× less CPU).
         """
         body = {"model": self.model, "prompt": prompt_ids, "logprobs": 0, **self._sampling_body(sampling, n)}
+        if self.cache_salt:  # vLLM: prefix-cache blocks are shared only within one weight version
+            body["cache_salt"] = f"v{self.default_version}"
         start_version = self.default_version  # for servers without per-token versions (vLLM)
         resp = await self._call(lambda ep: ep.post("/v1/completions", body), "completion", _prefer)
         out = []
@@ -252,6 +259,8 @@ class PolicyClient:
             ids = ch.get("token_ids") or []
             lps = (ch.get("logprobs") or {}).get("token_logprobs") or []
             versions, support = self._choice_tokens(ch, ids, lps, start_version)
+            if not support and ids and _top_k_only(sampling):  # the support is top_k itself
+                support = [sampling.top_k] * len(ids)
             out.append(
                 Completion(
                     text=ch.get("text") or "", token_ids=ids, logprobs=lps, versions=versions,
@@ -340,6 +349,26 @@ class PolicyClient:
                         ) from None
                     raise EndpointProbeError(f"{ep.root}/tokenize answered HTTP {e.status}: {_error_message(e.text)}") from None
 
+    async def probe_sampling(self, sampling: SamplingParams, prompt_ids: list[int]) -> None:
+        """Once before training: the endpoint must report μ of the *processed* distribution (after
+        temperature/top-k/top-p), and the sampling support whenever top-p or min-p truncate it."""
+        t = sampling.temperature if sampling.temperature > 0 else 1.0
+        one = dataclasses.replace(sampling, max_tokens=1, temperature=t, top_k=1, top_p=1.0, min_p=0.0, seed=0)
+        (c,) = await self.complete(prompt_ids, one)
+        if c.logprobs and c.logprobs[0] < -1e-3:  # with top_k = 1 the processed logprob is exactly 0
+            raise EndpointProbeError(
+                f"{self.base_urls[0]} returns raw logprobs ({c.logprobs[0]:.3f} for a top_k=1 sample, not 0): "
+                "the trainer needs the sampling distribution's; start vLLM with --logprobs-mode processed_logprobs"
+            )
+        if sampling.temperature > 0 and (sampling.top_p < 1 or sampling.min_p > 0):
+            (c,) = await self.complete(prompt_ids, dataclasses.replace(sampling, max_tokens=1, seed=0))
+            if c.token_ids and not c.support:
+                raise EndpointProbeError(
+                    f"{self.base_urls[0]} reports no token_support, so with rollout.top_p < 1 or min_p > 0 the "
+                    "trainer cannot rebuild the distribution μ came from: set rollout.top_p = 1 and min_p = 0 "
+                    "(top_k alone is fine), or train on the embedded engine"
+                )
+
     # ------------------------------------------------------------------ tokens
 
     async def tokenize(
@@ -408,6 +437,10 @@ class PinnedClient:
         if self._weight:
             self.endpoint.pinned -= self._weight
             self._weight = 0
+
+
+def _top_k_only(s: SamplingParams) -> bool:
+    return s.temperature > 0 and s.top_k is not None and s.top_k > 0 and s.top_p >= 1 and s.min_p <= 0
 
 
 def _choices(resp: Any) -> list[dict[str, Any]]:

@@ -82,6 +82,9 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
     live.note("starting the inference engine(s) ..." if not cfg.inference.base_url else "connecting ...")
     engines = await asyncio.to_thread(open_engines, cfg, start_model, threads)
     try:
+        # the endpoint must report μ on the basis the trainer mirrors (one probe, before any work)
+        probe_ids = await engines.client.tokenize(prompt="Hello")
+        await engines.client.probe_sampling(cfg.rollout.sampling(), probe_ids or [0])
         # 5) state
         state = await asyncio.to_thread(build_state, cfg, start_model, train_tasks, run_dir, resume, live)
         await _train_loop(cfg, run_dir, env, eval_tasks, engines, state, live, t_start, start_model)
@@ -140,7 +143,7 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
     client = PolicyClient(
         policy.base_urls, policy.model, timeout=ic.request_timeout_s, max_retries=ic.max_retries,
         tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
-        requests_per_s=cfg.rollout.requests_per_s,
+        requests_per_s=cfg.rollout.requests_per_s, cache_salt=on_vllm,
     )
     return Engines(policy, client, sync, on_vllm)
 

@@ -5,7 +5,8 @@ Pinned to the routes of vLLM's dev-mode RL router (``VLLM_SERVER_DEV_MODE=1`` an
 :mod:`agentrl.inference.vllm`): ``/get_world_size``, ``/init_weight_transfer_engine``,
 ``/pause?mode=keep``, ``/start_weight_update`` (newer servers), ``/update_weights`` (blocks
 while the trainer broadcasts over NCCL), ``/finish_weight_update`` (older:
-``/update_weight_version``), ``/resume``.  The data travels over NCCL from the trainer
+``/update_weight_version``), ``/reset_prefix_cache`` (so no request after the swap reuses K/V
+computed by the old weights), ``/resume``.  The data travels over NCCL from the trainer
 (rank 0) to every engine worker, sent by vLLM's own ``NCCLWeightTransferEngine``; this
 module only orders the control calls.
 """
@@ -129,6 +130,9 @@ class VLLMWeightSync:
                 done = await self._post(r, "/finish_weight_update", optional=True, json={"weight_version": str(version)})
                 if done is None:
                     await self._post(r, "/update_weight_version", json={"new_version": str(version)})
+                # cached prefix blocks hold K/V of the old weights: no new request may reuse them
+                # (servers without the route get requests salted with the version: PolicyClient.cache_salt)
+                await self._post(r, "/reset_prefix_cache", optional=True, params={"reset_running_requests": "false"})
         finally:
             await asyncio.gather(*[self._post(r, "/resume") for r in self.roots], return_exceptions=True)
         return time.perf_counter() - t0

@@ -157,3 +157,26 @@ async def test_probe_names_the_model_to_pass_and_the_missing_routes():
     async with PolicyClient("http://127.0.0.1:9/v1", "m") as pc:
         with pytest.raises(EndpointProbeError, match="cannot reach"):
             await pc.probe(token_path=False)
+
+
+async def test_the_sampling_probe_wants_processed_logprobs_and_the_support():
+    async def raw(call, body):  # a server that reports the model's raw logprobs (vLLM's default mode)
+        return 200, completion_body(1)
+
+    async with Server(raw) as srv, PolicyClient(srv.url, "m") as pc:
+        with pytest.raises(EndpointProbeError, match="--logprobs-mode processed_logprobs"):
+            await pc.probe_sampling(SamplingParams(temperature=0.7), [1, 2])
+
+    async def processed_no_support(call, body):
+        out = completion_body(1)
+        if body["top_k"] == 1:
+            out["choices"][0]["logprobs"]["token_logprobs"] = [0.0]
+        return 200, out
+
+    async with Server(processed_no_support) as srv, PolicyClient(srv.url, "m") as pc:
+        await pc.probe_sampling(SamplingParams(temperature=0.7), [1, 2])  # nothing truncated: fine
+        await pc.probe_sampling(SamplingParams(temperature=0.7, top_k=20), [1, 2])  # K = top_k is known
+        with pytest.raises(EndpointProbeError, match="no token_support"):
+            await pc.probe_sampling(SamplingParams(temperature=0.7, top_p=0.8), [1, 2])
+        (c,) = await pc.complete([1], SamplingParams(temperature=0.7, top_k=20))
+        assert c.support == [20]

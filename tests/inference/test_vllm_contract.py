@@ -42,6 +42,11 @@ def fake_vllm(world_size: int, *, legacy: bool = False, fail_update: bool = Fals
         calls.append(("pause", mode))
         return {"status": "paused"}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = Query(False), reset_external: bool = Query(False)):
+        calls.append(("reset_prefix_cache", reset_running_requests))
+        return {"status": "ok"}
+
     @app.post("/resume")
     async def resume():
         calls.append(("resume", None))
@@ -128,7 +133,9 @@ def test_push_follows_vllm_route_contract_across_two_engines():
     assert [i[1]["rank_offset"] for i in init1 + init2] == [1, 2]
     assert all(i[1]["world_size"] == 4 for i in init1 + init2)
     order = [name for name, _ in calls1 if name not in ("get_world_size", "init")]
-    assert order == ["pause", "start_weight_update", "update_weights", "finish_weight_update", "resume"] * 2
+    # no request after the swap may reuse KV blocks computed by the old weights
+    assert order == ["pause", "start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache",
+                     "resume"] * 2
     assert [a for n, a in calls1 if n == "pause"] == ["keep", "keep"]
     assert [a for n, a in calls2 if n == "finish_weight_update"] == ["1", "2"]
     info = next(a for n, a in calls1 if n == "update_weights")
