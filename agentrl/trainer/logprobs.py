@@ -11,12 +11,16 @@ ratio π_θ/μ is 1 at any temperature, top-k, top-p and min-p.  When the weight
 trainer's own top ``K`` may no longer contain ``y``: such a token has no probability under
 the replayed distribution and is reported in ``outside`` (the loss masks it).
 
-Memory: only the loss positions' logits are read, ``chunk_tokens`` rows at a time, each chunk
-under activation checkpointing, so the ``[N, V]`` float32 log-softmax (and the sort a
-truncated support needs) never exists for more than one chunk, in the forward or the backward.
+Memory (:func:`token_logprobs_from_hidden`, what the trainer uses): the decoder's hidden
+states at the loss positions go through the LM head ``chunk_tokens`` rows at a time, each
+chunk under activation checkpointing, so no ``[N, V]`` tensor — logits, log-softmax, the sort a
+truncated support needs, or their gradients — exists for more than one chunk, in the forward
+or the backward.  ``benchmarks/trainer_memory.py`` measures it against the naive path.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -29,26 +33,34 @@ def _chunk(logits: Tensor, tokens: Tensor, support: Tensor, inv_t: float) -> tup
     v = z.shape[-1]
     chosen = z.gather(-1, tokens[:, None]).squeeze(-1)
     k = torch.where((support <= 0) | (support >= v), torch.full_like(support, v), support)
-    if bool((k < v).any()):
-        z_sorted, _ = z.sort(dim=-1, descending=True)
-        ranks = torch.arange(v, device=z.device)[None, :]
-        kept = ranks < k[:, None]
-        z_kept = z_sorted.masked_fill(~kept, float("-inf"))
-        lse = torch.logsumexp(z_kept, dim=-1)
-        # rank of the chosen token among the trainer's scaled logits (ties count as kept)
-        outside = (z > chosen[:, None]).sum(-1) >= k
-        logp_all = z_kept - lse[:, None]
+    truncated = bool((k < v).any())
+    if truncated:
+        # the top-K set's logsumexp: the K-th largest value is the threshold, ties kept
+        z_sorted = z.detach().sort(dim=-1, descending=True).values
+        kth = z_sorted.gather(-1, (k - 1)[:, None])
+        kept = z >= kth
+        lse = torch.logsumexp(z.masked_fill(~kept, float("-inf")), dim=-1)
+        outside = chosen.detach() < kth.squeeze(-1)
     else:
+        kept = None
         lse = torch.logsumexp(z, dim=-1)
         outside = torch.zeros_like(chosen, dtype=torch.bool)
-        logp_all = z - lse[:, None]
-    p = logp_all.exp()
-    entropy = -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)
-    return chosen - lse, entropy.detach(), outside
+    with torch.no_grad():  # entropy is a metric: no graph, no saved [n, V] intermediates
+        logp_all = z.detach() - lse.detach()[:, None]
+        if kept is not None:
+            logp_all = logp_all.masked_fill(~kept, float("-inf"))
+        p = logp_all.exp()
+        entropy = -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)
+    return chosen - lse, entropy, outside
+
+
+def _rows_per_chunk(vocab: int, budget_bytes: int = 64 << 20) -> int:
+    """Rows of float32 logits that fit the per-chunk budget (a few such tensors live at once)."""
+    return max(1, budget_bytes // (4 * max(1, vocab)))
 
 
 def token_logprobs(
-    logits: Tensor, tokens: Tensor, support: Tensor, temperature: float, *, chunk_tokens: int = 2048
+    logits: Tensor, tokens: Tensor, support: Tensor, temperature: float, *, chunk_tokens: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per row of ``logits`` ``[N, V]``: (log π_θ(token) with grad, entropy, outside-support mask).
 
@@ -58,6 +70,7 @@ def token_logprobs(
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     if temperature <= 0:
         support = torch.zeros_like(support)
+    chunk_tokens = chunk_tokens or _rows_per_chunk(logits.shape[-1])
     outs: list[tuple[Tensor, Tensor, Tensor]] = []
     for i in range(0, logits.shape[0], chunk_tokens):
         sl = slice(i, i + chunk_tokens)
@@ -69,5 +82,57 @@ def token_logprobs(
     if not outs:
         empty = logits.new_zeros((0,), dtype=torch.float32)
         return empty, empty, torch.zeros(0, dtype=torch.bool, device=logits.device)
+    logp, ent, outside = (torch.cat(parts) for parts in zip(*outs, strict=True))
+    return logp, ent, outside
+
+
+def head_of(model: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[Tensor], Tensor]]:
+    """(the decoder that returns hidden states, hidden → logits exactly as the model computes them).
+
+    Covers the final-logit processing HF causal LMs apply after the LM head: ``logit_scale``
+    (multiplied), ``logits_scaling`` (divided) and ``final_logit_softcapping`` (tanh cap).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model
+    decoder = getattr(base, base.base_model_prefix)
+    head = base.get_output_embeddings()
+    cfg = base.config
+    scale = getattr(cfg, "logit_scale", None)
+    divide = getattr(cfg, "logits_scaling", None)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+
+    def logits(h: Tensor) -> Tensor:
+        z = head(h)
+        if scale:
+            z = z * scale
+        if divide:
+            z = z / divide
+        if cap:
+            z = torch.tanh(z / cap) * cap
+        return z
+
+    return decoder, logits
+
+
+def token_logprobs_from_hidden(
+    hidden: Tensor, logits_fn: Callable[[Tensor], Tensor], tokens: Tensor, support: Tensor, temperature: float,
+    *, chunk_tokens: int | None = None, vocab: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`token_logprobs` from hidden states ``[N, H]``: the LM head runs inside each chunk."""
+    chunk_tokens = chunk_tokens or _rows_per_chunk(vocab or 32_000)
+    inv_t = 1.0 / temperature if temperature > 0 else 1.0
+    if temperature <= 0:
+        support = torch.zeros_like(support)
+
+    def chunk(h: Tensor, tok: Tensor, sup: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return _chunk(logits_fn(h), tok, sup, inv_t)
+
+    outs = []
+    for i in range(0, hidden.shape[0], chunk_tokens):
+        sl = slice(i, i + chunk_tokens)
+        args = (hidden[sl], tokens[sl], support[sl])
+        outs.append(checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args))
+    if not outs:
+        empty = hidden.new_zeros((0,), dtype=torch.float32)
+        return empty, empty, torch.zeros(0, dtype=torch.bool, device=hidden.device)
     logp, ent, outside = (torch.cat(parts) for parts in zip(*outs, strict=True))
     return logp, ent, outside

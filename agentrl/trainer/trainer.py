@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentrl.trainer.logprobs import token_logprobs
+from agentrl.trainer.logprobs import head_of, token_logprobs_from_hidden
 from agentrl.trainer.losses import LossSpec, add_stats, policy_loss, summarize, token_weights
 from agentrl.types import Group, SamplingParams
 
@@ -95,6 +95,7 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.pad_id = model.config.pad_token_id or 0
+        self.vocab_size = model.config.vocab_size
         self.lora = cfg.lora_rank > 0
         if self.lora:
             from peft import LoraConfig, get_peft_model
@@ -218,10 +219,17 @@ class Trainer:
         }
 
     def _policy_logprobs(self, mb: list[_Row], x: dict[str, torch.Tensor]):
-        """(log π_θ, entropy, outside-support) at the loss positions, flattened in row order."""
-        logits = self.model(input_ids=x["ids"], attention_mask=x["attn"]).logits[:, :-1]
+        """(log π_θ, entropy, outside-support) at the loss positions, flattened in row order.
+
+        Only the loss positions' hidden states reach the LM head, in chunks (no [B, T, V] tensor).
+        """
+        decoder, logits_fn = head_of(self.model)
+        hidden = decoder(input_ids=x["ids"], attention_mask=x["attn"]).last_hidden_state[:, :-1]
         sel = x["mask"] > 0
-        return token_logprobs(logits[sel], x["ids"][:, 1:][sel], x["support"][sel], self.sampling.temperature)
+        return token_logprobs_from_hidden(
+            hidden[sel], logits_fn, x["ids"][:, 1:][sel], x["support"][sel], self.sampling.temperature,
+            vocab=self.vocab_size,
+        )
 
     @torch.no_grad()
     def _proximal(self, rows: list[_Row]) -> None:
