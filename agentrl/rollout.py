@@ -18,6 +18,7 @@ sampled it, so an episode spanning updates is simply trained with per-token vers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -128,11 +129,13 @@ class RolloutManager:
         episode_timeout_s: float = 120.0,
         max_turns: int | None = None,
         on_trajectory: TrajectorySink | None = None,
+        admit: Callable[[], bool] | None = None,
     ) -> None:
         """``client``: a :class:`~agentrl.inference.PolicyClient` (or anything with its
         ``complete``/``chat``/``tokenize``; ``pin`` is used when present)."""
         self.env = env
         self.client = client
+        self.admit = admit  # e.g. "no engine is down": nothing new starts while it is restarted
         self.buffer = buffer
         self.sampler = sampler
         self.sampling = sampling
@@ -159,6 +162,10 @@ class RolloutManager:
                 self._cancel_doomed()
                 while self._can_admit():
                     self._start_group(self.sampler.next())
+                if self.admit is not None and not self.admit():  # held: look again shortly
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.buffer.wait_change(), 0.25)
+                    continue
                 await self.buffer.wait_change()
         finally:
             await self._cancel_all()
@@ -168,7 +175,7 @@ class RolloutManager:
         self.buffer.notify()
 
     def _can_admit(self) -> bool:
-        if self._stopping or self.buffer.capacity() <= 0:
+        if self._stopping or self.buffer.capacity() <= 0 or (self.admit is not None and not self.admit()):
             return False
         # a group larger than the cap may run alone
         return self.active_episodes + self.group_size <= self.max_in_flight or self.active_episodes == 0

@@ -46,6 +46,8 @@ class EngineHandle:
                  tmp_dir: Path | None = None):
         self.proc, self.host, self.port, self.model, self.log_path = proc, host, port, model, log_path
         self.tmp_dir = tmp_dir  # removed by stop()
+        self.restarts = 0
+        self._relaunch: Callable[[int], EngineHandle] | None = None  # set by start_embedded_engine
         self.root_url = f"http://{host}:{port}"
         self.base_url = f"{self.root_url}/v1"
         atexit.register(self.stop)
@@ -65,6 +67,18 @@ class EngineHandle:
         if self.tmp_dir is not None:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             self.tmp_dir = None
+
+    def restart(self) -> None:
+        """Start the engine again on the same address (after it died); it comes back on the
+        checkpoint's base weights at version 0: the caller pushes the current weights."""
+        if self._relaunch is None:
+            raise EngineStartError(f"{self} was not started by agentrl and cannot be restarted")
+        self.stop()
+        fresh = self._relaunch(self.port)
+        self.proc, self.log_path, self.tmp_dir = fresh.proc, fresh.log_path, fresh.tmp_dir
+        fresh.tmp_dir = None
+        atexit.unregister(fresh.stop)
+        self.restarts += 1
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -128,7 +142,12 @@ def start_embedded_engine(
     except EngineStartError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return EngineHandle(proc, host, port, name, log_path, tmp)
+    handle = EngineHandle(proc, host, port, name, log_path, tmp)
+    handle._relaunch = lambda on_port: start_embedded_engine(
+        model_dir, args, port=on_port, host=host, served_model_name=served_model_name,
+        startup_timeout=startup_timeout, env=env,
+    )
+    return handle
 
 
 def wait_for_health(
@@ -182,6 +201,10 @@ class Policy:
         for e in self.engines:
             e.stop()
         self.engines.clear()
+
+    def dead(self) -> list[Any]:
+        """Engines agentrl started that are no longer running."""
+        return [e for e in self.engines if not e.alive]
 
     def __enter__(self) -> Policy:
         return self

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.buffer import AdaptiveStaleness, Batch, BufferStalled, StalenessBuffer
-from agentrl.config import BufferConfig, Config, EvalConfig, InferenceConfig
+from agentrl.config import BufferConfig, Config, EvalConfig
 from agentrl.errors import AgentrlError, RunDirExists
 from agentrl.metrics import JSONLLogger, LiveProgress, open_metrics_logger
+from agentrl.recipes.engines import Engines, Supervisor, WeightPusher, open_engines
 from agentrl.rollout import RolloutManager, TaskSampler, mean_reward
 from agentrl.types import SamplingParams, Task
 
@@ -91,61 +92,6 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
     finally:
         live.close()
         await engines.close()
-
-
-# ----------------------------------------------------------------------------- 4) engines
-
-
-@dataclass
-class Engines:
-    """The policy's endpoints: one client over all of them, the weight sync, engines we started."""
-
-    policy: Any  # agentrl.inference.Policy (or the Ray pool): base_urls, model, stop()
-    client: Any  # agentrl.inference.PolicyClient
-    sync: Any  # agentrl.weights.WeightSync
-    on_vllm: bool
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.sync.close()
-        await self.client.close()
-        await asyncio.to_thread(self.policy.stop)
-
-    def tag_version(self, version: int) -> None:
-        # vLLM reports no per-token versions: the client tags tokens with the version current
-        # when each request started (never newer than the truth: the bound stays a bound)
-        self.client.default_version = version
-
-
-def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
-    """Start the engines on the warm start (or connect to ``inference.base_url``)."""
-    from agentrl.inference import EngineArgs, PolicyClient, open_policy
-    from agentrl.weights import make_weight_sync
-
-    ic: InferenceConfig = cfg.inference
-    args = EngineArgs(max_batch_size=ic.max_batch_size, max_model_len=ic.max_model_len, device=ic.device)
-    thread_env = {"OMP_NUM_THREADS": str(threads)}
-    if cfg.cluster.backend == "ray" and not ic.base_url:
-        from agentrl.distributed.ray_backend import open_ray_policy
-
-        policy = open_ray_policy(start_model, cfg.cluster, args, served_model_name=ic.model_name, env=thread_env)
-    else:
-        policy = open_policy(start_model, ic.base_url or None, args=args, served_model_name=ic.model_name,
-                             env=thread_env)
-    on_vllm = bool(ic.base_url) and ic.engine == "vllm"
-    try:
-        sync = make_weight_sync(policy.base_urls, ic.weight_transport, engine="vllm" if on_vllm else "embedded")
-    except ValueError as e:
-        policy.stop()
-        raise AgentrlError(f"weight sync: {e}") from None
-    # prompts are rendered in-process with the served model's own tokenizer: /tokenize round
-    # trips cost more CPU than the tiny model's decode step
-    client = PolicyClient(
-        policy.base_urls, policy.model, timeout=ic.request_timeout_s, max_retries=ic.max_retries,
-        tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
-        requests_per_s=cfg.rollout.requests_per_s, cache_salt=on_vllm,
-    )
-    return Engines(policy, client, sync, on_vllm)
 
 
 # ----------------------------------------------------------------------------- 5) state
@@ -410,6 +356,7 @@ async def _train_loop(
     manager = RolloutManager(
         env, engines.client, buffer, sampler, ro.sampling(), group_size=ro.group_size, max_in_flight=ro.max_in_flight,
         episode_timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns, on_trajectory=on_trajectory,
+        admit=engines.all_alive,
     )
     steplog.manager = manager
 
@@ -429,12 +376,16 @@ async def _train_loop(
     stop = {"now": False}
     steplog.t_loop = steplog.last_t = time.perf_counter()
 
+    supervisor = Supervisor(engines, pusher, buffer, live)
+    watcher = asyncio.create_task(supervisor.watch())
+
     async def push(version: int) -> float:
         await held_out.before_push()
-        return await pusher.push(version)
+        return await supervisor.push(version)
 
     async def on_step(rep: StepReport) -> None:
         row = steplog.row(rep)
+        row["engine/restarts"] = supervisor.restarts
         out_of_time = bool(cfg.run.max_wall_s) and row["time/wall_s"] > cfg.run.max_wall_s
         final = rep.version == cfg.trainer.steps or out_of_time
         stop["now"] = out_of_time
@@ -462,6 +413,7 @@ async def _train_loop(
                 f"training stalled at step {buffer.version}: {e} (checkpoints and logs so far are kept)"
             ) from None
         finally:
+            watcher.cancel()
             for record in buffer.ledger.drain_records():
                 logs["ledger"].log(record)
         held_out.cancel()
@@ -476,25 +428,6 @@ class TrainingStalled(AgentrlError):
     """The buffer stalled: the message names what happened and what to change (exit 1)."""
 
     exit_code = 1
-
-
-class WeightPusher:
-    """Trainer → engines: full weights, or only the LoRA factors to an engine that merges them."""
-
-    def __init__(self, trainer: Any, engines: Engines, lora_push: str):
-        # vLLM's weight routes take whole tensors, so it gets the merged matrices; on a CPU host
-        # shm with merged matrices is the one place merged is faster (benchmarks/weight_push.py)
-        self.trainer, self.engines = trainer, engines
-        self.adapters = trainer.lora and not engines.on_vllm and lora_push == "adapters"
-
-    async def push(self, version: int) -> float:
-        if self.adapters:
-            tensors = await asyncio.to_thread(self.trainer.adapter_tensors)
-            seconds = await self.engines.sync.push(tensors, version, lora=True)
-        else:
-            seconds = await self.engines.sync.push(await asyncio.to_thread(self.trainer.named_tensors), version)
-        self.engines.tag_version(version)
-        return seconds
 
 
 async def checkpoint(

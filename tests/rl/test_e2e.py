@@ -139,3 +139,48 @@ def test_lora_run_pushes_only_adapters(tiny_model, tmp_path):
     assert all(0 < r["weights/push_mb"] < full_mb / 3 for r in rows), (full_mb, [r["weights/push_mb"] for r in rows])
     staleness = _trained_staleness(run_dir)
     assert staleness and max(staleness) <= 1  # the engine kept up with the adapter pushes
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                stat = (p / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(p.name))
+    return out
+
+
+def test_an_engine_killed_mid_run_is_restarted_and_the_run_completes(tiny_model, tmp_path):
+    run_dir = tmp_path / "run"
+    args = _overrides(tiny_model, run_dir, **{"trainer.steps": 12, "inference.max_retries": 1,
+                                               "inference.request_timeout_s": 5})
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "run", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(read_jsonl(run_dir / "metrics.jsonl")) >= 2:
+                break
+            time.sleep(0.05)
+        engines = [c for c in _children(proc.pid)
+                   if "agentrl.inference.server" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
+        assert len(engines) == 1, engines
+        os.kill(engines[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert "restarting it" in err.decode()
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(12)) and rows[-1]["engine/restarts"] == 1
+    _ledger_adds_up(rows[-1])
+    records = read_jsonl(run_dir / "ledger.jsonl")
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids))  # every episode reached one fate, once
+    errored = [r for r in records if r["fate"] == "errored"]
+    assert all(r["kind"] == "endpoint" for r in errored)  # the killed engine's episodes, named

@@ -1,0 +1,142 @@
+"""Phase 4 of `agentrl run`: the policy's engines, the weight push into them, and their supervision.
+
+:func:`open_engines` starts the embedded engine(s) on the warm start (or Ray actors, or
+connects to ``inference.base_url``) behind one :class:`~agentrl.inference.PolicyClient`;
+:class:`WeightPusher` sends the trainer's weights (or only its LoRA factors) through the
+run's :class:`~agentrl.weights.WeightSync`; :class:`Supervisor` restarts an engine that died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentrl.buffer import StalenessBuffer
+from agentrl.config import Config, InferenceConfig
+from agentrl.errors import AgentrlError
+from agentrl.metrics import LiveProgress
+
+
+@dataclass
+class Engines:
+    """The policy's endpoints: one client over all of them, the weight sync, engines we started."""
+
+    policy: Any  # agentrl.inference.Policy (or the Ray pool): base_urls, model, stop()
+    client: Any  # agentrl.inference.PolicyClient
+    sync: Any  # agentrl.weights.WeightSync
+    on_vllm: bool
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.sync.close()
+        await self.client.close()
+        await asyncio.to_thread(self.policy.stop)
+
+    def all_alive(self) -> bool:
+        """No engine agentrl started has died (checked before each group starts)."""
+        dead = getattr(self.policy, "dead", None)
+        return dead is None or not dead()
+
+    def tag_version(self, version: int) -> None:
+        # vLLM reports no per-token versions: the client tags tokens with the version current
+        # when each request started (never newer than the truth: the bound stays a bound)
+        self.client.default_version = version
+
+
+def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
+    """Start the engines on the warm start (or connect to ``inference.base_url``)."""
+    from agentrl.inference import EngineArgs, PolicyClient, open_policy
+    from agentrl.weights import make_weight_sync
+
+    ic: InferenceConfig = cfg.inference
+    args = EngineArgs(max_batch_size=ic.max_batch_size, max_model_len=ic.max_model_len, device=ic.device)
+    thread_env = {"OMP_NUM_THREADS": str(threads)}
+    if cfg.cluster.backend == "ray" and not ic.base_url:
+        from agentrl.distributed.ray_backend import open_ray_policy
+
+        policy = open_ray_policy(start_model, cfg.cluster, args, served_model_name=ic.model_name, env=thread_env)
+    else:
+        policy = open_policy(start_model, ic.base_url or None, args=args, served_model_name=ic.model_name,
+                             env=thread_env)
+    on_vllm = bool(ic.base_url) and ic.engine == "vllm"
+    try:
+        sync = make_weight_sync(policy.base_urls, ic.weight_transport, engine="vllm" if on_vllm else "embedded")
+    except ValueError as e:
+        policy.stop()
+        raise AgentrlError(f"weight sync: {e}") from None
+    # prompts are rendered in-process with the served model's own tokenizer: /tokenize round
+    # trips cost more CPU than the tiny model's decode step
+    client = PolicyClient(
+        policy.base_urls, policy.model, timeout=ic.request_timeout_s, max_retries=ic.max_retries,
+        tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
+        requests_per_s=cfg.rollout.requests_per_s, cache_salt=on_vllm,
+    )
+    return Engines(policy, client, sync, on_vllm)
+
+
+class WeightPusher:
+    """Trainer → engines: full weights, or only the LoRA factors to an engine that merges them."""
+
+    def __init__(self, trainer: Any, engines: Engines, lora_push: str):
+        # vLLM's weight routes take whole tensors, so it gets the merged matrices; on a CPU host
+        # shm with merged matrices is the one place merged is faster (benchmarks/weight_push.py)
+        self.trainer, self.engines = trainer, engines
+        self.adapters = trainer.lora and not engines.on_vllm and lora_push == "adapters"
+
+    async def push(self, version: int) -> float:
+        if self.adapters:
+            tensors = await asyncio.to_thread(self.trainer.adapter_tensors)
+            seconds = await self.engines.sync.push(tensors, version, lora=True)
+        else:
+            seconds = await self.engines.sync.push(await asyncio.to_thread(self.trainer.named_tensors), version)
+        self.engines.tag_version(version)
+        return seconds
+
+
+class Supervisor:
+    """Restarts an embedded engine that died and brings it to the current weights.
+
+    Its in-flight requests fail over to other engines or, with one engine, fail after the
+    client's retries: those episodes are errored with kind ``endpoint``, never lost.  Pushes and
+    restarts hold one lock, so a push never races a restart.
+    """
+
+    def __init__(self, engines: Engines, pusher: WeightPusher, buffer: StalenessBuffer, live: LiveProgress):
+        self.engines, self.pusher, self.buffer, self.live = engines, pusher, buffer, live
+        self.lock = asyncio.Lock()
+        self.restarts = 0
+
+    def _dead(self) -> list[Any]:
+        dead = getattr(self.engines.policy, "dead", None)
+        return dead() if dead is not None else []
+
+    async def watch(self, every_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            if self._dead():
+                await self.revive()
+
+    async def revive(self) -> None:
+        async with self.lock:
+            for engine in self._dead():
+                self.live.note(f"engine {engine.base_url} died (exit {engine.proc.returncode}); restarting it")
+                await asyncio.to_thread(engine.restart)
+                self.restarts += 1
+            await self.pusher.push(self.buffer.version)  # the restarted engine is back on the base weights
+
+    async def push(self, version: int) -> float:
+        """Push, waiting out (and repairing) an engine that died under it."""
+        from agentrl.errors import WeightSyncError
+
+        for _ in range(3):
+            async with self.lock:
+                try:
+                    return await self.pusher.push(version)
+                except WeightSyncError:
+                    if not self._dead():
+                        raise
+            await self.revive()
+        return await self.pusher.push(version)
