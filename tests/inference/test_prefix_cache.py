@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from agentrl.inference.engine import Engine
+from agentrl.inference.kv_cache import SlotCache
+from agentrl.inference.prefix_cache import PrefixCache
 from agentrl.inference.sampling import EngineSampling
 from agentrl.tiny_model import build_family_model
 
@@ -189,3 +191,21 @@ def test_metrics_and_reset_over_http(engine):
         assert http.get("/metrics").json()["prefix_cache_blocks"] == 0
         http.post("/v1/completions", json=body).raise_for_status()
         assert http.get("/metrics").json()["prefix_hit_tokens"] == after["prefix_hit_tokens"]
+
+
+def test_the_least_recent_block_is_always_a_leaf():
+    slots = SlotCache(1, 2, 1, 32, 2, torch.float32, torch.device("cpu"))
+    slots.k.copy_(torch.randn(slots.k.shape))
+    slots.v.copy_(torch.randn(slots.v.shape))
+    cache = PrefixCache(slots, num_blocks=4, block_size=4)
+    a, b = list(range(12)), list(range(100, 108))
+    assert cache.store(a, 0, 12) == 3
+    want = slots.k[:, 0, :, :8].clone()
+    assert cache.store(b, 1, 8) == 2  # one block must go: a's last one, not its root
+    assert len(cache.match(a)) == 2 and len(cache.match(b)) == 2 and cache.evicted_blocks == 1
+    chain = cache.match(a + [7])
+    cache.load(chain, 1)
+    assert torch.equal(slots.k[:, 1, :, :8], want)
+    assert cache.next_key(a, chain) == (chain[-1].id, tuple(a[8:12]))
+    # a chain longer than the pool keeps what fits instead of evicting itself
+    assert cache.store(list(range(200, 224)), 0, 24) <= 4 and len(cache.match(list(range(200, 224)))) >= 1
