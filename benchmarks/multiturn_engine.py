@@ -32,7 +32,7 @@ import torch
 
 from agentrl.inference.engine import Engine
 from agentrl.inference.sampling import EngineSampling
-from agentrl.tiny_model import build_tiny_model
+from agentrl.tiny_model import build_family_model
 
 
 def workload(args) -> list[tuple[list[int], list[list[int]]]]:
@@ -87,9 +87,11 @@ def run(engine: Engine, episodes, args) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", default=None, help="HF model dir (default: build a tiny Llama)")
+    ap.add_argument("--model-dir", default=None, help="HF model dir (default: build a small random Llama)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=1, help="grouped-query attention, as Llama 3 / Qwen2.5 / Mistral")
     ap.add_argument("--tasks", type=int, default=4)
     ap.add_argument("--group", type=int, default=8, help="episodes per task (G)")
     ap.add_argument("--turns", type=int, default=4)
@@ -105,8 +107,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tmp = tempfile.TemporaryDirectory()
-    model_dir = args.model_dir or build_tiny_model(Path(tmp.name) / "m", layers=args.layers, hidden=args.hidden,
-                                                   heads=max(1, args.hidden // 64), max_position=2048)  # fmt: skip
+    model_dir = args.model_dir or build_family_model(
+        Path(tmp.name) / "m", "llama", hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        initializer_range=0.02, max_position_embeddings=4096,
+    )  # fmt: skip
     episodes = workload(args)
     longest = max(len(p) + sum(map(len, t)) for p, t in episodes) + args.turns * args.completion_tokens
     common = {"device": args.device, "max_batch_size": len(episodes), "max_model_len": longest + 8}

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from agentrl.errors import RequestError
+from agentrl.errors import EngineStartError, RequestError
 from agentrl.inference import model_support
 from agentrl.inference.engine_args import EngineArgs
 from agentrl.inference.kv_cache import SlotCache, attention_masks
@@ -156,6 +156,8 @@ class Engine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.prefix: PrefixCache | None = None
+        if args.prefix_block_size < 1:
+            raise EngineStartError(f"prefix_block_size must be >= 1, got {args.prefix_block_size}")
         if args.enable_prefix_caching:
             tokens = args.prefix_cache_tokens or self.max_batch_size * self.max_model_len
             self.prefix = PrefixCache(self._cache, max(1, tokens // args.prefix_block_size), args.prefix_block_size)

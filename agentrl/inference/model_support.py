@@ -145,6 +145,8 @@ def self_check(engine: Engine, length: int = 24) -> float:
     """
     model, dev = engine.model, engine.device
     length = min(length, engine.max_model_len - 1)
+    if length < 8:  # too short a context to probe (and to serve anything useful)
+        return 0.0
     rows = 2 if engine.max_batch_size >= 2 else 1
     gen = torch.Generator().manual_seed(1234)
     probe = torch.randint(model.config.vocab_size, (rows, length), generator=gen)
