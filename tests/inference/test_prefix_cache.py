@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -9,11 +10,13 @@ import httpx
 import pytest
 import torch
 
+from agentrl.inference.client import PolicyClient
 from agentrl.inference.engine import Engine
 from agentrl.inference.kv_cache import SlotCache
 from agentrl.inference.prefix_cache import PrefixCache
 from agentrl.inference.sampling import EngineSampling
 from agentrl.tiny_model import build_family_model
+from agentrl.types import SamplingParams
 
 BS = 16  # prefix_block_size
 
@@ -209,3 +212,20 @@ def test_the_least_recent_block_is_always_a_leaf():
     assert cache.next_key(a, chain) == (chain[-1].id, tuple(a[8:12]))
     # a chain longer than the pool keeps what fits instead of evicting itself
     assert cache.store(list(range(200, 224)), 0, 24) <= 4 and len(cache.match(list(range(200, 224)))) >= 1
+
+
+async def test_a_pinned_group_over_http_prefills_its_prompt_once(engine):
+    # what the rollout does for a group: G concurrent calls with one prompt, pinned to one endpoint
+    prompt, g = tokens(70, 12), 6
+    async with PolicyClient(engine.base_url, engine.model) as client, httpx.AsyncClient(base_url=engine.root_url) as http:
+        before = (await http.get("/metrics")).json()
+        pin = client.pin(g)
+        try:
+            calls = (pin.complete(prompt, SamplingParams(max_tokens=3, seed=i)) for i in range(g))
+            assert len(await asyncio.gather(*calls)) == g
+        finally:
+            pin.release()
+        after = (await http.get("/metrics")).json()
+    shared = len(prompt) // BS * BS  # the server's default block size is 16 too
+    assert after["prompt_tokens"] - before["prompt_tokens"] == g * len(prompt)
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompt) + (g - 1) * (len(prompt) - shared)
