@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import json
 import random
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -231,3 +233,63 @@ def count_parameters(model_dir: str | Path) -> int:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- other families
+
+FAMILY_WINDOW = 16  # sliding windows are short, so prompts + completions cross them
+
+# family -> (config class name in transformers, what makes it that family)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"num_key_value_heads": 2}),
+    "qwen2": ("Qwen2Config", {"num_key_value_heads": 2}),  # q/k/v bias
+    "qwen2-sliding": ("Qwen2Config", {"num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": FAMILY_WINDOW, "max_window_layers": 1}),
+    "qwen3": ("Qwen3Config", {"num_key_value_heads": 2, "head_dim": 32}),  # q/k norm, head_dim ≠ hidden/heads
+    "mistral": ("MistralConfig", {"num_key_value_heads": 2, "sliding_window": FAMILY_WINDOW}),
+    "gemma2": ("Gemma2Config", {  # eager attention, attention + final-logit softcapping, sliding/full layers
+        "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": FAMILY_WINDOW,
+        "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+    }),
+    "phi3": ("Phi3Config", {  # fused qkv / gate_up, window, dropout in the config (the engine runs it off)
+        "num_key_value_heads": 2, "sliding_window": FAMILY_WINDOW + 8, "resid_pdrop": 0.1, "attention_dropout": 0.1,
+        "embd_pdrop": 0.1,
+    }),
+}
+
+
+@cache
+def _tokenizer512():
+    return build_tokenizer(512)
+
+
+def build_family_model(out_dir: str | Path, family: str, *, dtype: str = "float32", seed: int = 0,
+                       **overrides: Any) -> Path:  # fmt: skip
+    """Write a 2-layer, hidden-64 random model of ``family`` (a :data:`FAMILIES` key, or any
+    ``transformers`` config class name) with agentrl's tokenizer; ``overrides`` go to the config.
+
+    No hub: the family's own config class with tiny sizes; weights drawn at
+    ``initializer_range`` 0.2 so next-token distributions are far from uniform (a wrong mask
+    or a skipped logit transform then moves logprobs by whole nats).  The engine parity suite
+    (``tests/inference/test_parity.py``) runs over these.
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config_name, family_kw = FAMILIES.get(family, (family, {}))
+    tok = _tokenizer512()
+    eos, pad = tok.convert_tokens_to_ids(IM_END), tok.convert_tokens_to_ids(PAD)
+    kw = {
+        "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 512, "initializer_range": 0.2,
+        "bos_token_id": None, "eos_token_id": eos, "pad_token_id": pad,
+        **family_kw, **overrides,
+    }  # fmt: skip
+    config = getattr(transformers, config_name)(**kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out

@@ -2,20 +2,21 @@
 
 One background thread owns the model.  Each loop iteration ("step"):
 
-1. admits waiting requests into free slots and prefills their prompts in one padded
-   forward pass (a request with ``n`` choices is prefilled once; its cache rows are copied);
+1. admits waiting requests into free slots, copies each prompt's cached prefix
+   (:mod:`agentrl.inference.prefix_cache`) into its slot and prefills only the rest, all
+   rows in one padded forward (a request with ``n`` choices is prefilled once; its slot is copied);
 2. decodes one token for every running sequence in one batched forward pass;
-3. retires finished sequences at once (their slots are refilled by compaction), so a long
-   request never holds short ones back and new requests join at any step.
+3. retires finished sequences at once (their K/V go to the prefix cache, their slots are
+   refilled by compaction), so a long request never holds short ones back.
 
-The KV cache is one preallocated tensor per K and V, ``[layers, max_batch, kv_heads,
-max_model_len, head_dim]``; running sequences always occupy slots ``0..B-1`` so a decode
-step attends over the view ``[:, :B, :, :L]`` with a boolean mask ``key_pos <= query_pos``.
-The HF model's own forward runs unchanged: :class:`_SlotCache` implements the one
-``Cache.update`` hook the attention layers call, and the 4-D mask bypasses HF's mask
-builder.  (transformers' own continuous batching was considered; it has no per-request
-sampling parameters, sampling-distribution logprobs, or pause-and-swap weight updates
-with per-token version tags, which training needs.)
+Running sequences occupy slots ``0..B-1`` of the slot cache (:mod:`agentrl.inference.kv_cache`).
+Each forward is the model's own ``*ForCausalLM`` forward, unchanged: the slot cache is its
+``Cache``, the engine passes per-row masks (causal, sliding window per layer kind) and
+position ids, and ``logits_to_keep`` picks each row's last token, so the model's own logit
+processing applies.  A model whose path the engine cannot reproduce is refused at load
+(:mod:`agentrl.inference.model_support`).  (transformers' own continuous batching was
+considered; it has no per-request sampling parameters, sampling-distribution logprobs, or
+pause-and-swap weight updates with per-token version tags, which training needs.)
 
 Sampling and logprobs: :mod:`agentrl.inference.sampling` (the μ contract the trainer
 mirrors).  Every sampled token is returned with its μ, its support size and the weight
@@ -29,14 +30,15 @@ hand the batch off (e.g. ``loop.call_soon_threadsafe``).  Requests without a cal
 no per-token streaming work.
 
 Weights: :meth:`Engine.update_weights` waits for the current step to end, swaps the
-tensors, bumps ``version`` and lets the loop continue.  In-flight sequences keep their KV
-cache (vLLM ``pause(mode="keep")`` semantics) and every token records the version that
-produced it.
+tensors, bumps ``version``, clears the prefix cache and lets the loop continue.  In-flight
+sequences keep their KV cache (vLLM ``pause(mode="keep")`` semantics) and every token
+records the version that produced it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import threading
 import time
 from collections import deque
@@ -47,8 +49,11 @@ from typing import Any
 
 import torch
 
-from agentrl.errors import RequestError
+from agentrl.errors import EngineStartError, RequestError
+from agentrl.inference import model_support
 from agentrl.inference.engine_args import EngineArgs
+from agentrl.inference.kv_cache import SlotCache, attention_masks
+from agentrl.inference.prefix_cache import Block, PrefixCache
 from agentrl.inference.sampling import EngineSampling, sample
 
 
@@ -88,6 +93,7 @@ class _Sequence:
     index: int
     slot: int = -1
     cached: int = 0  # tokens whose K/V are in the cache
+    epoch: int = 0  # the prefix-cache epoch its K/V started in (stale once the weights change)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -109,37 +115,6 @@ class _Request:
     on_tokens: TokenCallback | None = None
 
 
-class _SlotCache:
-    """The ``Cache.update`` hook HF attention layers call, backed by the slot tensors.
-
-    Before each forward the engine binds the first slot row ``r0``, the positions
-    ``[R, T]`` the new tokens take, and the key length ``L`` attention should see.
-    """
-
-    is_compileable = False
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v
-        self.r0 = 0
-        self.positions: torch.Tensor | None = None
-        self.kv_len = 0
-
-    def bind(self, r0: int, positions: torch.Tensor, kv_len: int) -> None:
-        self.r0, self.positions, self.kv_len = r0, positions, kv_len
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        rows, heads, t, dim = key_states.shape
-        kb = self.k[layer_idx, self.r0 : self.r0 + rows]
-        vb = self.v[layer_idx, self.r0 : self.r0 + rows]
-        idx = self.positions[:, None, :, None].expand(rows, heads, t, dim)
-        kb.scatter_(2, idx, key_states.to(kb.dtype))
-        vb.scatter_(2, idx, value_states.to(vb.dtype))
-        return kb[:, :, : self.kv_len], vb[:, :, : self.kv_len]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.kv_len
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -150,40 +125,44 @@ class Engine:
     """A batched generator over one HF causal LM. Thread-safe ``submit``; see module doc."""
 
     def __init__(self, model_dir: str | Path, args: EngineArgs | None = None, **overrides: Any):
-        """``args`` (or keyword overrides of its fields): :class:`EngineArgs`."""
+        """``args`` (or keyword overrides of its fields): :class:`EngineArgs`.
+
+        Raises :class:`~agentrl.errors.EngineStartError` (one line) for a model it cannot
+        load or cannot serve exactly (:mod:`agentrl.inference.model_support`).
+        """
         from dataclasses import replace
 
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         args = replace(args or EngineArgs(), **overrides)
-        max_batch_size, max_model_len = args.max_batch_size, args.max_model_len
+        self.args = args
         self.model_dir = Path(model_dir)
         self.device = resolve_device(args.device)
-        torch_dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch_dtype or "auto")
-        self.model = model.to(self.device).eval()
-        cfg = self.model.config
-        self.max_batch_size = max_batch_size
-        limit = getattr(cfg, "max_position_embeddings", None) or max_model_len
-        self.max_model_len = min(max_model_len, limit)
+        self.model, self.tokenizer = model_support.load_model(self.model_dir, args.dtype, self.device)
+        cfg = self.model.config.get_text_config()
+        self.max_batch_size = args.max_batch_size
+        limit = getattr(cfg, "max_position_embeddings", None) or args.max_model_len
+        self.max_model_len = min(args.max_model_len, limit)
+        model_support.check_servable(self.model, self.max_model_len)
         self.prefill_token_budget = max(args.prefill_token_budget, self.max_model_len)
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = model_support.eos_ids(self.model, self.tokenizer)
 
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        shape = (cfg.num_hidden_layers, max_batch_size, kv_heads, self.max_model_len, head_dim)
-        param_dtype = next(self.model.parameters()).dtype
-        self._k = torch.zeros(shape, dtype=param_dtype, device=self.device)
-        self._v = torch.zeros(shape, dtype=param_dtype, device=self.device)
-        self._cache = _SlotCache(self._k, self._v)
-        self._base = self.model.base_model
-        self._head = self.model.get_output_embeddings()
-        import inspect
-
-        params = inspect.signature(self._base.forward).parameters
+        self.dtype = next(self.model.parameters()).dtype
+        self._cache = SlotCache(cfg.num_hidden_layers, self.max_batch_size, kv_heads, self.max_model_len, head_dim,
+                                self.dtype, self.device)  # fmt: skip
+        self._mask_kinds, self._mask_dict = model_support.mask_kinds(cfg)
+        self._bool_mask = cfg._attn_implementation == "sdpa"  # eager adds the mask: it must be 0 / -inf
+        params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.prefix: PrefixCache | None = None
+        if args.prefix_block_size < 1:
+            raise EngineStartError(f"prefix_block_size must be >= 1, got {args.prefix_block_size}")
+        if args.enable_prefix_caching:
+            tokens = args.prefix_cache_tokens or self.max_batch_size * self.max_model_len
+            self.prefix = PrefixCache(self._cache, max(1, tokens // args.prefix_block_size), args.prefix_block_size)
+        self._epoch = 0  # bumped when cached K/V go stale (weights changed)
+        self.self_check_delta = model_support.self_check(self)
 
         self.version = 0
         self._waiting: deque[_Request] = deque()
@@ -199,22 +178,11 @@ class Engine:
         self.total_generated = 0
         self.steps = 0
         self.requests_aborted = 0  # cancelled by their client (disconnect) before finishing
+        self.prompt_tokens = 0  # prompt tokens of admitted requests (each prompt once, whatever its n)
+        self.prefill_tokens = 0  # of those, run through a prefill forward
+        self.prefix_hit_tokens = 0  # of those, copied from the prefix cache instead
         self._thread = threading.Thread(target=self._loop, name="agentrl-engine", daemon=True)
         self._thread.start()
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (self.model.generation_config, self.model.config):
-            eos = getattr(src, "eos_token_id", None)
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif eos:
-                ids.update(eos)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        if self.tokenizer.pad_token_id is not None:  # a sampled padding token ends the sequence too
-            ids.add(self.tokenizer.pad_token_id)
-        return ids
 
     # ------------------------------------------------------------------ public API
 
@@ -274,7 +242,31 @@ class Engine:
         return self._paused
 
     def update_weights(self, apply: Callable[[torch.nn.Module], Any], version: int | None = None) -> int:
-        """Run ``apply(model)`` between steps, then set the version (default: +1). Returns it."""
+        """Run ``apply(model)`` between steps, then set the version (default: +1). Returns it.
+
+        The prefix cache is cleared (K/V of older weights would be reused as if current) unless
+        ``EngineArgs.keep_prefix_cache_on_weight_update``; sequences in flight keep their K/V.
+        """
+        def swap() -> int:
+            apply(self.model)
+            if not self.args.keep_prefix_cache_on_weight_update:
+                self._invalidate_prefix_cache()
+            self.version = self.version + 1 if version is None else int(version)
+            return self.version
+
+        return self._between_steps(swap)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's ``/reset_prefix_cache``)."""
+        self._between_steps(self._invalidate_prefix_cache)
+
+    def _invalidate_prefix_cache(self) -> None:
+        self._epoch += 1  # running sequences' K/V will not be stored either
+        if self.prefix is not None:
+            self.prefix.clear()
+
+    def _between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the caller's thread while the engine loop is parked between steps."""
         with self._cv:
             while self._updating:
                 self._cv.wait()
@@ -283,9 +275,7 @@ class Engine:
                 self._cv.wait()
         try:
             with torch.no_grad():
-                apply(self.model)
-            self.version = self.version + 1 if version is None else int(version)
-            return self.version
+                return fn()
         finally:
             with self._cv:
                 self._updating = False
@@ -305,6 +295,13 @@ class Engine:
                 "total_generated_tokens": self.total_generated,
                 "steps": self.steps,
                 "requests_aborted": self.requests_aborted,
+                "prompt_tokens": self.prompt_tokens,
+                "prefill_tokens": self.prefill_tokens,
+                "prefix_hit_tokens": self.prefix_hit_tokens,
+                "prefix_cache_hit_rate": self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+                "prefix_cache_blocks": self.prefix.used_blocks if self.prefix is not None else 0,
+                "prefix_cache_capacity_blocks": self.prefix.num_blocks if self.prefix is not None else 0,
+                "prefix_cache_evicted_blocks": self.prefix.evicted_blocks if self.prefix is not None else 0,
                 "version": self.version,
                 "paused": self._paused,
                 "max_batch_size": self.max_batch_size,
@@ -366,10 +363,16 @@ class Engine:
             self._decode()
         self.steps += 1
 
-    def _take_admissible(self) -> list[_Request]:
-        out: list[_Request] = []
+    def _take_admissible(self) -> list[tuple[_Request, list[Block]]]:
+        """FIFO requests that fit the free slots and the prefill budget, each with its cached prefix.
+
+        A request whose first uncached block an earlier request of this step will compute (a
+        group's episodes, a shared system prompt) waits one step and then reuses it.
+        """
+        out: list[tuple[_Request, list[Block]]] = []
         free = self.max_batch_size - len(self._active)
         budget = self.prefill_token_budget
+        computing: set = set()  # first new block of each request admitted this step
         with self._cv:
             while self._waiting:
                 req = self._waiting[0]
@@ -377,39 +380,81 @@ class Engine:
                     self._waiting.popleft()
                     self.requests_aborted += 1
                     continue
-                if req.n > free or (out and len(req.prompt_ids) > budget):
+                if req.n > free:
+                    break
+                chain = self.prefix.match(req.prompt_ids) if self.prefix is not None else []
+                new = len(req.prompt_ids) - self._hit(req, chain)
+                nxt = self.prefix.next_key(req.prompt_ids, chain) if self.prefix is not None else None
+                if out and (new > budget or nxt in computing):
                     break
                 self._waiting.popleft()
-                out.append(req)
+                out.append((req, chain))
                 free -= req.n
-                budget -= len(req.prompt_ids)
+                budget -= new
+                if nxt is not None:
+                    computing.add(nxt)
         return out
 
-    def _forward(self, r0: int, input_ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Run the base model on rows ``r0..`` of the slot cache; returns hidden states."""
-        mask = torch.arange(kv_len, device=self.device)[None, None, None, :] <= positions[:, None, :, None]
-        self._cache.bind(r0, positions, kv_len)
-        out = self._base(
-            input_ids=input_ids,
-            attention_mask=mask,
+    def _hit(self, req: _Request, chain: list[Block]) -> int:
+        """Prompt tokens served from the cache: at least the last one is prefilled (its logits start decoding)."""
+        return min(len(chain) * self.prefix.block_size, len(req.prompt_ids) - 1) if chain else 0
+
+    def _forward(self, r0: int, ids: torch.Tensor, positions: torch.Tensor, write_idx: torch.Tensor,
+                 kv_len: int, keep: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The model's own forward on slot rows ``r0..``: ``[R, V]`` float32 logits of the ``keep`` tokens.
+
+        Running the whole ``*ForCausalLM`` (not the base model + LM head) keeps the model's
+        own logit processing (softcapping, scaling); ``keep`` selects each row's last token.
+        """
+        masks = attention_masks(positions, kv_len, self._mask_kinds, self._bool_mask, self.dtype)
+        self._cache.bind(r0, write_idx, kv_len)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=masks if self._mask_dict else masks[next(iter(masks))],
             position_ids=positions,
             use_cache=True,
+            logits_to_keep=keep,
             **{self._cache_kw: self._cache},
         )
-        return out.last_hidden_state
+        return out.logits[:, -1].float()
 
-    def _prefill(self, reqs: list[_Request]) -> None:
+    def _prefill_logits(self, r0: int, chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Run ``chunks[i]`` at positions ``starts[i]..`` of slot ``r0 + i`` (K/V before ``starts[i]`` are
+        already there); right-padded, pads write the scratch column.  Logits of each last token."""
+        dev = self.device
+        n = torch.tensor([len(c) for c in chunks], device=dev)
+        start = torch.tensor(starts, device=dev)
+        t = int(n.max())
+        ids = torch.zeros((len(chunks), t), dtype=torch.long)
+        for i, c in enumerate(chunks):
+            ids[i, : len(c)] = torch.tensor(c)
+        cols = torch.arange(t, device=dev)[None, :]
+        # a pad repeats its row's last position (its rope and mask stay in range) but writes the scratch column
+        positions = start[:, None] + torch.minimum(cols, n[:, None] - 1)
+        write_idx = torch.where(cols < n[:, None], start[:, None] + cols, self._cache.scratch)
+        kv_len = int((start + n).max())
+        return self._forward(r0, ids.to(dev), positions, write_idx, kv_len, (n - 1)[:, None])
+
+    def _decode_logits(self, r0: int, ids: list[list[int]], positions: list[int]) -> torch.Tensor:
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
+        tok = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return self._forward(r0, tok, pos, pos, max(positions) + 1, 1)
+
+    def _prefill(self, admitted: list[tuple[_Request, list[Block]]]) -> None:
         r0 = len(self._active)
+        reqs = [r for r, _ in admitted]
+        hits = [self._hit(r, chain) for r, chain in admitted]
+        for i, (_, chain) in enumerate(admitted):
+            if chain:
+                self.prefix.load(chain, r0 + i)
+        logits = self._prefill_logits(r0, [r.prompt_ids[h:] for r, h in zip(reqs, hits, strict=True)], hits)
         lens = [len(r.prompt_ids) for r in reqs]
-        t = max(lens)
-        ids = torch.full((len(reqs), t), 0, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, : lens[i]] = torch.tensor(r.prompt_ids)
-        ids = ids.to(self.device)
-        positions = torch.arange(t, device=self.device).expand(len(reqs), t).contiguous()
-        hidden = self._forward(r0, ids, positions, t)
-        last = hidden[torch.arange(len(reqs), device=self.device), torch.tensor(lens, device=self.device) - 1]
-        logits = self._head(last).float()
+        self.prompt_tokens += sum(lens)
+        self.prefix_hit_tokens += sum(hits)
+        self.prefill_tokens += sum(lens) - sum(hits)
+        if self.prefix is not None:  # so the rest of a group (or the next turn) starts from here
+            for i, r in enumerate(reqs):
+                self.prefix.store(r.prompt_ids, r0 + i, lens[i])
 
         # place every choice in a slot: choice 0 uses the prefill row, others get copies
         row_of: dict[int, int] = {}
@@ -421,8 +466,9 @@ class Engine:
                     seq.slot = r0 + i
                 else:
                     seq.slot, extra = extra, extra + 1
-                    self._copy_slot(r0 + i, seq.slot, lens[i])
+                    self._cache.copy_slot(r0 + i, seq.slot, lens[i])
                 seq.cached = lens[i]
+                seq.epoch = self._epoch
                 row_of[id(seq)] = i
                 new.append(seq)
         new.sort(key=lambda s: s.slot)
@@ -433,11 +479,7 @@ class Engine:
 
     def _decode(self) -> None:
         seqs = self._active
-        ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[s.cached] for s in seqs], dtype=torch.long, device=self.device)
-        kv_len = max(s.cached for s in seqs) + 1
-        hidden = self._forward(0, ids, positions, kv_len)
-        logits = self._head(hidden[:, -1]).float()
+        logits = self._decode_logits(0, [[s.token_ids[-1]] for s in seqs], [s.cached for s in seqs])
         for s in seqs:
             s.cached += 1
         self._sample_and_record(seqs, logits)
@@ -512,12 +554,16 @@ class Engine:
         done = [s for s in self._active if s.finish_reason is not None]
         if not done:
             return
+        if self.prefix is not None:  # keep what they computed for the next turn, before slots are reused
+            for s in done:
+                if s.epoch == self._epoch:
+                    self.prefix.store(s.request.prompt_ids + s.token_ids, s.slot, s.cached)
         b = len(live)
         occupied = {s.slot for s in live}
         holes = [slot for slot in range(b) if slot not in occupied]
         movers = sorted((s for s in live if s.slot >= b), key=lambda s: s.slot)
         for hole, s in zip(holes, movers, strict=True):
-            self._copy_slot(s.slot, hole, s.cached)
+            self._cache.copy_slot(s.slot, hole, s.cached)
             s.slot = hole
         self._active = sorted(live, key=lambda s: s.slot)
         for s in done:
@@ -527,11 +573,6 @@ class Engine:
                     req.future.set_result([self._result(x) for x in req.seqs])
                 except concurrent.futures.InvalidStateError:  # cancelled by its client meanwhile
                     pass
-
-    def _copy_slot(self, src: int, dst: int, length: int) -> None:
-        if src != dst and length > 0:
-            self._k[:, dst, :, :length] = self._k[:, src, :, :length]
-            self._v[:, dst, :, :length] = self._v[:, src, :, :length]
 
     def _result(self, s: _Sequence) -> SequenceResult:
         text = s.text if s.text is not None else self._detokenize(s.token_ids)

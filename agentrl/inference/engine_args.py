@@ -18,6 +18,10 @@ class EngineArgs:
     device: str = "auto"  # auto | cpu | cuda[:i]
     dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
     prefill_token_budget: int = 4096  # prompt tokens prefilled together in one step
+    enable_prefix_caching: bool = True  # reuse K/V of earlier prompts/turns (vLLM's name)
+    prefix_cache_tokens: int = 0  # tokens of K/V the prefix cache keeps; 0 = max_batch_size * max_model_len
+    prefix_block_size: int = 16  # tokens per cached block (a prefix is reused in whole blocks)
+    keep_prefix_cache_on_weight_update: bool = False  # True reuses K/V computed by older weights (inexact)
 
     def cli_args(self) -> list[str]:
         """The same settings as ``python -m agentrl.inference.server`` flags."""

@@ -169,7 +169,11 @@ def wait_for_health(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            lines = log_path.read_text(errors="replace").splitlines()
+            refusal = [ln for ln in lines if ln.startswith("agentrl engine: error: ")]
+            if refusal:  # the engine said why in one line (e.g. a model it cannot serve exactly)
+                raise EngineStartError(refusal[-1].removeprefix("agentrl engine: error: "))
+            tail = "\n".join(lines[-15:])
             raise EngineStartError(f"{what} exited with code {proc.returncode} during startup:\n{tail}")
         bound = port()
         if bound is not None:

@@ -11,6 +11,7 @@ Routes (vLLM names and fields where vLLM has them):
   from: :mod:`agentrl.inference.sampling`).  ``stream: true``: :mod:`agentrl.inference.streaming`.
 - ``POST /tokenize`` (``prompt`` or ``messages`` + ``tools``), ``POST /detokenize``.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (JSON).
+- ``POST /reset_prefix_cache`` (the prefix cache is also cleared by every weight update).
 - weights: ``POST /pause`` (mode=keep), ``POST /resume``, ``GET /is_paused``,
   ``POST /update_weights_from_disk`` ``{model_path, weight_version?, lora?}``,
   ``POST /update_weights_from_shm`` ``{path, size, manifest, weight_version?, lora?}``
@@ -39,7 +40,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentrl.errors import RequestError
+from agentrl.errors import EngineStartError, RequestError
 from agentrl.inference import streaming
 from agentrl.inference.engine import Engine, SequenceResult
 from agentrl.inference.engine_args import EngineArgs
@@ -62,6 +63,8 @@ from agentrl.tool_format import parse_tool_calls
 from agentrl.types import new_id
 from agentrl.weights.lora import AdapterMerger
 from agentrl.weights.receive import SharedWeights, load_safetensors_path, read_safetensors
+
+STARTUP_ERROR = "agentrl engine: error: "  # prefix of the one line a refused start prints
 
 
 async def _unless_disconnected(work: Any, http: Request) -> Any:
@@ -422,6 +425,11 @@ def _weight_routes(app: FastAPI, srv: EngineServer) -> None:
     async def is_paused():
         return {"is_paused": engine.is_paused}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        await asyncio.to_thread(engine.reset_prefix_cache)
+        return {"success": True}
+
     @app.get("/get_weight_version")
     async def get_weight_version():
         return {"weight_version": engine.version}
@@ -513,6 +521,15 @@ def serve(
         engine.close()
 
 
+def _flag(text: str) -> bool:
+    """A boolean flag value as :meth:`EngineArgs.cli_args` writes it (True/False)."""
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m agentrl.inference.server MODEL_DIR [--port ...]`` (used by the launcher)."""
     import argparse
@@ -524,20 +541,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     for f in fields(EngineArgs):
-        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name))
+        default = getattr(defaults, f.name)
+        kind = _flag if isinstance(default, bool) else type(default)
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=default)
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--port-file", default=None)
     ap.add_argument("--parent-pid", type=int, default=None)
     a = ap.parse_args(argv)
-    serve(
-        a.model_dir,
-        host=a.host,
-        port=a.port,
-        args=EngineArgs(**{f.name: getattr(a, f.name) for f in fields(EngineArgs)}),
-        served_model_name=a.served_model_name,
-        port_file=a.port_file,
-        parent_pid=a.parent_pid,
-    )
+    try:
+        serve(
+            a.model_dir,
+            host=a.host,
+            port=a.port,
+            args=EngineArgs(**{f.name: getattr(a, f.name) for f in fields(EngineArgs)}),
+            served_model_name=a.served_model_name,
+            port_file=a.port_file,
+            parent_pid=a.parent_pid,
+        )
+    except EngineStartError as e:  # a refusal is one line (the launcher reports it as is)
+        print(f"{STARTUP_ERROR}{e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

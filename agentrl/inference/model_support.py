@@ -1,0 +1,186 @@
+"""What the embedded engine can serve exactly, decided when a model is loaded.
+
+The engine runs the model's own HF forward (so its own logit processing: final-logit
+softcapping, logit scaling, ...) over its slot cache, with masks it builds per row
+(:mod:`agentrl.inference.kv_cache`).  That is exact when the model's attention is causal
+over full and/or sliding-window layers, its rotary frequencies do not depend on the batch,
+and it reads K/V only through ``Cache.update``.  Anything else is refused at load with a
+one-line :class:`~agentrl.errors.EngineStartError` naming what is missing, never served wrong:
+
+1. static checks on the config (:func:`unsupported_features`);
+2. a self-check (:func:`self_check`): a short probe prefilled in two chunks over two padded
+   rows, then decoded, through the engine's own path, compared with the model's plain forward
+   of the same tokens.  It catches what no config field says (a model that ignores position
+   ids, keeps K/V elsewhere, or cannot slice its logits per row).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from agentrl.errors import EngineStartError
+from agentrl.inference.kv_cache import FULL, SLIDING
+
+if TYPE_CHECKING:
+    from agentrl.inference.engine import Engine
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# max |Δ logprob| (over each position's 16 likeliest tokens) the self-check tolerates: kernels
+# differ between a padded batch and a plain forward (rounding, large in half precision); a wrong
+# mask or a skipped logit transform moves the likely tokens by nats
+SELF_CHECK_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.25}
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def load_model(model_dir: Path, dtype: str, device: torch.device) -> tuple[Any, Any]:
+    """(model in eval mode on ``device``, tokenizer) from a local HF causal-LM directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise EngineStartError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+    if not (model_dir / "config.json").is_file():
+        raise EngineStartError(f"no model at {str(model_dir)!r} (expected a HF model dir with config.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES.get(dtype, "auto"))
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise EngineStartError(f"cannot load {str(model_dir)!r} as a causal LM: {_one_line(e)}") from e
+    return model.to(device).eval(), tokenizer
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Token ids that end a sequence: the model's generation config and config EOS sets, the
+    tokenizer's eos, and its pad token (a sampled padding token ends the sequence too)."""
+    ids: set[int] = set()
+    for src in (model.generation_config, model.config):
+        eos = getattr(src, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    ids.update(t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None)
+    return ids
+
+
+def mask_kinds(cfg: Any) -> tuple[dict[str, int | None], bool]:
+    """(layer kind -> sliding window, whether the model takes a per-kind dict of masks)."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        return {kind: (window if kind == SLIDING else None) for kind in sorted(set(layer_types))}, True
+    return {FULL: window}, False  # one mask for every layer (Mistral, Phi-3: window or none)
+
+
+def unsupported_features(model: Any, max_model_len: int) -> list[str]:
+    """What about this model the engine cannot reproduce exactly (empty: nothing known)."""
+    cfg = model.config
+    missing: list[str] = []
+    if getattr(cfg, "is_encoder_decoder", False):
+        missing.append("encoder-decoder models")
+    attn = getattr(cfg, "_attn_implementation", None)
+    if attn not in ("sdpa", "eager"):
+        missing.append(f"attention implementation {attn!r} (sdpa or eager only)")
+    kinds = set(getattr(cfg, "layer_types", None) or [])
+    if kinds - {FULL, SLIDING}:
+        missing.append(f"layer types {sorted(kinds - {FULL, SLIDING})} (full and sliding attention only)")
+    if SLIDING in kinds and getattr(cfg, "sliding_window", None) is None:
+        missing.append("sliding layers without a sliding_window")
+    if getattr(cfg, "use_bidirectional_attention", False) or getattr(cfg, "is_causal", True) is False:
+        missing.append("bidirectional attention")
+    if getattr(cfg, "attention_chunk_size", None) and not kinds:
+        missing.append("chunked attention")
+    problem = _rope_problem(cfg, max_model_len)
+    if problem:
+        missing.append(problem)
+    params = inspect.signature(model.forward).parameters
+    if "logits_to_keep" not in params:
+        missing.append("per-row logits (the model's forward has no logits_to_keep)")
+    if not ({"cache", "past_key_values"} & set(params)):
+        missing.append("an external KV cache (the model's forward takes no cache)")
+    return missing
+
+
+def _rope_problem(cfg: Any, max_model_len: int) -> str | None:
+    """Dynamic and LongRoPE frequencies follow the batch's longest position: refuse past the switch."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    groups = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    for p in groups:
+        kind = p.get("rope_type") or p.get("type")
+        if kind in ("dynamic", "longrope"):
+            original = (p.get("original_max_position_embeddings")
+                        or getattr(cfg, "original_max_position_embeddings", None)
+                        or cfg.max_position_embeddings)  # fmt: skip
+            if max_model_len > original:
+                return (f"rope_type {kind!r} past {original} tokens (its frequencies depend on the batch's "
+                        f"longest sequence); serve with max_model_len <= {original}")
+    return None
+
+
+def check_servable(model: Any, max_model_len: int) -> None:
+    """Raise the one-line refusal for what :func:`unsupported_features` finds."""
+    missing = unsupported_features(model, max_model_len)
+    if missing:
+        name = getattr(model.config, "model_type", type(model).__name__)
+        raise EngineStartError(f"the engine cannot serve {name!r} exactly: no support for {'; '.join(missing)}")
+
+
+def _delta(got: torch.Tensor, ref: torch.Tensor, top: int = 16) -> float:
+    """Max |Δ| over the reference's likeliest tokens (the far tail is rounding noise in half precision)."""
+    idx = ref.topk(min(top, ref.numel())).indices
+    return float((got[idx] - ref[idx]).abs().max())
+
+
+@torch.no_grad()
+def self_check(engine: Engine, length: int = 24) -> float:
+    """Max |Δ logprob| between the engine's path and the plain forward on a probe; refuses above tolerance.
+
+    Two rows, ``a`` and ``b``: prefill ``a[:n0]`` and ``b[:n1]`` together (padding), then
+    ``b[n1:n2]`` on top of its cached K/V (the prefix-reuse path), then decode both a token
+    at a time to ``length``.  Runs before the engine's loop starts (slots 0 and 1).
+    """
+    model, dev = engine.model, engine.device
+    length = min(length, engine.max_model_len - 1)
+    if length < 8:  # too short a context to probe (and to serve anything useful)
+        return 0.0
+    rows = 2 if engine.max_batch_size >= 2 else 1
+    gen = torch.Generator().manual_seed(1234)
+    probe = torch.randint(model.config.vocab_size, (rows, length), generator=gen)
+    name = getattr(model.config, "model_type", type(model).__name__)
+    try:
+        ref = model(input_ids=probe.to(dev)).logits.float().log_softmax(-1).cpu()  # [rows, length, V]
+        got: dict[tuple[int, int], torch.Tensor] = {}  # (row, position) -> log-probs
+        cuts = [length // 3, length // 4][:rows]
+        logits = engine._prefill_logits(0, [probe[r, : cuts[r]].tolist() for r in range(rows)], [0] * rows)
+        for r in range(rows):
+            got[(r, cuts[r] - 1)] = logits[r]
+        if rows == 2:  # row 1 continues on its cached prefix, alone in its batch
+            mid = length // 2
+            got[(1, mid - 1)] = engine._prefill_logits(1, [probe[1, cuts[1] : mid].tolist()], [cuts[1]])[0]
+            cuts[1] = mid
+        pos = list(cuts)
+        while min(pos) < length:
+            live = [r for r in range(rows) if pos[r] < length]
+            live = list(range(live[0], rows))  # decode rows are contiguous from the first live one
+            ids = [[int(probe[r, min(pos[r], length - 1)])] for r in live]
+            out = engine._decode_logits(live[0], ids, [min(pos[r], length - 1) for r in live])
+            for i, r in enumerate(live):
+                if pos[r] < length:
+                    got[(r, pos[r])] = out[i]
+                pos[r] += 1
+    except EngineStartError:
+        raise
+    except Exception as e:
+        raise EngineStartError(f"the engine cannot serve {name!r}: its self-check failed ({_one_line(e)})") from e
+    delta = max(_delta(lp.float().log_softmax(-1).cpu(), ref[r, p]) for (r, p), lp in got.items())
+    tol = SELF_CHECK_TOL.get(next(model.parameters()).dtype, 1e-3)
+    if not delta <= tol:  # also catches NaN
+        raise EngineStartError(
+            f"the engine cannot serve {name!r} exactly: its logprobs differ from the model's own forward "
+            f"by {delta:.3g} on a self-check probe (tolerance {tol:g})"
+        )
+    return delta
