@@ -57,3 +57,24 @@ def test_gradient_flows_through_the_chunks_and_matches_the_unchunked_rule():
     for i in range(10):
         k = 50 if support[i] <= 0 else int(support[i])
         assert bool(outside[i]) == (tokens[i].item() not in torch.topk(base[i], k).indices.tolist())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "qwen3"])
+def test_the_trainers_hidden_state_path_equals_the_models_own_logits(family, tmp_path):
+    """The trainer sends hidden states through the LM head itself (memory); that path must apply
+    the model's final-logit processing (Gemma 2's softcapping) exactly as its own forward does."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.tiny_model import build_family_model
+    from agentrl.trainer.logprobs import head_of, token_logprobs_from_hidden
+
+    model = AutoModelForCausalLM.from_pretrained(build_family_model(tmp_path / family, family)).eval()
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(0))
+    tokens, support = ids[0, 1:], torch.tensor([0, 20] * 19 + [0])
+    with torch.no_grad():
+        want, _, out_w = token_logprobs(model(input_ids=ids).logits[0, :-1], tokens, support, 0.7)
+        decoder, logits_fn = head_of(model)
+        hidden = decoder(input_ids=ids).last_hidden_state[0, :-1]
+        got, _, out_g = token_logprobs_from_hidden(hidden, logits_fn, tokens, support, 0.7, chunk_tokens=7)
+    assert torch.equal(out_w, out_g)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
