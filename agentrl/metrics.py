@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from agentrl.types import json_default
+
 if TYPE_CHECKING:
     from agentrl.config import MetricsConfig
 
@@ -123,7 +125,10 @@ class JSONLLogger:
             unknown = [k for k in row if not known_metric(k)]
             if unknown:
                 raise UnknownMetric(f"metrics {unknown} are not in agentrl.metrics.SCHEMA")
-        self._f.write(json.dumps({k: _clean(v) for k, v in row.items()}, separators=(",", ":")) + "\n")
+        # anything JSON cannot hold (a set in task.info, a custom object) is written as a list or its
+        # repr: a log line never costs an episode
+        line = json.dumps({k: _clean(v) for k, v in row.items()}, separators=(",", ":"), default=json_default)
+        self._f.write(line + "\n")
         self._f.flush()
 
     def close(self) -> None:

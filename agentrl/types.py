@@ -22,6 +22,16 @@ from typing import Any, Literal
 Role = Literal["system", "user", "assistant", "tool"]
 
 
+def json_default(v: Any) -> Any:
+    """``json.dumps(default=...)`` for what JSON cannot hold (a set in ``task.info``, an object):
+    a list, or its repr — a log line or a checkpoint never fails on user data."""
+    if isinstance(v, set | frozenset):
+        return sorted(v, key=repr)
+    if isinstance(v, tuple):
+        return list(v)
+    return repr(v)
+
+
 def new_id(prefix: str = "") -> str:
     return f"{prefix}{uuid.uuid4().hex[:16]}"
 

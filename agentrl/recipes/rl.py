@@ -83,7 +83,8 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
     live.note("starting the inference engine(s) ..." if not cfg.inference.base_url else "connecting ...")
     engines = await asyncio.to_thread(open_engines, cfg, start_model, threads)
     try:
-        # the endpoint must report μ on the basis the trainer mirrors (one probe, before any work)
+        # the endpoint serves the model, and reports μ on the basis the trainer mirrors (before any work)
+        await engines.client.probe(token_path=True)
         probe_ids = await engines.client.tokenize(prompt="Hello")
         await engines.client.probe_sampling(cfg.rollout.sampling(), probe_ids or [0])
         # 5) state

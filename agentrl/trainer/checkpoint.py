@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from agentrl.types import json_default
+
 MARKER = "COMPLETE"
 
 
@@ -45,7 +47,7 @@ def save_checkpoint(run_dir: Path, step: int, trainer_state: dict[str, Any], sta
         shutil.rmtree(ckpt)
     ckpt.mkdir(parents=True)
     _write_durable(ckpt / "trainer.pt", lambda f: torch.save(trainer_state, f))
-    _write_durable(ckpt / "state.json", lambda f: f.write(json.dumps(state).encode()))
+    _write_durable(ckpt / "state.json", lambda f: f.write(json.dumps(state, default=json_default).encode()))
     _fsync_dir(ckpt)
     _write_durable(ckpt / MARKER, lambda f: f.write(str(step).encode()))
     _fsync_dir(ckpt)
