@@ -7,7 +7,25 @@ wherever it is built.
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+
+def _template_call(tc: Any) -> Any:
+    """A tool call as chat templates expect it: ``function.arguments`` a mapping, not the JSON
+    text the OpenAI API carries (Llama, Mistral and pythonic templates iterate or ``tojson``
+    it; vLLM hands templates the same).  Arguments that are not a JSON object stay text."""
+    if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+        return tc
+    args = tc["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args) if args.strip() else {}
+        except (ValueError, RecursionError):
+            return tc
+        if isinstance(parsed, dict):
+            return {**tc, "function": {**tc["function"], "arguments": parsed}}
+    return tc
 
 
 def _normalized(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -18,6 +36,8 @@ def _normalized(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m["role"] = "system"
         if m.get("content") is None:
             m["content"] = ""
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_template_call(tc) for tc in m["tool_calls"]]
         out.append(m)
     return out
 

@@ -151,7 +151,8 @@ async def test_probe_names_the_model_to_pass_and_the_missing_routes():
             with pytest.raises(EndpointProbeError, match="pass --model m"):
                 await pc.probe(token_path=False)
         async with PolicyClient(srv.url, "m") as pc:
-            await pc.probe(token_path=False)
+            with pytest.raises(EndpointProbeError, match="no /v1/chat/completions route"):
+                await pc.probe(token_path=False)
             with pytest.raises(EndpointProbeError, match="no /tokenize route.*--chat"):
                 await pc.probe(token_path=True)
     async with PolicyClient("http://127.0.0.1:9/v1", "m") as pc:
