@@ -42,6 +42,20 @@ def _normalized(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def render_chat_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> str:
+    """The chat template's text for ``messages`` (OpenAI-style dicts)."""
+    return tokenizer.apply_chat_template(
+        _normalized(messages), tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
+        **template_kwargs,
+    )
+
+
 def render_chat_ids(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -51,10 +65,7 @@ def render_chat_ids(
 ) -> list[int]:
     """What ``/tokenize`` returns for ``messages``: the rendered template, encoded without
     extra special tokens (the template already writes them)."""
-    text = tokenizer.apply_chat_template(
-        _normalized(messages), tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
-        **template_kwargs,
-    )
+    text = render_chat_text(tokenizer, messages, tools, add_generation_prompt, **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

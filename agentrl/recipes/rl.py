@@ -82,6 +82,8 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
     live.note("starting the inference engine(s) ..." if not cfg.inference.base_url else "connecting ...")
     engines = await asyncio.to_thread(open_engines, cfg, start_model, threads)
     try:
+        # training needs token ids + sampling logprobs for token-id prompts: say so before any rollout
+        await engines.client.probe(token_path=True, training=True)
         # 5) state
         state = await asyncio.to_thread(build_state, cfg, start_model, train_tasks, run_dir, resume, live)
         await _train_loop(cfg, run_dir, env, eval_tasks, engines, state, live, t_start, start_model)
@@ -128,7 +130,7 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
         policy = open_ray_policy(start_model, cfg.cluster, args, served_model_name=ic.model_name, env=thread_env)
     else:
         policy = open_policy(start_model, ic.base_url or None, args=args, served_model_name=ic.model_name,
-                             env=thread_env)
+                             env=thread_env, tool_parser=ic.tool_parser)
     on_vllm = bool(ic.base_url) and ic.engine == "vllm"
     try:
         sync = make_weight_sync(policy.base_urls, ic.weight_transport, engine="vllm" if on_vllm else "embedded")
@@ -140,7 +142,7 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
     client = PolicyClient(
         policy.base_urls, policy.model, timeout=ic.request_timeout_s, max_retries=ic.max_retries,
         tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
-        requests_per_s=cfg.rollout.requests_per_s,
+        requests_per_s=cfg.rollout.requests_per_s, tool_parser=ic.tool_parser,
     )
     return Engines(policy, client, sync, on_vllm)
 
