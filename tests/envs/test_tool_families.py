@@ -4,37 +4,10 @@ family's parser (named by the client) reaches the env's parse step."""
 from __future__ import annotations
 
 import pytest
-from chat_families import FAMILIES, FamilyClient, conversation, family_tokenizer, scripted_replies
+from chat_families import FAMILIES, FamilyClient, family_tokenizer, make_env, scripted
 
-from agentrl.envs import ToolEnv
 from agentrl.render import render_chat_text
-from agentrl.rubrics import Rubric
 from agentrl.types import SamplingParams, messages_to_dicts
-
-QUESTION = "What is 12+30, doubled?"
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression.
-
-    Args:
-        expression: digits and + - * /
-    """
-    return str(eval(expression, {"__builtins__": {}}))  # test tool: trusted input
-
-
-def says_84(completion) -> float:
-    return float("84" in str(completion))
-
-
-def make_env() -> ToolEnv:
-    return ToolEnv(tools=[calculator], dataset=[{"prompt": QUESTION, "answer": "84"}], rubric=Rubric([says_84]),
-                   max_turns=5)
-
-
-def scripted(family: str, env: ToolEnv) -> list[str]:
-    convo = conversation(family, QUESTION, [("12+30", "42"), ("42*2", "84")], "The answer is 84.")
-    return scripted_replies(family_tokenizer(family), convo, env.tool_schemas())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
