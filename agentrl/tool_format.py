@@ -19,9 +19,10 @@ objects (:meth:`~ToolParser.parse`) and writes calls the way the family does
 name, arguments that are not an object, an unclosed tag) becomes a line in
 ``ParsedReply.errors``, which ToolEnv turns into an error tool message so the model can learn.
 
-Special tokens: engines decode with ``skip_special_tokens`` (the embedded engine always), so
-markers that are special tokens in a family's tokenizer (``[TOOL_CALLS]``, ``<|python_tag|>``)
-may be missing from the text.  Every parser therefore also reads its format without its
+Special tokens: engines decode with ``skip_special_tokens`` (the embedded engine always; the
+policy client asks vLLM to keep them for families with ``special_markers``), so markers that
+are special tokens in a family's tokenizer (``[TOOL_CALLS]``, ``<|python_tag|>``) may be
+missing from the text.  Every parser therefore also reads its format without its
 markers: a reply that *is* a JSON array of ``{"name", "arguments"}`` objects is a Mistral
 call list, a reply that starts with ``{"name"`` is a Llama-3 call.
 
@@ -131,6 +132,8 @@ class ToolParser:
     markers: tuple[str, ...] = ()
     # text that rules the family out even when a marker is present
     excludes: tuple[str, ...] = ()
+    # the family's markers are special tokens: ask token-path servers to keep them in the text
+    special_markers: bool = False
 
     def parse(self, text: str) -> ParsedReply:
         """Split ``text`` into content and tool calls. Never raises, whatever the text."""
@@ -233,6 +236,7 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     aliases = ("llama4_json",)
     BOT = "<|python_tag|>"
+    special_markers = True
     markers = ("<|python_tag|>", '"parameters": ')
     excludes = ("[TOOL_CALLS]", OPEN_TAG, "[func_name1(", "<|python_start|>")  # '"parameters"' is a weak marker
 
@@ -286,6 +290,7 @@ class MistralParser(ToolParser):
     name = "mistral"
     BOT = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
+    special_markers = True
     markers = (BOT,)
 
     def format(self, content: str, tool_calls: list[ToolCall]) -> str:

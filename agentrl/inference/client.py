@@ -46,7 +46,7 @@ from agentrl.errors import (
 from agentrl.inference.chat import ChatCaps, chat_body, drop_fields, read_reply, rejected_fields
 from agentrl.render import render_chat_ids
 from agentrl.retry import Transient, is_transient_status, retrying
-from agentrl.tool_format import resolve_tool_parser
+from agentrl.tool_format import get_parser, resolve_tool_parser
 from agentrl.types import Completion, Message, SamplingParams
 
 T = TypeVar("T")
@@ -246,13 +246,14 @@ class PolicyClient:
 
     # ------------------------------------------------------------------ sampling
 
-    @staticmethod
-    def _sampling_body(s: SamplingParams, n: int) -> dict[str, Any]:
-        """Every sampling field, explicitly: server-side defaults never change the distribution."""
+    def _sampling_body(self, s: SamplingParams, n: int) -> dict[str, Any]:
+        """Every sampling field, explicitly: server-side defaults never change the distribution.
+        Special tokens stay in the text where the model's tool-call markers are special tokens
+        (``[TOOL_CALLS]``, ``<|python_tag|>``), as vLLM's own tool parsers ask for."""
         body: dict[str, Any] = {
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "n": n,
             "top_k": s.top_k if s.top_k and s.top_k > 0 else -1, "min_p": s.min_p,
-            "return_token_ids": True, "skip_special_tokens": True,
+            "return_token_ids": True, "skip_special_tokens": not get_parser(self.tool_parser).special_markers,
         }  # fmt: skip
         if s.seed is not None:
             body["seed"] = s.seed

@@ -158,3 +158,18 @@ async def test_probe_names_the_model_to_pass_and_the_missing_routes():
     async with PolicyClient("http://127.0.0.1:9/v1", "m") as pc:
         with pytest.raises(EndpointProbeError, match="cannot reach"):
             await pc.probe(token_path=False)
+
+
+async def test_special_tokens_stay_in_the_text_where_the_tool_markers_are_special_tokens():
+    seen = []
+
+    async def script(call, body):
+        seen.append(body["skip_special_tokens"])
+        return 200, completion_body()
+
+    async with Server(script) as srv:
+        for parser, skip in (("hermes", True), ("pythonic", True), ("mistral", False), ("llama3_json", False)):
+            async with PolicyClient(srv.url, "m", tool_parser=parser) as pc:
+                assert pc.tool_parser == parser
+                await pc.complete([1], SamplingParams())
+            assert seen[-1] is skip
