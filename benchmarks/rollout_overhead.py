@@ -39,6 +39,31 @@ import time
 # ----------------------------------------------------------------------------- stand-in endpoint
 
 
+CHAT_CALLS = [{"name": "add", "arguments": '{"a": 12, "b": 30}'}, {"name": "add", "arguments": '{"a": 42, "b": 8}'}]
+
+
+def chat_reply(req: dict, reply_ids: list[list[int]], replies: list[str]) -> dict:
+    """vLLM with a tool-call parser: calls split out; token ids, logprobs, usage."""
+    turn = min(sum(1 for m in req["messages"] if m["role"] == "tool"), 2)
+    ids = reply_ids[turn]
+    if turn < 2:
+        message = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{turn}", "type": "function", "function": CHAT_CALLS[turn]}]}  # fmt: skip
+        finish = "tool_calls"
+    else:
+        message, finish = {"role": "assistant", "content": replies[2]}, "stop"
+    prompt_ids = list(range(40 * len(req["messages"])))
+    choice = {"index": 0, "message": message, "finish_reason": finish, "token_ids": ids,
+              "token_versions": [0] * len(ids)}
+    if req.get("logprobs"):
+        choice["logprobs"] = {"content": [{"token": "x", "logprob": -0.1, "bytes": [120], "top_logprobs": []}
+                                          for _ in ids]}
+    return {"id": "chatcmpl-x", "object": "chat.completion", "created": 0, "model": req.get("model", "m"),
+            "choices": [choice], "prompt_token_ids": prompt_ids,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                      "total_tokens": len(prompt_ids) + len(ids)}}  # fmt: skip
+
+
 def serve(port: int, latency_s: float) -> None:
     """A minimal ASGI OpenAI stand-in (runs in its own process)."""
     import uvicorn
@@ -56,29 +81,6 @@ def serve(port: int, latency_s: float) -> None:
     reply_ids = [tok.encode(r, add_special_tokens=False) + [im_end] for r in replies]
     tool_header = tok.encode("tool\n", add_special_tokens=False)
     counts = {"completions": 0, "tokenize": 0}
-
-    calls = [{"name": "add", "arguments": '{"a": 12, "b": 30}'}, {"name": "add", "arguments": '{"a": 42, "b": 8}'}]
-
-    def chat_reply(req: dict) -> dict:
-        """vLLM with a tool-call parser: calls split out; token ids, logprobs, usage."""
-        turn = min(sum(1 for m in req["messages"] if m["role"] == "tool"), 2)
-        ids = reply_ids[turn]
-        if turn < 2:
-            message = {"role": "assistant", "content": None, "tool_calls": [
-                {"id": f"call_{turn}", "type": "function", "function": calls[turn]}]}  # fmt: skip
-            finish = "tool_calls"
-        else:
-            message, finish = {"role": "assistant", "content": replies[2]}, "stop"
-        prompt_ids = list(range(40 * len(req["messages"])))
-        choice = {"index": 0, "message": message, "finish_reason": finish, "token_ids": ids,
-                  "token_versions": [0] * len(ids)}
-        if req.get("logprobs"):
-            choice["logprobs"] = {"content": [{"token": "x", "logprob": -0.1, "bytes": [120], "top_logprobs": []}
-                                              for _ in ids]}
-        return {"id": "chatcmpl-x", "object": "chat.completion", "created": 0, "model": req.get("model", "m"),
-                "choices": [choice], "prompt_token_ids": prompt_ids,
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                          "total_tokens": len(prompt_ids) + len(ids)}}  # fmt: skip
 
     def turn_of(prompt_ids: list[int]) -> int:
         # number of tool messages so far = occurrences of "<|im_start|>tool\n"
@@ -108,7 +110,7 @@ def serve(port: int, latency_s: float) -> None:
         if path.endswith("/chat/completions"):
             counts["completions"] += 1
             await asyncio.sleep(latency_s)
-            out = chat_reply(req)
+            out = chat_reply(req, reply_ids, replies)
         elif path.endswith("/completions"):
             counts["completions"] += 1
             await asyncio.sleep(latency_s)
