@@ -263,7 +263,7 @@ def env_test(
         if policy is not None:
             from agentrl.inference import PolicyClient
 
-            client = PolicyClient(policy.base_urls, policy.model)
+            client = PolicyClient(policy.base_urls, policy.model, tool_parser=policy.tool_parser)
         try:
             return await check_environment(
                 environment, client, num_episodes=num_episodes, sampling=SamplingParams(max_tokens=max_tokens)
