@@ -10,11 +10,11 @@ import json
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 from aiohttp import web
+from threaded_app import ThreadedApp
 
 from agentrl.errors import EndpointError, EndpointProbeError
 from agentrl.inference import PolicyClient
@@ -65,7 +65,6 @@ class FakeServer:
 
     def __init__(self, kind: str):
         self.kind, self.requests, self.refusals = kind, [], 0
-        self._ready = threading.Event()
 
     def _app(self) -> web.Application:
         app = web.Application()
@@ -97,26 +96,12 @@ class FakeServer:
         return app
 
     def __enter__(self) -> FakeServer:
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            runner = web.AppRunner(self._app())
-            loop.run_until_complete(runner.setup())
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            loop.run_until_complete(site.start())
-            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
-            self._ready.set()
-            loop.run_forever()
-            loop.run_until_complete(runner.cleanup())
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-        self._ready.wait(10)
+        self._server = ThreadedApp(self._app()).__enter__()
+        self.url = self._server.url
         return self
 
     def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._server.__exit__(*exc)
 
 
 def calc_env():
