@@ -9,6 +9,9 @@ Routes (vLLM names and fields where vLLM has them):
   token-id prompts on ``/v1/completions``; every choice carries ``token_versions`` (weight
   version per token) and ``token_support`` (the size of the kept set each token was drawn
   from: :mod:`agentrl.inference.sampling`).  ``stream: true``: :mod:`agentrl.inference.streaming`.
+  With ``tools``, the chat route splits tool calls out of the text with the model's tool-call
+  parser (``--tool-call-parser``, vLLM's names; default: detected from the chat template,
+  :mod:`agentrl.tool_format`).
 - ``POST /tokenize`` (``prompt`` or ``messages`` + ``tools``), ``POST /detokenize``.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (JSON).
 - weights: ``POST /pause`` (mode=keep), ``POST /resume``, ``GET /is_paused``,
