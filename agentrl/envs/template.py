@@ -104,7 +104,13 @@ def _render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, gen:
 
 
 def end_of_turn_id(tokenizer: Any) -> int | None:
+    """The token that closes an assistant turn: a known end-of-turn marker the chat template
+    writes (a vocabulary may hold markers of other templates), else the eos token."""
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else ""
     for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
+        if template and tok not in template:
+            continue
         tid = tokenizer.convert_tokens_to_ids(tok)
         if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
             if tok in tokenizer.get_vocab():
