@@ -62,7 +62,8 @@ MAX_GLUE_TOKENS = 8
 
 
 class PolicyClientLike(Protocol):
-    """The part of :class:`agentrl.inference.client.PolicyClient` an episode uses."""
+    """The part of :class:`agentrl.inference.client.PolicyClient` an episode uses (and, if it
+    has one, its ``tool_parser`` attribute: the model's tool-call format)."""
 
     async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]: ...
 
