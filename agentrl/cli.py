@@ -113,10 +113,17 @@ def serve(
     max_model_len: Annotated[int, typer.Option(min=16, help="Longest prompt+completion in tokens.")] = _ENGINE.max_model_len,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:i].")] = _ENGINE.device,
     served_model_name: Annotated[str | None, typer.Option(help="Model name in the API (default: dir name).")] = None,
+    tool_call_parser: Annotated[
+        str, typer.Option(help="How the chat route splits tool calls: hermes | llama3_json | mistral | pythonic | auto.")
+    ] = "auto",
 ) -> None:
     """Serve a model with the embedded OpenAI-compatible engine (continuous batching, live weights)."""
     from pathlib import Path
 
+    from agentrl.tool_format import get_parser
+
+    if tool_call_parser != "auto":
+        get_parser(tool_call_parser)
     if not (Path(model_dir) / "config.json").is_file():
         raise AgentrlError(f"no model at {model_dir!r} (expected a HF model dir; try `agentrl model init tiny DIR`)")
     if device not in ("auto", "cpu") and not device.startswith("cuda"):
@@ -125,7 +132,8 @@ def serve(
 
     args = EngineArgs(max_batch_size=max_batch_size, max_model_len=max_model_len, device=device)
     try:
-        run_server(model_dir, host=host, port=port, args=args, served_model_name=served_model_name, log_level="info")
+        run_server(model_dir, host=host, port=port, args=args, served_model_name=served_model_name, log_level="info",
+                   tool_parser=tool_call_parser)
     except OSError as e:
         raise AgentrlError(f"cannot serve on {host}:{port}: {e.strerror or e}") from e
 
@@ -159,6 +167,11 @@ def eval_cmd(
     max_error_rate: Annotated[
         float, typer.Option("--max-error-rate", min=0.0, max=1.0, help="Exit 1 above this share of errored episodes.")
     ] = 0.5,
+    tool_parser: Annotated[
+        str,
+        typer.Option("--tool-parser", help="Tool-call format (vLLM names): hermes | llama3_json | mistral | pythonic | "
+                     "auto (from the chat template)."),
+    ] = "auto",
 ) -> None:
     """Evaluate a model on an environment; one JSON line per episode, summary table at the end.
 
@@ -186,6 +199,7 @@ def eval_cmd(
         pass_threshold=pass_threshold,
         tokenizer=tokenizer,
         max_error_rate=max_error_rate,
+        tool_parser=tool_parser,
     )
     if status:
         raise typer.Exit(status)
@@ -251,7 +265,7 @@ def env_test(
         if policy is not None:
             from agentrl.inference import PolicyClient
 
-            client = PolicyClient(policy.base_urls, policy.model)
+            client = PolicyClient(policy.base_urls, policy.model, tool_parser=policy.tool_parser)
         try:
             return await check_environment(
                 environment, client, num_episodes=num_episodes, sampling=SamplingParams(max_tokens=max_tokens)
@@ -278,12 +292,20 @@ def env_test(
 @model_app.command("check-template")
 def model_check_template(
     model_dir: Annotated[Path, typer.Argument(help="Local model/tokenizer directory.")],
+    tool_parser: Annotated[
+        str, typer.Option("--tool-parser", help="Tool-call format to check (default: detected from the template).")
+    ] = "auto",
 ) -> None:
-    """Report whether the tokenizer's chat template is prefix-stable across turns. Exit 1 if not."""
+    """Report whether the tokenizer's chat template is prefix-stable across turns, and which
+    tool-call parser reads the calls it renders. Exit 1 if either fails."""
     from rich.console import Console
     from rich.table import Table
 
-    from agentrl.envs.template import check_template
+    from agentrl.envs.template import check_template, check_tool_format
+    from agentrl.tool_format import get_parser
+
+    if tool_parser != "auto":
+        get_parser(tool_parser)
 
     if not model_dir.is_dir():
         raise AgentrlError(f"{model_dir} is not a directory")
@@ -304,7 +326,11 @@ def model_check_template(
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     verdict = "prefix-stable" if report.prefix_stable else "NOT prefix-stable (rollouts will count template breaks)"
     typer.echo(f"{model_dir}: {verdict}")
-    if not report.prefix_stable:
+    fmt = check_tool_format(tokenizer, tool_parser)
+    how = "given" if tool_parser != "auto" else ("detected" if fmt.detected else "not detected; the default")
+    typer.echo(f"{model_dir}: tool-call parser {fmt.parser} ({how}): {'ok' if fmt.ok else 'FAIL'} — {fmt.detail}"
+               + ("" if fmt.ok or tool_parser != "auto" else "; pass --tool-parser NAME"))
+    if not report.prefix_stable or not fmt.ok:
         raise typer.Exit(1)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agentrl.errors import ConfigError
 from agentrl.inference.engine_args import EngineArgs
@@ -50,8 +50,26 @@ class InferenceConfig(Section):
     max_model_len: int = Field(_ENGINE.max_model_len, ge=16, description="Longest prompt+completion the engine accepts.")
     device: str = Field(_ENGINE.device, description="Embedded engine device: auto | cpu | cuda.")
     weight_transport: Literal["shm", "disk"] = Field("shm", description="How weights reach a same-host engine.")
+    tool_parser: str = Field(
+        "auto",
+        description="The model's tool-call format, as vLLM's --tool-call-parser names it: hermes | llama3_json | "
+        "mistral | pythonic (aliases llama4_json, llama4_pythonic); auto = detected from the chat template, else hermes.",
+    )
     request_timeout_s: float = Field(120.0, gt=0, description="Per-request client timeout.")
     max_retries: int = Field(3, ge=0, description="Client retries on transient endpoint errors.")
+
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_parser(cls, v: str) -> str:
+        from agentrl.tool_format import ToolParserNotFound, get_parser
+
+        if v != "auto":
+            try:
+                get_parser(v)
+            except ToolParserNotFound as e:  # as a ValueError, so every config error is reported at once
+                raise ValueError(str(e)) from None
+        return v
 
 
 class EnvConfig(Section):

@@ -40,6 +40,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agentrl.errors import ContextLengthExceeded, EndpointError, MalformedResponse, error_kind_of
+from agentrl.tool_format import DEFAULT_PARSER, get_parser
 from agentrl.types import (
     Completion,
     Message,
@@ -61,7 +62,8 @@ MAX_GLUE_TOKENS = 8
 
 
 class PolicyClientLike(Protocol):
-    """The part of :class:`agentrl.inference.client.PolicyClient` an episode uses."""
+    """The part of :class:`agentrl.inference.client.PolicyClient` an episode uses (and, if it
+    has one, its ``tool_parser`` attribute: the model's tool-call format)."""
 
     async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]: ...
 
@@ -104,14 +106,20 @@ async def run_episode(
     max_turns: int | None = None,
     timeout_s: float | None = None,
     token_exact: bool = True,
+    tool_parser: str | None = None,
 ) -> Trajectory:
     """Run one episode; never raises except on cancellation (see the module docstring).
 
     ``timeout_s`` (default: the env's ``timeout_s``) is the episode's wall limit.
     ``token_exact=False`` talks to a plain chat endpoint (``client.chat``): for evaluating
     models behind APIs without token ids; no token sequences are recorded.
+    ``tool_parser`` (default: the client's ``tool_parser``, else ``hermes``) names the
+    model's tool-call format (:mod:`agentrl.tool_format`); the episode puts it in
+    ``state["tool_parser"]`` (unless ``setup`` chose one) for ``parse_assistant``.
     """
+    parser = tool_parser or getattr(client, "tool_parser", None)
     episode = _Episode(env, client, task, sampling or SamplingParams(), max_turns or env.max_turns, token_exact)
+    episode.tool_parser = get_parser(parser).name if parser is not None else DEFAULT_PARSER
     limit = timeout_s if timeout_s is not None else env.timeout_s
     await episode.run(limit)
     return episode.traj
@@ -133,6 +141,7 @@ class _Episode:
         self.seq: TokenSequence | None = None
         self.sampled_total = 0
         self._latency = 0.0
+        self.tool_parser = DEFAULT_PARSER
 
     async def run(self, limit: float | None) -> None:
         traj, start = self.traj, time.perf_counter()
@@ -143,6 +152,7 @@ class _Episode:
                 self.state = await self.env.setup(traj.task)
                 traj.timing["setup_s"] = time.perf_counter() - t0
                 traj.messages = self.state.messages
+                self.state.setdefault("tool_parser", self.tool_parser)
                 traj.stop_reason = await self._turns()
         except TimeoutError as e:
             if wall.expired():

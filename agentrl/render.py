@@ -7,10 +7,36 @@ wherever it is built.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
-def _normalized(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _template_call(tc: Any) -> Any:
+    """A tool call as chat templates expect it: ``function.arguments`` a mapping, not the JSON
+    text the OpenAI API carries (Llama, Mistral and pythonic templates iterate or ``tojson``
+    it; vLLM hands templates the same).  Arguments that are not a JSON object stay text."""
+    if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+        return tc
+    args = tc["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args) if args.strip() else {}
+        except (ValueError, RecursionError):
+            return tc
+        if isinstance(parsed, dict):
+            return {**tc, "function": {**tc["function"], "arguments": parsed}}
+    return tc
+
+
+def _takes_json_text(tokenizer: Any) -> bool:
+    """Does the template write JSON-text arguments itself (``arguments is string``, as Qwen's
+    and the tiny model's do)?  Then they pass through as text: no decode here, no re-encode
+    in the template (a fifth of a render's cost)."""
+    tpl = getattr(tokenizer, "chat_template", None)
+    return isinstance(tpl, str) and ("arguments is string" in tpl or "arguments is not string" in tpl)
+
+
+def _normalized(messages: list[dict[str, Any]], mapping_args: bool = True) -> list[dict[str, Any]]:
     out = []
     for m in messages:
         m = dict(m)
@@ -18,8 +44,25 @@ def _normalized(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m["role"] = "system"
         if m.get("content") is None:
             m["content"] = ""
+        if mapping_args and m.get("tool_calls"):
+            m["tool_calls"] = [_template_call(tc) for tc in m["tool_calls"]]
         out.append(m)
     return out
+
+
+def render_chat_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> str:
+    """The chat template's text for ``messages`` (OpenAI-style dicts)."""
+    return tokenizer.apply_chat_template(
+        _normalized(messages, not _takes_json_text(tokenizer)), tools=tools or None,
+        add_generation_prompt=add_generation_prompt, tokenize=False,
+        **template_kwargs,
+    )
 
 
 def render_chat_ids(
@@ -31,10 +74,7 @@ def render_chat_ids(
 ) -> list[int]:
     """What ``/tokenize`` returns for ``messages``: the rendered template, encoded without
     extra special tokens (the template already writes them)."""
-    text = tokenizer.apply_chat_template(
-        _normalized(messages), tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
-        **template_kwargs,
-    )
+    text = render_chat_text(tokenizer, messages, tools, add_generation_prompt, **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -44,7 +84,7 @@ def render_chat_with_mask(
     """(token ids, assistant mask) of a whole conversation: 1 on the tokens the template marks
     as generated (its ``{% generation %}`` blocks), for supervised fine-tuning."""
     enc = tokenizer.apply_chat_template(
-        _normalized(messages), tools=tools or None, tokenize=True, return_dict=True,
+        _normalized(messages, not _takes_json_text(tokenizer)), tools=tools or None, tokenize=True, return_dict=True,
         return_assistant_tokens_mask=True,
     )
     return list(enc["input_ids"]), list(enc["assistant_masks"])

@@ -1,28 +1,59 @@
-"""The tool-call text format shared by the engine, the chat template and the environments.
+"""Tool-call text formats as named parsers: how a model of each family writes a tool call.
 
-Hermes / Qwen2.5 style: an assistant turn is free text followed by zero or more blocks
+The names are the ones users pass to vLLM's ``--tool-call-parser``:
 
-    <tool_call>
-    {"name": "calculator", "arguments": {"expression": "3+4"}}
-    </tool_call>
+=============  =====================================================================
+``hermes``     Hermes / Qwen2.5 / the tiny model: ``<tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call>``
+               blocks after optional text.
+``llama3_json`` Llama 3.1–3.3 (alias ``llama4_json``): the whole reply is ``{"name": .., "parameters": {..}}``
+               (several joined by ``;``), optionally after ``<|python_tag|>``.
+``mistral``    Mistral: ``[TOOL_CALLS] [{"name": .., "arguments": {..}, "id": "9 alnum"}]`` (v3), or
+               ``[TOOL_CALLS]name[ARGS]{..}`` (v11).
+``pythonic``   Llama 3.2 / Llama 4 (alias ``llama4_pythonic``): the whole reply is a Python list of calls,
+               ``[f(a=1, b='x'), g()]``, optionally inside ``<|python_start|>…<|python_end|>``.
+=============  =====================================================================
 
-:func:`format_tool_call` writes one block; :func:`parse_tool_calls` reads a model's raw
-text back into content + :class:`~agentrl.types.ToolCall` objects.  Parsing never raises:
-whatever is wrong with a block (invalid JSON, no name, arguments that are not an object,
-an unclosed tag) becomes a line in ``ParsedReply.errors``, which an environment turns into
-an error tool message so the model can learn from it.
+Each :class:`ToolParser` turns a model's raw text into content + :class:`~agentrl.types.ToolCall`
+objects (:meth:`~ToolParser.parse`) and writes calls the way the family does
+(:meth:`~ToolParser.format`).  Parsing never raises: whatever is wrong (invalid JSON, no
+name, arguments that are not an object, an unclosed tag) becomes a line in
+``ParsedReply.errors``, which ToolEnv turns into an error tool message so the model can learn.
+
+Special tokens: engines decode with ``skip_special_tokens`` (the embedded engine always; the
+policy client asks vLLM to keep them for families with ``special_markers``), so markers that
+are special tokens in a family's tokenizer (``[TOOL_CALLS]``, ``<|python_tag|>``) may be
+missing from the text.  Every parser therefore also reads its format without its
+markers: a reply that *is* a JSON array of ``{"name", "arguments"}`` objects is a Mistral
+call list, a reply that starts with ``{"name"`` is a Llama-3 call.
+
+One registry (:func:`get_parser`, :func:`parser_names`); :func:`detect_tool_parser` names
+the family from a chat template's text when exactly one family's markers appear in it;
+:func:`resolve_tool_parser` is the one rule every component uses: an explicit name, else
+the detected family, else ``hermes``.
 """
 
 from __future__ import annotations
 
+import ast
+import difflib
 import json
+import math
+import random
+import re
+import string
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.errors import AgentrlError
 from agentrl.types import ToolCall
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
+DEFAULT_PARSER = "hermes"
+
+
+class ToolParserNotFound(AgentrlError):
+    """No tool-call parser by that name."""
 
 
 @dataclass
@@ -34,6 +65,14 @@ class ParsedReply:
     errors: list[str] = field(default_factory=list)
 
 
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def _short(text: str, limit: int = 80) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _arguments_object(raw: str) -> Any:
     """The arguments as a JSON value; raw text that is not JSON stays a string."""
     try:
@@ -42,87 +81,482 @@ def _arguments_object(raw: str) -> Any:
         return raw
 
 
-def format_tool_call(call: ToolCall) -> str:
-    """One ``<tool_call>`` block exactly as the chat template renders it (no surrounding newlines)."""
-    body = json.dumps({"name": call.name, "arguments": _arguments_object(call.arguments)}, ensure_ascii=False)
-    return f"{OPEN_TAG}\n{body}\n{CLOSE_TAG}"
-
-
-def format_assistant_text(content: str, tool_calls: list[ToolCall]) -> str:
-    """The text of a whole assistant turn: content, then each call on its own lines."""
-    parts = [content] if content else []
-    parts.extend(format_tool_call(tc) for tc in tool_calls)
-    return "\n".join(parts)
-
-
-def _short(text: str, limit: int = 80) -> str:
-    text = text.strip()
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _parse_block(body: str) -> tuple[ToolCall | None, str | None]:
-    """One block's JSON body → (call, None) or (None, error message)."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError) as e:
-        return None, f"invalid JSON in tool call ({type(e).__name__}): {_short(body)!r}"
+def _call_from_object(obj: Any, arg_keys: tuple[str, ...], call_id: str | None = None) -> tuple[ToolCall | None, str | None]:
+    """A decoded JSON call object → (call, None) or (None, error message)."""
     if not isinstance(obj, dict):
-        return None, f"tool call must be a JSON object with 'name' and 'arguments', got {type(obj).__name__}"
+        return None, f"tool call must be a JSON object with 'name' and '{arg_keys[0]}', got {type(obj).__name__}"
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         return None, "tool call is missing a 'name' string"
-    args = obj.get("arguments", {})
+    args = next((obj[k] for k in arg_keys if k in obj), {})
     if isinstance(args, str):  # some models double-encode the arguments
         try:
             args = json.loads(args) if args.strip() else {}
         except (ValueError, RecursionError):
             return None, f"arguments of tool call {name!r} are not a JSON object"
+    if args is None:
+        args = {}
     if not isinstance(args, dict):
         return None, f"arguments of tool call {name!r} must be a JSON object, got {type(args).__name__}"
     try:
-        encoded = json.dumps(args, ensure_ascii=False)
+        encoded = json.dumps(args, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError, TypeError):
         return None, f"arguments of tool call {name!r} cannot be re-encoded as JSON"
+    if call_id:
+        return ToolCall(name=name.strip(), arguments=encoded, id=call_id), None
     return ToolCall(name=name.strip(), arguments=encoded), None
 
 
-def parse_tool_calls(text: str) -> ParsedReply:
-    """Split ``text`` into content and tool calls. Never raises, whatever the text."""
-    if not isinstance(text, str):
-        return ParsedReply(content="", errors=[f"reply is not text ({type(text).__name__})"])
-    content_parts: list[str] = []
-    calls: list[ToolCall] = []
-    errors: list[str] = []
-    pos = 0
+def _json_values(text: str, pos: int = 0, separators: str = " \t\r\n") -> tuple[list[Any], str | None]:
+    """Consecutive JSON values in ``text`` from ``pos`` (between ``separators``); an error for
+    what is left that does not decode."""
+    dec, values = json.JSONDecoder(), []
     while True:
-        start = text.find(OPEN_TAG, pos)
-        if start < 0:
-            tail = text[pos:]
-            if CLOSE_TAG in tail:
-                errors.append(f"{CLOSE_TAG} without a matching {OPEN_TAG}")
-                tail = tail.replace(CLOSE_TAG, "")
-            content_parts.append(tail)
-            break
-        before = text[pos:start]
-        if CLOSE_TAG in before:
-            errors.append(f"{CLOSE_TAG} without a matching {OPEN_TAG}")
-            before = before.replace(CLOSE_TAG, "")
-        content_parts.append(before)
-        body_start = start + len(OPEN_TAG)
-        end = text.find(CLOSE_TAG, body_start)
-        if end < 0:
-            errors.append(f"unclosed {OPEN_TAG} (expected {CLOSE_TAG}): {_short(text[body_start:])!r}")
-            break
-        body = text[body_start:end]
-        if OPEN_TAG in body:  # nested open tag: the outer block is malformed
-            errors.append(f"{OPEN_TAG} opened again before {CLOSE_TAG}")
-            pos = body_start + body.index(OPEN_TAG)
-            continue
-        call, err = _parse_block(body)
+        while pos < len(text) and text[pos] in separators:
+            pos += 1
+        if pos >= len(text):
+            return values, None
+        try:
+            value, pos = dec.raw_decode(text, pos)
+        except (ValueError, RecursionError) as e:
+            return values, f"invalid JSON in tool call ({type(e).__name__}): {_short(text[pos:])!r}"
+        values.append(value)
+
+
+class ToolParser:
+    """One family's tool-call format.  Subclasses implement :meth:`_parse` and :meth:`format`."""
+
+    name: str = ""
+    aliases: tuple[str, ...] = ()
+    # text a chat template of this family contains (any one of them), for auto-detection
+    markers: tuple[str, ...] = ()
+    # text that rules the family out even when a marker is present
+    excludes: tuple[str, ...] = ()
+    # the family's markers are special tokens: ask token-path servers to keep them in the text
+    special_markers: bool = False
+
+    def parse(self, text: str) -> ParsedReply:
+        """Split ``text`` into content and tool calls. Never raises, whatever the text."""
+        if not isinstance(text, str):
+            return ParsedReply(content="", errors=[f"reply is not text ({type(text).__name__})"])
+        try:
+            return self._parse(text)
+        except Exception as e:  # a parser bug must not end the episode: the model sees it as an error
+            return ParsedReply(content=text.strip(), errors=[f"{self.name} parser failed: {type(e).__name__}: {e}"[:300]])
+
+    def _parse(self, text: str) -> ParsedReply:
+        raise NotImplementedError
+
+    def format(self, content: str, tool_calls: list[ToolCall]) -> str:
+        """The text of a whole assistant turn as this family writes it (what :meth:`parse` reads)."""
+        raise NotImplementedError
+
+    def detect(self, template: str) -> bool:
+        """Does this chat template's text write tool calls in this family's format?"""
+        return any(m in template for m in self.markers) and not any(x in template for x in self.excludes)
+
+    def __repr__(self) -> str:
+        return f"<ToolParser {self.name}>"
+
+
+# ----------------------------------------------------------------------------- hermes
+
+
+class HermesParser(ToolParser):
+    """``<tool_call>{json}</tool_call>`` blocks anywhere after free text (Hermes, Qwen2.5)."""
+
+    name = "hermes"
+    markers = (OPEN_TAG,)
+    excludes = ("<function=",)  # Qwen3-Coder's XML calls inside <tool_call>
+
+    def format(self, content: str, tool_calls: list[ToolCall]) -> str:
+        parts = [content] if content else []
+        parts.extend(format_tool_call(tc) for tc in tool_calls)
+        return "\n".join(parts)
+
+    def _parse(self, text: str) -> ParsedReply:
+        content_parts: list[str] = []
+        calls: list[ToolCall] = []
+        errors: list[str] = []
+        pos = 0
+        while True:
+            start = text.find(OPEN_TAG, pos)
+            if start < 0:
+                content_parts.append(_unmatched_close(text[pos:], errors))
+                break
+            content_parts.append(_unmatched_close(text[pos:start], errors))
+            body_start = start + len(OPEN_TAG)
+            end = text.find(CLOSE_TAG, body_start)
+            if end < 0:
+                errors.append(f"unclosed {OPEN_TAG} (expected {CLOSE_TAG}): {_short(text[body_start:])!r}")
+                break
+            body = text[body_start:end]
+            if OPEN_TAG in body:  # nested open tag: the outer block is malformed
+                errors.append(f"{OPEN_TAG} opened again before {CLOSE_TAG}")
+                pos = body_start + body.index(OPEN_TAG)
+                continue
+            call, err = _parse_block(body)
+            if call is not None:
+                calls.append(call)
+            else:
+                errors.append(err or "malformed tool call")
+            pos = end + len(CLOSE_TAG)
+        return ParsedReply(content="".join(content_parts).strip(), tool_calls=calls, errors=errors)
+
+
+def _unmatched_close(text: str, errors: list[str]) -> str:
+    if CLOSE_TAG in text:
+        errors.append(f"{CLOSE_TAG} without a matching {OPEN_TAG}")
+        return text.replace(CLOSE_TAG, "")
+    return text
+
+
+def _parse_block(body: str) -> tuple[ToolCall | None, str | None]:
+    """One ``<tool_call>`` block's JSON body → (call, None) or (None, error message)."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        return None, f"invalid JSON in tool call ({type(e).__name__}): {_short(body)!r}"
+    return _call_from_object(obj, ("arguments",))
+
+
+def format_tool_call(call: ToolCall) -> str:
+    """One ``<tool_call>`` block exactly as the Hermes templates render it (no surrounding newlines)."""
+    body = json.dumps({"name": call.name, "arguments": _arguments_object(call.arguments)}, ensure_ascii=False)
+    return f"{OPEN_TAG}\n{body}\n{CLOSE_TAG}"
+
+
+# ----------------------------------------------------------------------------- llama3_json
+
+
+class Llama3JsonParser(ToolParser):
+    """The reply is one or more ``{"name": .., "parameters": {..}}`` objects (``;``-separated),
+    optionally after ``<|python_tag|>``; text before the tag is content."""
+
+    name = "llama3_json"
+    aliases = ("llama4_json",)
+    BOT = "<|python_tag|>"
+    special_markers = True
+    markers = ("<|python_tag|>", '"parameters": ')
+    excludes = ("[TOOL_CALLS]", OPEN_TAG, "[func_name1(", "<|python_start|>")  # '"parameters"' is a weak marker
+
+    def format(self, content: str, tool_calls: list[ToolCall]) -> str:
+        calls = "; ".join(
+            json.dumps({"name": tc.name, "parameters": _arguments_object(tc.arguments)}, ensure_ascii=False)
+            for tc in tool_calls
+        )
+        if content and calls:
+            return f"{content}{self.BOT}{calls}"
+        return content or calls
+
+    def _parse(self, text: str) -> ParsedReply:
+        if self.BOT in text:
+            content, body = text.split(self.BOT, 1)
+        elif re.match(r'\s*\{\s*"name"\s*:', text):  # the tag was a special token the server skipped
+            content, body = "", text
+        else:
+            return ParsedReply(content=text.strip())
+        values, err = _json_values(body, separators=" \t\r\n;")
+        calls, errors = [], [err] if err else []
+        for obj in values:
+            call, e = _call_from_object(obj, ("parameters", "arguments"))
+            if call is not None:
+                calls.append(call)
+            else:
+                errors.append(e or "malformed tool call")
+        return ParsedReply(content=content.strip(), tool_calls=calls, errors=errors)
+
+
+# ----------------------------------------------------------------------------- mistral
+
+
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """A tool-call id of the form Mistral's templates require (9 alphanumeric characters)."""
+    return "".join(random.choices(_ID_CHARS, k=9))
+
+
+def _is_mistral_id(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 9 and value.isalnum() and value.isascii()
+
+
+class MistralParser(ToolParser):
+    """``[TOOL_CALLS]`` then a JSON array of calls (v3) or ``name[ARGS]{json}`` (v11); text
+    before the first marker is content.  Call ids are 9 alphanumeric characters (the model's
+    own when it wrote one), as Mistral templates require."""
+
+    name = "mistral"
+    BOT = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+    special_markers = True
+    markers = (BOT,)
+
+    def format(self, content: str, tool_calls: list[ToolCall]) -> str:
+        if not tool_calls:
+            return content
+        objs = []
+        for tc in tool_calls:
+            obj: dict[str, Any] = {"name": tc.name, "arguments": _arguments_object(tc.arguments)}
+            if _is_mistral_id(tc.id):
+                obj["id"] = tc.id
+            objs.append(obj)
+        return f"{content}{self.BOT} {json.dumps(objs, ensure_ascii=False)}"
+
+    def _parse(self, text: str) -> ParsedReply:
+        if self.BOT not in text:
+            if re.match(r"\s*\[\s*\{", text):  # the marker was a special token the server skipped
+                values, err = _json_values(text)
+                if not err and len(values) == 1 and isinstance(values[0], list) and values[0] and all(
+                    isinstance(v, dict) and "name" in v for v in values[0]
+                ):
+                    return self._from_objects(values[0], "")
+            return ParsedReply(content=text.strip())
+        content, *chunks = text.split(self.BOT)
+        calls: list[ToolCall] = []
+        errors: list[str] = []
+        for chunk in chunks:
+            self._chunk(chunk.strip(), calls, errors)
+        return ParsedReply(content=content.strip(), tool_calls=calls, errors=errors)
+
+    def _from_objects(self, objs: list[Any], content: str) -> ParsedReply:
+        calls, errors = [], []
+        for obj in objs:
+            self._add(obj, calls, errors)
+        return ParsedReply(content=content, tool_calls=calls, errors=errors)
+
+    def _add(self, obj: Any, calls: list[ToolCall], errors: list[str]) -> None:
+        own = obj.get("id") if isinstance(obj, dict) else None
+        call, err = _call_from_object(obj, ("arguments", "parameters"), own if _is_mistral_id(own) else mistral_call_id())
         if call is not None:
             calls.append(call)
         else:
             errors.append(err or "malformed tool call")
-        pos = end + len(CLOSE_TAG)
-    content = "".join(content_parts).strip()
-    return ParsedReply(content=content, tool_calls=calls, errors=errors)
+
+    def _chunk(self, chunk: str, calls: list[ToolCall], errors: list[str]) -> None:
+        """What follows one ``[TOOL_CALLS]`` marker."""
+        if not chunk:
+            errors.append(f"{self.BOT} with no call after it")
+            return
+        if chunk[0] in "[{":  # v3: a JSON array (or a single object)
+            values, err = _json_values(chunk)
+            for v in values:
+                for obj in v if isinstance(v, list) else [v]:
+                    self._add(obj, calls, errors)
+            if err:
+                errors.append(err)
+            return
+        name, sep, rest = chunk.partition(self.ARGS)  # v11: name[ARGS]{json}
+        if not sep:
+            m = re.match(r"([A-Za-z_][\w.\-]*)\s*(?=\{)", chunk)
+            if m is None:
+                errors.append(f"cannot read a tool call after {self.BOT}: {_short(chunk)!r}")
+                return
+            name, rest = m.group(1), chunk[m.end():]
+        values, err = _json_values(rest)
+        if err or len(values) != 1:
+            errors.append(err or f"tool call {name.strip()!r} needs exactly one JSON arguments object")
+            return
+        self._add({"name": name.strip(), "arguments": values[0]}, calls, errors)
+
+
+# ----------------------------------------------------------------------------- pythonic
+
+
+class _NotLiteral(ValueError):
+    pass
+
+
+def _literal(node: ast.AST) -> Any:
+    """A JSON value from a Python literal expression (``true``/``false``/``null`` accepted too)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str | int | float | bool | type(None)):
+        if isinstance(node.value, float) and not math.isfinite(node.value):
+            raise _NotLiteral("a non-finite number")
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        value = _literal(node.operand)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _NotLiteral("a sign on something that is not a number")
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        out = {}
+        for k, v in zip(node.keys, node.values, strict=True):
+            key = _literal(k) if k is not None else None
+            if not isinstance(key, str):
+                raise _NotLiteral("a dict key that is not a string")
+            out[key] = _literal(v)
+        return out
+    if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[node.id]
+    raise _NotLiteral(f"{type(node).__name__} is not a literal value")
+
+
+def _py(value: Any) -> str:
+    """A JSON value as a Python literal."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_py(k)}: {_py(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_py(v) for v in value) + "]"
+    return repr(value)
+
+
+class PythonicParser(ToolParser):
+    """The reply is a Python list of calls with keyword arguments, ``[f(a=1), g(b='x')]``
+    (Llama 3.2 / Llama 4), optionally inside ``<|python_start|>…<|python_end|>``."""
+
+    name = "pythonic"
+    aliases = ("llama4_pythonic",)
+    START, END = "<|python_start|>", "<|python_end|>"
+    markers = ("[func_name1(", START)
+    _LOOKS_LIKE_CALLS = re.compile(r"\s*\[\s*[A-Za-z_][\w.]*\s*\(")
+
+    def format(self, content: str, tool_calls: list[ToolCall]) -> str:
+        if not tool_calls:
+            return content
+        calls = []
+        for tc in tool_calls:
+            args = _arguments_object(tc.arguments)
+            kwargs = ", ".join(f"{k}={_py(v)}" for k, v in args.items()) if isinstance(args, dict) else ""
+            calls.append(f"{tc.name}({kwargs})")
+        body = "[" + ", ".join(calls) + "]"
+        return f"{content}{self.START}{body}{self.END}" if content else body
+
+    def _parse(self, text: str) -> ParsedReply:
+        content, body = "", text
+        if self.START in text:
+            content, body = text.split(self.START, 1)
+            body = body.split(self.END, 1)[0]
+        elif not self._LOOKS_LIKE_CALLS.match(text):
+            return ParsedReply(content=text.strip())
+        try:
+            tree = ast.parse(body.strip(), mode="eval")
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+            return ParsedReply(content.strip(), errors=[f"invalid pythonic tool call ({type(e).__name__}): {_short(body)!r}"])
+        if not isinstance(tree.body, ast.List) or not all(isinstance(e, ast.Call) for e in tree.body.elts):
+            return ParsedReply(content.strip(), errors=[f"tool calls must be a Python list of calls: {_short(body)!r}"])
+        calls, errors = [], []
+        for node in tree.body.elts:
+            call, err = self._call(node)
+            if call is not None:
+                calls.append(call)
+            else:
+                errors.append(err)
+        return ParsedReply(content=content.strip(), tool_calls=calls, errors=errors)
+
+    @staticmethod
+    def _call(node: ast.Call) -> tuple[ToolCall | None, str]:
+        try:
+            name = ast.unparse(node.func)
+        except Exception:
+            name = ""
+        if not re.fullmatch(r"[A-Za-z_][\w.]*", name):
+            return None, "a tool call's function must be a plain name"
+        if node.args:
+            return None, f"tool call {name!r} must pass its arguments by keyword"
+        args = {}
+        for kw in node.keywords:
+            if kw.arg is None:
+                return None, f"tool call {name!r} cannot use **kwargs"
+            try:
+                args[kw.arg] = _literal(kw.value)
+            except (_NotLiteral, RecursionError) as e:
+                return None, f"argument {kw.arg!r} of tool call {name!r} is not a literal: {e}"
+        return _call_from_object({"name": name, "arguments": args}, ("arguments",))
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+_PARSERS: dict[str, ToolParser] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register(parser: ToolParser) -> ToolParser:
+    """Add a parser under its name and aliases (a later one with the same name replaces it)."""
+    _PARSERS[parser.name] = parser
+    for alias in parser.aliases:
+        _ALIASES[alias] = parser.name
+    return parser
+
+
+for _p in (HermesParser(), Llama3JsonParser(), MistralParser(), PythonicParser()):
+    register(_p)
+
+
+def parser_names() -> list[str]:
+    """Registered parser names (aliases not included)."""
+    return sorted(_PARSERS)
+
+
+def get_parser(name: str | ToolParser | None = None) -> ToolParser:
+    """The parser called ``name`` (or an alias of it); None means ``hermes``."""
+    if isinstance(name, ToolParser):
+        return name
+    key = DEFAULT_PARSER if name is None else _ALIASES.get(name, name)
+    parser = _PARSERS.get(key)
+    if parser is None:
+        known = sorted([*_PARSERS, *_ALIASES])
+        close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ToolParserNotFound(f"no tool-call parser {name!r}{hint} (available: {', '.join(parser_names())}, or auto)")
+    return parser
+
+
+def detect_tool_parser(chat_template: str | None) -> str | None:
+    """The one family whose markers the template contains; None when none or several do."""
+    if not chat_template:
+        return None
+    found = [p.name for p in _PARSERS.values() if p.detect(chat_template)]
+    return found[0] if len(found) == 1 else None
+
+
+def resolve_tool_parser(name: str | None, chat_template: str | None = None) -> ToolParser:
+    """The one rule: an explicit name; else (``None``/``"auto"``) the family detected in the
+    chat template; else ``hermes``."""
+    if name not in (None, "", "auto"):
+        return get_parser(name)
+    return get_parser(detect_tool_parser(chat_template) or DEFAULT_PARSER)
+
+
+def chat_template_of(model_dir: Any) -> str | None:
+    """A local model/tokenizer directory's chat template text, read from its files (no
+    tokenizer load): ``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``."""
+    from pathlib import Path
+
+    d = Path(model_dir)
+    try:
+        if (d / "chat_template.jinja").is_file():
+            return (d / "chat_template.jinja").read_text()
+        for fname in ("chat_template.json", "tokenizer_config.json"):
+            if (d / fname).is_file():
+                tpl = json.loads((d / fname).read_text()).get("chat_template")
+                if isinstance(tpl, list):  # named templates: the default one
+                    tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+                if isinstance(tpl, str):
+                    return tpl
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
+# ----------------------------------------------------------------------------- hermes, as before
+
+
+def format_assistant_text(content: str, tool_calls: list[ToolCall]) -> str:
+    """The text of a whole Hermes assistant turn: content, then each call on its own lines."""
+    return _PARSERS["hermes"].format(content, tool_calls)
+
+
+def parse_tool_calls(text: str, parser: str | ToolParser | None = None) -> ParsedReply:
+    """Split ``text`` into content and tool calls with ``parser`` (default ``hermes``). Never raises."""
+    return get_parser(parser).parse(text)
+
+
+__all__ = [
+    "CLOSE_TAG", "DEFAULT_PARSER", "OPEN_TAG", "ParsedReply", "ToolParser", "ToolParserNotFound",
+    "chat_template_of", "detect_tool_parser", "format_assistant_text", "format_tool_call", "get_parser",
+    "mistral_call_id", "parse_tool_calls", "parser_names", "register", "resolve_tool_parser",
+]

@@ -78,3 +78,11 @@ def test_trajectory_json_round_trip_keeps_token_provenance():
     assert back.sequences[0].loss_mask == [0, 0, 0, 1, 1]
     with pytest.raises(ValueError):
         seq.extend_sampled([1], [], [1])
+
+
+def test_tool_parser_is_checked_with_every_other_error():
+    with pytest.raises(ConfigError) as info:
+        load_config([], ["--inference.tool_parser=hermse", "--trainer.lr=-1"])
+    assert "did you mean 'hermes'" in str(info.value) and "trainer.lr" in str(info.value)
+    assert load_config([], ["--inference.tool_parser=llama4_json"]).inference.tool_parser == "llama4_json"
+    assert Config().inference.tool_parser == "auto"

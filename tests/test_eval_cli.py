@@ -138,3 +138,75 @@ def test_scaffold_install_discover_test_and_eval_on_the_embedded_engine(tmp_path
     finally:
         subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "agentrl-env-probe-env"],
                        capture_output=True, timeout=120)
+
+
+def token_server(tok, tokenize: str):
+    """A vLLM-like token-path endpoint for the calc env (decodes each prompt, answers with
+    ``solver``).  ``tokenize``: ``none`` (no /tokenize route), ``same`` or ``other`` (a
+    /tokenize that disagrees with ``tok``)."""
+    from aiohttp import web
+    from threaded_app import ThreadedApp
+
+    from agentrl.render import render_chat_ids
+
+    hits = {"tokenize": 0, "completions": 0}
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+
+    async def completions(request):
+        body = await request.json()
+        hits["completions"] += 1
+        text = solver(tok.decode(body["prompt"]))
+        ids = tok.encode(text, add_special_tokens=False)[: body["max_tokens"] - 1] + [eot]
+        return web.json_response({"choices": [{"index": 0, "text": text, "finish_reason": "stop", "token_ids": ids,
+                                               "logprobs": {"token_logprobs": [-0.1] * len(ids)}}]})
+
+    async def tokenize_route(request):
+        body = await request.json()
+        hits["tokenize"] += 1
+        if "messages" in body:
+            ids = render_chat_ids(tok, body["messages"], body.get("tools"), body.get("add_generation_prompt", True))
+        else:
+            ids = tok.encode(body["prompt"], add_special_tokens=False)
+        return web.json_response({"tokens": ids if tokenize == "same" else ids[::-1]})
+
+    async def models(_):
+        return web.json_response({"data": [{"id": "tiny"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    if tokenize != "none":
+        app.router.add_post("/tokenize", tokenize_route)
+    return ThreadedApp(app), hits
+
+
+@pytest.mark.parametrize("tokenize", ["none", "same", "other"])
+def test_eval_renders_prompts_with_the_local_tokenizer(tmp_path, tokenize):
+    from agentrl.tiny_model import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    server, hits = token_server(tok, tokenize)
+    with server as srv:
+        base = ["eval", "calc", "--model", "tiny", "--base-url", srv.url, "-n", "2", "-r", "1", "--max-tokens", "100"]
+        r = agentrl(*base, "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "out"))
+        remote_renders = hits["tokenize"]
+        without = agentrl(*base, "--out", str(tmp_path / "out2"))
+    if tokenize == "other":  # a tokenizer that is not the served model's is refused before any episode
+        assert r.returncode == 2 and "does not match the served model's" in r.stderr, r.stderr
+        return
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = [json.loads(x) for x in (tmp_path / "out/results.jsonl").read_text().splitlines()]
+    assert len(recs) == 2 and all(x["reward"] == 1.0 and x["turns"] == 2 for x in recs)
+    assert remote_renders <= 1  # at most the probe's check; no prompt is rendered remotely
+    if tokenize == "none":
+        assert without.returncode == 2 and "no /tokenize route" in without.stderr and "--tokenizer DIR" in without.stderr
+    else:
+        assert without.returncode == 0, without.stderr[-2000:]
+
+
+def test_a_bad_tokenizer_dir_is_one_line_exit_2(tmp_path):
+    r = agentrl("eval", "calc", "--model", "m", "--base-url", "http://127.0.0.1:9/v1", "--tokenizer", str(tmp_path / "no"))
+    assert r.returncode == 2 and "is not a directory" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = agentrl("eval", "calc", "--model", "m", "--base-url", "http://127.0.0.1:9/v1", "--tool-parser", "hermse")
+    assert r.returncode == 2 and "did you mean 'hermes'" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -29,7 +29,8 @@ class State(dict):
 
     The framework's own entries are also attributes: ``task``, ``messages`` (the whole
     conversation so far), ``turn`` (model turns taken), ``metrics`` (floats merged into the
-    trajectory's metrics), ``done`` (set True from ``step`` to end the episode).
+    trajectory's metrics), ``done`` (set True from ``step`` to end the episode),
+    ``tool_parser`` (the model's tool-call format, for ``parse_assistant``).
     """
 
     def __init__(self, task: Task, **extra: Any) -> None:
@@ -54,6 +55,12 @@ class State(dict):
     @done.setter
     def done(self, value: bool) -> None:
         self["done"] = value
+
+    @property
+    def tool_parser(self) -> str:
+        """The model's tool-call format (a :mod:`agentrl.tool_format` parser name), set by the
+        episode from the policy client before the first turn; ``setup`` may set it instead."""
+        return self.get("tool_parser") or "hermes"
 
     @property
     def answer(self) -> Any:

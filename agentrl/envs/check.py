@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.envs.base import Environment, State
-from agentrl.tool_format import format_assistant_text
+from agentrl.tool_format import format_assistant_text, get_parser
 from agentrl.types import Completion, Message, SamplingParams, Trajectory
 
 IM_START, IM_END = 1, 2
@@ -27,9 +27,13 @@ class ScriptedEndpointError(Exception):
     """What ScriptedClient raises when told to fail (an endpoint that is down)."""
 
 
-def render_chatml(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, strip_old: bool = False) -> str:
+def render_chatml(
+    messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, strip_old: bool = False,
+    tool_parser: str = "hermes",
+) -> str:
     """A ChatML rendering (Qwen-like). ``strip_old`` drops ``<think>`` from assistant turns
-    before the last user message, as Qwen3's template does — which is not prefix-stable."""
+    before the last user message, as Qwen3's template does — which is not prefix-stable.
+    Assistant tool calls are written in ``tool_parser``'s format."""
     import json
 
     out = []
@@ -44,7 +48,7 @@ def render_chatml(messages: list[dict], tools: list[dict] | None, add_generation
             calls = [ToolCall.from_dict(tc) for tc in m.get("tool_calls") or []]
             if strip_old and i < last_user and "</think>" in content:
                 content = content.split("</think>", 1)[1].lstrip()
-            content = format_assistant_text(content, calls)
+            content = get_parser(tool_parser).format(content, calls)
         out.append(f"{_START_TEXT}{m['role']}\n{content}{_END_TEXT}\n")
     if add_generation_prompt:
         out.append(f"{_START_TEXT}assistant\n")
@@ -85,17 +89,19 @@ class ScriptedClient:
         fail: bool = False,
         strip_old_thinking: bool = False,
         version: int = 0,
+        tool_parser: str = "hermes",
     ) -> None:
         self.policy = policy or (lambda prompt: "I don't know.")
         self.fail = fail
         self.strip_old = strip_old_thinking
         self.version = version
+        self.tool_parser = get_parser(tool_parser).name  # the format its template writes calls in
         self.prompts: list[list[int]] = []
 
     async def tokenize(self, *, messages=None, tools=None, prompt=None, add_generation_prompt=True) -> list[int]:
         if prompt is not None:
             return encode(prompt)
-        return encode(render_chatml(messages or [], tools, add_generation_prompt, self.strip_old))
+        return encode(render_chatml(messages or [], tools, add_generation_prompt, self.strip_old, self.tool_parser))
 
     async def detokenize(self, ids: list[int]) -> str:
         return decode(ids)
@@ -119,12 +125,10 @@ class ScriptedClient:
 
     async def chat(self, messages: list[dict], sampling: SamplingParams, tools=None, n: int = 1) -> list[Completion]:
         """Chat-endpoint behaviour: tool calls come back split from the content."""
-        from agentrl.tool_format import parse_tool_calls
-
         prompt_ids = await self.tokenize(messages=messages, tools=tools)
         out = []
         for c in await self.complete(prompt_ids, sampling, n):
-            parsed = parse_tool_calls(c.text)
+            parsed = get_parser(self.tool_parser).parse(c.text)
             text = parsed.content if parsed.tool_calls and not parsed.errors else c.text
             calls = parsed.tool_calls if not parsed.errors else []
             out.append(Completion(text, c.token_ids, c.logprobs, c.versions, c.finish_reason, tool_calls=calls,

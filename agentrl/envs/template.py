@@ -11,6 +11,10 @@ That works when, for every turn k,
 
 Templates that rewrite history (e.g. drop ``<think>`` blocks from earlier turns) fail 1;
 the loop then starts a new sample at that turn and counts a template break.
+
+:func:`check_tool_format` names the template's tool-call format (:mod:`agentrl.tool_format`)
+and checks that a call the template renders, decoded as an engine returns it (special tokens
+skipped), parses back to the same call.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.episode import MAX_GLUE_TOKENS
-from agentrl.render import render_chat_ids
+from agentrl.render import render_chat_ids, render_chat_text
+from agentrl.tool_format import detect_tool_parser, resolve_tool_parser
 
 _TOOLS = [
     {
@@ -34,7 +39,8 @@ _TOOLS = [
 
 
 def _call(i: int, expr: str) -> dict[str, Any]:
-    return {"id": f"call_{i}", "type": "function", "function": {"name": "calculator", "arguments": f'{{"expression": "{expr}"}}'}}
+    # 9 alphanumeric characters: the id shape Mistral templates insist on, accepted by all
+    return {"id": f"call{i:05d}", "type": "function", "function": {"name": "calculator", "arguments": f'{{"expression": "{expr}"}}'}}
 
 
 CONVERSATIONS: dict[str, tuple[list[dict[str, Any]], list[dict] | None]] = {
@@ -54,9 +60,9 @@ CONVERSATIONS: dict[str, tuple[list[dict[str, Any]], list[dict] | None]] = {
         [
             {"role": "user", "content": "What is 12*7?"},
             {"role": "assistant", "content": "", "tool_calls": [_call(0, "12*7")]},
-            {"role": "tool", "content": "84", "tool_call_id": "call_0"},
+            {"role": "tool", "content": "84", "tool_call_id": "call00000"},
             {"role": "assistant", "content": "Let me check.", "tool_calls": [_call(1, "84-1")]},
-            {"role": "tool", "content": "83", "tool_call_id": "call_1"},
+            {"role": "tool", "content": "83", "tool_call_id": "call00001"},
             {"role": "assistant", "content": "84"},
         ],
         _TOOLS,
@@ -98,7 +104,13 @@ def _render(tokenizer: Any, messages: list[dict], tools: list[dict] | None, gen:
 
 
 def end_of_turn_id(tokenizer: Any) -> int | None:
+    """The token that closes an assistant turn: a known end-of-turn marker the chat template
+    writes (a vocabulary may hold markers of other templates), else the eos token."""
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else ""
     for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
+        if template and tok not in template:
+            continue
         tid = tokenizer.convert_tokens_to_ids(tok)
         if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
             if tok in tokenizer.get_vocab():
@@ -131,3 +143,37 @@ def check_template(tokenizer: Any) -> TemplateReport:
             glue = tail[::-1].index(eot)
             report.checks.append(TemplateCheck(name, turn, True, f"{glue} glue token(s) after end of turn"))
     return report
+
+
+@dataclass
+class ToolFormatCheck:
+    parser: str  # the parser used
+    detected: str | None  # the family the template's text names (None: none or several)
+    ok: bool
+    detail: str = ""
+
+
+def check_tool_format(tokenizer: Any, tool_parser: str | None = None) -> ToolFormatCheck:
+    """Render one assistant tool call with the template, decode it as an engine would and parse
+    it with ``tool_parser`` (default: the detected family, else hermes): same call back?"""
+    import json
+
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else json.dumps(template)
+    detected = detect_tool_parser(template)
+    parser = resolve_tool_parser(tool_parser, template)
+    messages, tools = CONVERSATIONS["tools"]
+    want = messages[1]["tool_calls"][0]["function"]
+    try:
+        prompt = render_chat_text(tokenizer, messages[:1], tools, add_generation_prompt=True)
+        whole = render_chat_text(tokenizer, messages[:2], tools, add_generation_prompt=False)
+    except Exception as e:
+        return ToolFormatCheck(parser.name, detected, False, f"template failed: {type(e).__name__}: {e}")
+    if not whole.startswith(prompt):
+        return ToolFormatCheck(parser.name, detected, False, "the assistant turn is not a suffix of the prompt")
+    ids = tokenizer.encode(whole[len(prompt):], add_special_tokens=False)
+    parsed = parser.parse(tokenizer.decode(ids, skip_special_tokens=True))
+    got = [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
+    if got != [(want["name"], json.loads(want["arguments"]))]:
+        return ToolFormatCheck(parser.name, detected, False, f"parsed {got} (errors: {parsed.errors})")
+    return ToolFormatCheck(parser.name, detected, True, "a rendered tool call parses back")

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from agentrl.envs.base import Environment, State
 from agentrl.errors import EpisodeError, ToolError, error_kind_of
-from agentrl.tool_format import parse_tool_calls
+from agentrl.tool_format import get_parser
 from agentrl.types import Message, ToolCall
 
 _SECTION = re.compile(r"^\s*(Args|Arguments|Parameters|Returns?|Raises|Yields|Examples?|Notes?)\s*:\s*$")
@@ -185,7 +185,8 @@ class ToolEnv(Environment):
         return [t.schema for t in self.tools.values()] or None
 
     def parse_assistant(self, text: str, state: State) -> Message:
-        parsed = parse_tool_calls(text)
+        """Split the model's text with its tool-call format (``state.tool_parser``)."""
+        parsed = get_parser(state.tool_parser).parse(text)
         state["parse_errors"] = parsed.errors
         return Message("assistant", parsed.content, tool_calls=parsed.tool_calls)
 

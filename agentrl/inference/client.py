@@ -16,6 +16,11 @@ token-exact fields) and is the one owner of:
 
 Every call returns :class:`~agentrl.types.Completion` records carrying the exact sampled
 token ids, their behaviour logprobs μ, their support and the weight version of every token.
+The chat path (:meth:`PolicyClient.chat`, for endpoints without token routes) is
+hosted-API-safe: it sends each endpoint only the fields it accepts and keeps token data only
+where it comes back (:mod:`agentrl.inference.chat`).  Both paths speak raw JSON over aiohttp.
+``tool_parser`` names the served model's tool-call format (:mod:`agentrl.tool_format`); the
+episode loop parses the model's text with it.
 """
 
 from __future__ import annotations
@@ -30,13 +35,20 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
-import openai
 from asyncio_throttle import Throttler
 
-from agentrl.errors import ContextLengthExceeded, EndpointError, EndpointProbeError, MalformedResponse
+from agentrl.errors import (
+    AgentrlError,
+    ContextLengthExceeded,
+    EndpointError,
+    EndpointProbeError,
+    MalformedResponse,
+)
+from agentrl.inference.chat import ChatCaps, chat_body, drop_fields, read_reply, rejected_fields
 from agentrl.render import render_chat_ids
 from agentrl.retry import Transient, is_transient_status, retrying
-from agentrl.types import Completion, Message, SamplingParams, ToolCall
+from agentrl.tool_format import get_parser, resolve_tool_parser
+from agentrl.types import Completion, Message, SamplingParams
 
 T = TypeVar("T")
 
@@ -44,6 +56,23 @@ T = TypeVar("T")
 def url_root(url: str) -> str:
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """A local HF tokenizer; a one-line :class:`~agentrl.errors.AgentrlError` when there is none."""
+    from pathlib import Path
+
+    if not Path(path).is_dir():
+        raise AgentrlError(f"--tokenizer {str(path)!r} is not a directory (expected a HF model or tokenizer dir)")
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:
+        raise AgentrlError(f"cannot load a tokenizer from {str(path)!r}: {type(e).__name__}: {str(e)[:200]}") from None
+    if not getattr(tok, "chat_template", None):
+        raise AgentrlError(f"the tokenizer in {str(path)!r} has no chat template to render prompts with")
+    return tok
 
 
 def _error_message(text: str) -> str:
@@ -72,7 +101,8 @@ class Endpoint:
 
     def __init__(self, base_url: str, api_key: str, timeout: float, requests_per_s: float = 0.0):
         self.root = url_root(base_url)
-        self.openai = openai.AsyncOpenAI(base_url=self.root + "/v1", api_key=api_key, timeout=timeout, max_retries=0)
+        self.chat_caps = ChatCaps()  # what its chat route accepts and returns (agentrl.inference.chat)
+        self._chat_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.throttle = Throttler(rate_limit=max(1, math.ceil(requests_per_s)), period=1.0) if requests_per_s else None
@@ -118,8 +148,14 @@ class Endpoint:
             except ValueError as e:
                 raise MalformedResponse(f"{self.root}{path} answered non-JSON: {text[:200]!r}") from e
 
+    def chat_lock(self) -> asyncio.Lock:
+        """A lock for the one capability probe, bound to the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._chat_lock is None or self._chat_lock[0] is not loop:
+            self._chat_lock = (loop, asyncio.Lock())
+        return self._chat_lock[1]
+
     async def close(self) -> None:
-        await self.openai.close()
         if self._session is not None and self._loop is asyncio.get_running_loop():
             await self._session.close()
 
@@ -139,6 +175,7 @@ class PolicyClient:
         tokenizer: Any = None,
         requests_per_s: float = 0.0,
         cache_salt: bool = False,
+        tool_parser: str | None = None,
     ):
         """``cache_salt``: salt token requests with the weight version (vLLM's ``cache_salt``), so a
         server's prefix cache never serves K/V computed by older weights."""
@@ -154,10 +191,11 @@ class PolicyClient:
         # A local copy of the served model's tokenizer (a path or a HF tokenizer) renders
         # prompts in-process: same template, same ids, no /tokenize round trip per turn.
         if isinstance(tokenizer, str | os.PathLike):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer
+        # the model's tool-call format, read by the episode's parse step (agentrl.tool_format):
+        # named, else detected from the local tokenizer's chat template, else hermes
+        self.tool_parser = resolve_tool_parser(tool_parser, getattr(tokenizer, "chat_template", None)).name
         self._rr = itertools.count()
 
     @property
@@ -194,12 +232,9 @@ class PolicyClient:
             ep.calls += 1
             try:
                 return await fn(ep)
-            except openai.APIStatusError as e:
-                raise self._classify(what, ep, e.status_code, str(e.message), getattr(e, "code", None), e) from e
             except _HTTPStatus as e:
                 raise self._classify(what, ep, e.status, _error_message(e.text), None, e) from e
-            except (openai.APIConnectionError, openai.APITimeoutError, aiohttp.ClientError, TimeoutError,
-                    ConnectionError) as e:
+            except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
                 raise Transient(e, ep.root) from e
             finally:
                 ep.in_flight -= 1
@@ -216,13 +251,14 @@ class PolicyClient:
 
     # ------------------------------------------------------------------ sampling
 
-    @staticmethod
-    def _sampling_body(s: SamplingParams, n: int) -> dict[str, Any]:
-        """Every sampling field, explicitly: server-side defaults never change the distribution."""
+    def _sampling_body(self, s: SamplingParams, n: int) -> dict[str, Any]:
+        """Every sampling field, explicitly: server-side defaults never change the distribution.
+        Special tokens stay in the text where the model's tool-call markers are special tokens
+        (``[TOOL_CALLS]``, ``<|python_tag|>``), as vLLM's own tool parsers ask for."""
         body: dict[str, Any] = {
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "n": n,
             "top_k": s.top_k if s.top_k and s.top_k > 0 else -1, "min_p": s.min_p,
-            "return_token_ids": True, "skip_special_tokens": True,
+            "return_token_ids": True, "skip_special_tokens": not get_parser(self.tool_parser).special_markers,
         }  # fmt: skip
         if s.seed is not None:
             body["seed"] = s.seed
@@ -280,74 +316,149 @@ class PolicyClient:
         *,
         _prefer: Endpoint | None = None,
     ) -> list[Completion]:
-        """Sample assistant replies (``/v1/chat/completions``); tool calls come back parsed."""
-        body = self._sampling_body(sampling, n)
-        extra = {k: body.pop(k) for k in ("top_k", "min_p", "return_token_ids", "skip_special_tokens")}
+        """Sample assistant replies (``/v1/chat/completions``); tool calls come back parsed.
+
+        Hosted-API-safe (:mod:`agentrl.inference.chat`): each endpoint is probed once for the
+        fields it accepts and whether token ids/logprobs come back; the request carries only
+        what it accepts.  Token ids and logprobs are filled only where the endpoint returns
+        them (vLLM, the embedded engine); ``prompt_tokens``/``completion_tokens`` always.
+        """
         msgs = [m.to_dict() if isinstance(m, Message) else m for m in messages]
-        if tools:
-            body["tools"] = tools
-        start_version = self.default_version
 
-        async def go(ep: Endpoint):
-            return await ep.openai.chat.completions.create(
-                model=self.model, messages=msgs, logprobs=True, extra_body=extra, **body
-            )
+        async def go(ep: Endpoint) -> list[Completion]:
+            if not ep.chat_caps.probed:
+                await self._probe_chat(ep)
+            body = chat_body(self.model, msgs, sampling, tools, n, ep.chat_caps, where=ep.root)
+            resp = await self._post_chat(ep, body)
+            return read_reply(resp, n, ep.chat_caps, self.default_version)
 
-        resp = await self._call(go, "chat completion", _prefer)
-        prompt_ids = list(getattr(resp, "prompt_token_ids", None) or [])
-        usage = getattr(resp, "usage", None)
-        out = []
-        for ch in sorted(resp.choices, key=lambda c: c.index):
-            ids = list(getattr(ch, "token_ids", None) or [])
-            content = ch.logprobs.content if ch.logprobs and ch.logprobs.content else []
-            lps = [float(c.logprob) for c in content]
-            extra_fields = {"token_versions": getattr(ch, "token_versions", None),
-                            "token_support": getattr(ch, "token_support", None)}
-            versions, support = self._choice_tokens(extra_fields, ids, lps, start_version)
-            calls = [
-                ToolCall(name=tc.function.name, arguments=tc.function.arguments or "{}", id=tc.id)
-                for tc in (ch.message.tool_calls or [])
-            ]
-            out.append(
-                Completion(
-                    text=ch.message.content or "", token_ids=ids, logprobs=lps, versions=versions,
-                    finish_reason=ch.finish_reason, support=support, tool_calls=calls, prompt_token_ids=prompt_ids,
-                    prompt_tokens=getattr(usage, "prompt_tokens", 0) or len(prompt_ids),
-                    completion_tokens=len(ids) or (getattr(usage, "completion_tokens", 0) if n == 1 else 0),
-                )
-            )  # fmt: skip
-        return out
+        return await self._call(go, "chat completion", _prefer)
+
+    async def _post_chat(self, ep: Endpoint, body: dict[str, Any]) -> Any:
+        """POST a chat request; a 400/422 that refuses optional fields drops them (remembered
+        for the endpoint) and sends again."""
+        for _ in range(len(body) + 1):
+            try:
+                return await ep.post("/v1/chat/completions", body)
+            except _HTTPStatus as e:
+                message = _error_message(e.text)
+                if _is_context_error(message) or _is_context_error(e.text):
+                    raise
+                fields = rejected_fields(e.status, message, body)
+                if not fields:
+                    raise
+                body = drop_fields(body, fields, ep.chat_caps)
+        raise MalformedResponse(f"{ep.root} kept refusing chat requests: {body}")
+
+    async def _probe_chat(self, ep: Endpoint) -> ChatCaps:
+        """Learn, with one 1-token request, what ``ep``'s chat route accepts and returns."""
+        caps = ep.chat_caps
+        async with ep.chat_lock():
+            if caps.probed:
+                return caps
+            body = chat_body(self.model, [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), None, 1,
+                             caps, where=ep.root)
+            read_reply(await self._post_chat(ep, body), 1, caps, self.default_version)
+            caps.probed = True
+        return caps
+
+    def capabilities(self) -> list[str]:
+        """One line per endpoint whose chat route was probed: what it gives the chat path."""
+        return [f"{ep.root}: {ep.chat_caps.summary()}" for ep in self.endpoints if ep.chat_caps.probed]
 
     # ------------------------------------------------------------------ probing
 
-    async def probe(self, *, token_path: bool) -> None:
-        """Check once, before a run, that every endpoint serves ``model`` and has the routes the
-        chosen path needs; raise :class:`~agentrl.errors.EndpointProbeError` saying what to change."""
+    async def probe(self, *, token_path: bool, training: bool = False) -> None:
+        """Check once, before a run, that every endpoint can serve the chosen path; raise
+        :class:`~agentrl.errors.EndpointProbeError` saying what to change.
+
+        Every path: ``/v1/models`` lists ``model``.  Chat path (``token_path=False``): one
+        1-token chat request learns what the route accepts and returns (:meth:`capabilities`).
+        Token path: prompts are rendered by the local tokenizer, else by ``/tokenize`` (then
+        required); where both exist they must agree.  ``training``: ``/v1/completions`` must
+        return token ids and sampling logprobs for a token-id prompt (what the loss needs).
+        """
         for ep in self.endpoints:
             try:
-                listed = await ep.get("/v1/models")
+                await self._probe_models(ep)
+                if token_path:
+                    await self._probe_tokenize(ep)
+                else:
+                    await self._probe_chat_route(ep)
+                if training:
+                    await self._probe_training(ep)
             except _HTTPStatus as e:
                 hint = " (check --api-key)" if e.status in (401, 403) else ""
-                raise EndpointProbeError(f"{ep.root}/v1/models answered HTTP {e.status}{hint}: {_error_message(e.text)}") from None
+                raise EndpointProbeError(f"{ep.root} answered HTTP {e.status}{hint}: {_error_message(e.text)}") from None
             except (aiohttp.ClientError, OSError, TimeoutError) as e:
                 raise EndpointProbeError(
                     f"cannot reach {ep.root} ({type(e).__name__}: {e or 'no answer'}); is the server running at --base-url?"
                 ) from None
-            served = [m.get("id") for m in (listed.get("data") or []) if isinstance(m, dict)]
-            if served and self.model not in served:
+            except (MalformedResponse, EndpointError) as e:
+                raise EndpointProbeError(f"{ep.root}: {e}") from None
+
+    async def _probe_models(self, ep: Endpoint) -> None:
+        listed = await ep.get("/v1/models")
+        served = [m.get("id") for m in (listed.get("data") or []) if isinstance(m, dict)] if isinstance(listed, dict) else []
+        if served and self.model not in served:
+            raise EndpointProbeError(
+                f"{ep.root} does not serve model {self.model!r}; it serves {served}: pass --model {served[0]}"
+            )
+
+    async def _probe_chat_route(self, ep: Endpoint) -> None:
+        try:
+            await self._probe_chat(ep)
+        except _HTTPStatus as e:
+            if e.status in (404, 405):
                 raise EndpointProbeError(
-                    f"{ep.root} does not serve model {self.model!r}; it serves {served}: pass --model {served[0]}"
+                    f"{ep.root} has no /v1/chat/completions route: drop --chat to sample token ids on /v1/completions"
+                ) from None
+            raise EndpointProbeError(
+                f"{ep.root}/v1/chat/completions answered HTTP {e.status}: {_error_message(e.text)}"
+            ) from None
+
+    async def _probe_tokenize(self, ep: Endpoint) -> None:
+        sample = "Hello, world: 12+30 = 42."
+        try:
+            remote = await ep.post("/tokenize", {"model": self.model, "prompt": sample, "add_special_tokens": False})
+        except _HTTPStatus as e:
+            if self.tokenizer is not None:
+                return  # prompts are rendered locally; /tokenize is only a fallback
+            if e.status in (404, 405):
+                raise EndpointProbeError(
+                    f"{ep.root} has no /tokenize route (a chat-only endpoint): pass --chat to use "
+                    "/v1/chat/completions, or --tokenizer DIR to render prompts locally"
+                ) from None
+            raise
+        if self.tokenizer is not None and isinstance(remote, dict) and isinstance(remote.get("tokens"), list):
+            local = self.tokenizer.encode(sample, add_special_tokens=False)
+            if remote["tokens"] != local:
+                raise EndpointProbeError(
+                    f"the local tokenizer does not match the served model's ({sample!r} is {local[:6]}... here, "
+                    f"{remote['tokens'][:6]}... at {ep.root}): pass --tokenizer with the served model's tokenizer dir"
                 )
-            if token_path and self.tokenizer is None:
-                try:
-                    await ep.post("/tokenize", {"model": self.model, "prompt": "hi"})
-                except _HTTPStatus as e:
-                    if e.status in (404, 405):
-                        raise EndpointProbeError(
-                            f"{ep.root} has no /tokenize route (a chat-only endpoint): pass --chat to use "
-                            "/v1/chat/completions, or --tokenizer DIR to render prompts locally"
-                        ) from None
-                    raise EndpointProbeError(f"{ep.root}/tokenize answered HTTP {e.status}: {_error_message(e.text)}") from None
+
+    async def _probe_training(self, ep: Endpoint) -> None:
+        prompt = await self.tokenize(prompt="Hi", _prefer=ep) or [0]
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 1.0, "logprobs": 0,
+                "return_token_ids": True}
+        try:
+            resp = await ep.post("/v1/completions", body)
+        except _HTTPStatus as e:
+            raise EndpointProbeError(
+                f"training samples token-id prompts on /v1/completions, and {ep.root} answered HTTP {e.status}: "
+                f"{_error_message(e.text)} (serve the model with `agentrl serve` or vLLM)"
+            ) from None
+        ch = (_choices(resp) or [{}])[0]
+        missing = [] if ch.get("token_ids") else ["the sampled token ids (vLLM's return_token_ids)"]
+        if not (ch.get("logprobs") or {}).get("token_logprobs"):
+            missing.append("their sampling logprobs")
+        if missing:
+            raise EndpointProbeError(
+                f"training needs {' and '.join(missing)} from /v1/completions for token-id prompts; {ep.root} "
+                "does not return them: train against `agentrl serve` or vLLM >= 0.10.2, or only evaluate this "
+                "endpoint (agentrl eval --chat)"
+            )
 
     async def probe_sampling(self, sampling: SamplingParams, prompt_ids: list[int]) -> None:
         """Once before training: the endpoint must report μ of the *processed* distribution (after
@@ -422,6 +533,10 @@ class PinnedClient:
 
     def __init__(self, client: PolicyClient, endpoint: Endpoint, weight: int):
         self.client, self.endpoint, self._weight = client, endpoint, weight
+
+    @property
+    def tool_parser(self) -> str:
+        return self.client.tool_parser
 
     async def complete(self, prompt_ids: list[int], sampling: SamplingParams, n: int = 1) -> list[Completion]:
         return await self.client.complete(prompt_ids, sampling, n, _prefer=self.endpoint)

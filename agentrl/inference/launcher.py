@@ -105,11 +105,13 @@ def start_embedded_engine(
     served_model_name: str | None = None,
     startup_timeout: float = 300.0,
     env: dict[str, str] | None = None,
+    tool_parser: str | None = None,
     **overrides: Any,
 ) -> EngineHandle:
     """Launch ``python -m agentrl.inference.server`` and wait until ``/health`` answers.
 
     ``args`` (or keyword overrides of its fields, e.g. ``max_model_len=512``): :class:`EngineArgs`.
+    ``tool_parser``: how the chat route splits tool calls (default: detected from the template).
     """
     args = dataclasses.replace(args or EngineArgs(), **overrides)
     model_dir = Path(model_dir)
@@ -122,6 +124,7 @@ def start_embedded_engine(
         sys.executable, "-m", "agentrl.inference.server", str(model_dir),
         "--host", host, "--port", str(port), *args.cli_args(), "--served-model-name", name,
         "--port-file", str(port_file), "--parent-pid", str(os.getpid()),
+        "--tool-call-parser", tool_parser or "auto",
     ]  # fmt: skip
     log = open(log_path, "wb")  # noqa: SIM115 (the child owns it)
     proc = subprocess.Popen(
@@ -145,7 +148,7 @@ def start_embedded_engine(
     handle = EngineHandle(proc, host, port, name, log_path, tmp)
     handle._relaunch = lambda on_port: start_embedded_engine(
         model_dir, args, port=on_port, host=host, served_model_name=served_model_name,
-        startup_timeout=startup_timeout, env=env,
+        startup_timeout=startup_timeout, env=env, tool_parser=tool_parser,
     )
     return handle
 
@@ -192,9 +195,10 @@ class Policy:
     """Where a run samples from: endpoint URLs, the served model name, engines to stop."""
 
     def __init__(self, base_urls: list[str], model: str, engines: list[Any] | None = None,
-                 tokenizer_dir: Path | None = None):
+                 tokenizer_dir: Path | None = None, tool_parser: str = "hermes"):
         self.base_urls, self.model, self.engines = base_urls, model, list(engines or [])
         self.tokenizer_dir = tokenizer_dir  # a local copy of the served model's tokenizer, if any
+        self.tool_parser = tool_parser  # the model's tool-call format (agentrl.tool_format)
 
     @property
     def started(self) -> bool:
@@ -228,23 +232,31 @@ def open_policy(
     args: EngineArgs | None = None,
     served_model_name: str | None = None,
     env: dict[str, str] | None = None,
+    tool_parser: str | None = None,
+    tokenizer_dir: str | Path | None = None,
 ) -> Policy:
     """Connect to ``base_urls`` serving ``model``, or start an embedded engine on the local dir ``model``.
 
     The one place that decides; raises :class:`~agentrl.errors.AgentrlError` with what to
-    pass when neither works.
+    pass when neither works.  ``tool_parser`` (None or ``auto``: detected from the chat
+    template of ``tokenizer_dir``, default the model dir when local; else ``hermes``) becomes
+    ``Policy.tool_parser`` and the embedded engine's chat-route parser.
     """
+    from agentrl.tool_format import chat_template_of, resolve_tool_parser
+
     urls = [base_urls] if isinstance(base_urls, str) else list(base_urls or [])
     local = is_model_dir(model)
+    tok = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    if tok is None and local and (Path(model) / "tokenizer_config.json").is_file():
+        tok = Path(model)
+    parser = resolve_tool_parser(tool_parser, chat_template_of(tok) if tok is not None else None).name
     if urls:
         name = served_model_name or (Path(model).name if local else str(model))
-        tok = Path(model) if local and (Path(model) / "tokenizer_config.json").is_file() else None
-        return Policy(urls, name, tokenizer_dir=tok)
+        return Policy(urls, name, tokenizer_dir=tok, tool_parser=parser)
     if not local:
         raise AgentrlError(
             f"--model {str(model)!r} is not a local model dir (no config.json); "
             "pass --base-url for a remote endpoint"
         )
-    handle = start_embedded_engine(model, args, served_model_name=served_model_name, env=env)
-    tok = Path(model) if (Path(model) / "tokenizer_config.json").is_file() else None
-    return Policy([handle.base_url], handle.model, [handle], tokenizer_dir=tok)
+    handle = start_embedded_engine(model, args, served_model_name=served_model_name, env=env, tool_parser=parser)
+    return Policy([handle.base_url], handle.model, [handle], tokenizer_dir=tok, tool_parser=parser)

@@ -9,6 +9,9 @@ Routes (vLLM names and fields where vLLM has them):
   token-id prompts on ``/v1/completions``; every choice carries ``token_versions`` (weight
   version per token) and ``token_support`` (the size of the kept set each token was drawn
   from: :mod:`agentrl.inference.sampling`).  ``stream: true``: :mod:`agentrl.inference.streaming`.
+  With ``tools``, the chat route splits tool calls out of the text with the model's tool-call
+  parser (``--tool-call-parser``, vLLM's names; default: detected from the chat template,
+  :mod:`agentrl.tool_format`).
 - ``POST /tokenize`` (``prompt`` or ``messages`` + ``tools``), ``POST /detokenize``.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (JSON).
 - ``POST /reset_prefix_cache`` (the prefix cache is also cleared by every weight update).
@@ -59,7 +62,7 @@ from agentrl.inference.protocol import (
 )
 from agentrl.inference.sampling import EngineSampling
 from agentrl.render import render_chat_ids
-from agentrl.tool_format import parse_tool_calls
+from agentrl.tool_format import resolve_tool_parser
 from agentrl.types import new_id
 from agentrl.weights.lora import AdapterMerger
 from agentrl.weights.receive import SharedWeights, load_safetensors_path, read_safetensors
@@ -98,10 +101,12 @@ async def _unless_disconnected(work: Any, http: Request) -> Any:
 class EngineServer:
     """Request handling shared by the routes (tokenization, sampling, response shapes)."""
 
-    def __init__(self, engine: Engine, served_model_name: str):
+    def __init__(self, engine: Engine, served_model_name: str, tool_parser: str | None = None):
         self.engine = engine
         self.name = served_model_name
         self.tok = engine.tokenizer
+        # how the chat route splits tool calls out of the text: named, else detected from the template
+        self.tool_parser = resolve_tool_parser(tool_parser, getattr(self.tok, "chat_template", None))
         self.shared = SharedWeights()
         self.adapters = AdapterMerger()
         self.started = time.time()
@@ -179,7 +184,7 @@ class EngineServer:
             message: dict[str, Any] = {"role": "assistant", "content": r.text}
             finish = r.finish_reason
             if parse_tools:
-                parsed = parse_tool_calls(r.text)
+                parsed = self.tool_parser.parse(r.text)
                 if parsed.tool_calls:
                     message["tool_calls"] = [tc.to_dict() for tc in parsed.tool_calls]
                     message["content"] = (parsed.content or None) if not parsed.errors else r.text
@@ -309,9 +314,10 @@ class EngineServer:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
-    """The FastAPI app; the engine's lifetime is the caller's."""
-    srv = EngineServer(engine, served_model_name or engine.model_dir.name)
+def create_app(engine: Engine, served_model_name: str | None = None, tool_parser: str | None = None) -> FastAPI:
+    """The FastAPI app; the engine's lifetime is the caller's.  ``tool_parser``: the chat
+    route's tool-call format (:mod:`agentrl.tool_format`; None or ``auto``: from the template)."""
+    srv = EngineServer(engine, served_model_name or engine.model_dir.name, tool_parser)
     app = FastAPI(title="agentrl embedded engine")
     app.state.server = srv
 
@@ -495,12 +501,13 @@ def serve(
     port_file: str | None = None,
     parent_pid: int | None = None,
     log_level: str = "warning",
+    tool_parser: str | None = None,
 ) -> None:
     """Load the model, bind ``host:port`` (0 = a free port), serve until interrupted."""
     import uvicorn
 
     engine = Engine(model_dir, args or EngineArgs())
-    app = create_app(engine, served_model_name)
+    app = create_app(engine, served_model_name, tool_parser)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # accepted connections inherit this; without it keep-alive requests stall ~40 ms (Nagle)
@@ -513,7 +520,8 @@ def serve(
         tmp = Path(port_file).with_suffix(".tmp")
         tmp.write_text(json.dumps({"port": bound, "pid": os.getpid()}))
         tmp.replace(port_file)
-    print(f"agentrl engine: serving {app.state.server.name!r} on http://{host}:{bound}/v1", file=sys.stderr, flush=True)
+    print(f"agentrl engine: serving {app.state.server.name!r} on http://{host}:{bound}/v1 "
+          f"(tool-call parser {app.state.server.tool_parser.name})", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30)
     try:
         uvicorn.Server(config).run(sockets=[sock])
@@ -545,6 +553,7 @@ def main(argv: list[str] | None = None) -> None:
         kind = _flag if isinstance(default, bool) else type(default)
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=default)
     ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--tool-call-parser", default="auto", help="hermes | llama3_json | mistral | pythonic | auto")
     ap.add_argument("--port-file", default=None)
     ap.add_argument("--parent-pid", type=int, default=None)
     a = ap.parse_args(argv)
@@ -557,6 +566,7 @@ def main(argv: list[str] | None = None) -> None:
             served_model_name=a.served_model_name,
             port_file=a.port_file,
             parent_pid=a.parent_pid,
+            tool_parser=a.tool_call_parser,
         )
     except EngineStartError as e:  # a refusal is one line (the launcher reports it as is)
         print(f"{STARTUP_ERROR}{e}", file=sys.stderr, flush=True)

@@ -33,7 +33,6 @@ from agentrl.errors import RequestError
 from agentrl.inference.engine import Engine, SequenceResult, TokenEvent
 from agentrl.inference.protocol import APIError, ChatRequest, CompletionRequest, from_request_error
 from agentrl.inference.sampling import EngineSampling
-from agentrl.tool_format import parse_tool_calls
 from agentrl.types import new_id
 
 if TYPE_CHECKING:
@@ -291,7 +290,7 @@ async def _chat_events(
                 return None  # held back; its tokens ride on the next chunk
             delta: dict[str, Any] = {"content": text}
         elif parse_tools:
-            delta, finish = _tool_delta(last.text or "", finish)
+            delta, finish = _tool_delta(srv, last.text or "", finish)
         else:
             delta = {"content": c.detok.finish(last.text or "")}
         logprobs = None
@@ -307,9 +306,9 @@ async def _chat_events(
         yield event
 
 
-def _tool_delta(text: str, finish: str) -> tuple[dict[str, Any], str]:
+def _tool_delta(srv: EngineServer, text: str, finish: str) -> tuple[dict[str, Any], str]:
     """A tools-enabled choice's one delta: what the non-streamed message would hold."""
-    parsed = parse_tool_calls(text)
+    parsed = srv.tool_parser.parse(text)
     if not parsed.tool_calls:
         return {"content": text}, finish
     delta: dict[str, Any] = {}

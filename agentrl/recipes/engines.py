@@ -60,7 +60,7 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
         policy = open_ray_policy(start_model, cfg.cluster, args, served_model_name=ic.model_name, env=thread_env)
     else:
         policy = open_policy(start_model, ic.base_url or None, args=args, served_model_name=ic.model_name,
-                             env=thread_env)
+                             env=thread_env, tool_parser=ic.tool_parser)
     on_vllm = bool(ic.base_url) and ic.engine == "vllm"
     try:
         sync = make_weight_sync(policy.base_urls, ic.weight_transport, engine="vllm" if on_vllm else "embedded")
@@ -72,7 +72,7 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
     client = PolicyClient(
         policy.base_urls, policy.model, timeout=ic.request_timeout_s, max_retries=ic.max_retries,
         tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
-        requests_per_s=cfg.rollout.requests_per_s, cache_salt=on_vllm,
+        requests_per_s=cfg.rollout.requests_per_s, cache_salt=on_vllm, tool_parser=ic.tool_parser,
     )
     return Engines(policy, client, sync, on_vllm)
 

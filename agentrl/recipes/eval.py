@@ -2,8 +2,12 @@
 
     1. env        load_environment(name, **env_args); its held-out tasks (else its dataset)
     2. results    OUT/meta.json must match a previous run (env, args, model) to --resume it
-    3. policy     a local model dir starts the embedded engine, else --base-url; one probe
-                  checks the model name and the routes the chosen path needs
+    3. policy     a local model dir starts the embedded engine, else --base-url; prompts are
+                  rendered locally with --tokenizer (default: the model dir), /tokenize only
+                  without one; the tool-call parser is --tool-parser, else detected from the
+                  chat template; one probe checks the model name and the routes the chosen
+                  path needs (on --chat: which fields the endpoint accepts, whether token ids
+                  and logprobs come back; eval needs neither)
     4. episodes   ``rollouts`` episodes per task, each (task, rollout) with its own seed
                   derived from --seed; one JSON line per episode in OUT/results.jsonl,
                   appended and flushed as each task's group finishes
@@ -55,6 +59,9 @@ def episode_record(traj: Trajectory, task_index: int, rollout: int, model: str) 
         "num_tool_calls": sum(len(m.tool_calls) for m in traj.messages),
         "prompt_tokens": traj.turns[0].prompt_len if traj.turns else 0,
         "completion_tokens": sum(len(t.completion_ids) or t.completion_tokens for t in traj.turns),
+        # what the endpoint processed over all turns (a hosted API bills this)
+        "usage": {"prompt_tokens": sum(t.prompt_len for t in traj.turns),
+                  "completion_tokens": sum(len(t.completion_ids) or t.completion_tokens for t in traj.turns)},
         "turns": len(traj.turns),
         "reward": traj.reward,
         "metrics": traj.metrics,
@@ -295,29 +302,40 @@ def run(
     pass_threshold: float,
     tokenizer: str | None = None,
     max_error_rate: float = 0.5,
+    tool_parser: str | None = None,
 ) -> int:
     """What ``agentrl eval`` does; returns the exit status (:func:`exit_status`)."""
     from rich.console import Console
 
     from agentrl.inference import PolicyClient, open_policy
+    from agentrl.inference.client import load_tokenizer
     from agentrl.inference.launcher import is_model_dir
     from agentrl.metrics import progress_bar
     from agentrl.plugins import load_environment
+    from agentrl.tool_format import get_parser
 
     # 1) env
+    if tool_parser not in (None, "auto"):
+        get_parser(tool_parser)  # a misspelt name fails before anything starts
     env = load_environment(env_name, **env_args)
     console = Console(stderr=True)
-    # 3) policy
+    # 3) policy: prompts are rendered locally with --tokenizer (default: the model dir), /tokenize
+    # only without one; the chat path needs neither
+    local_tok = load_tokenizer(tokenizer) if tokenizer is not None and not chat else None
     if base_url is None and is_model_dir(model):
         console.print(f"starting the embedded engine for {model} ...")
-    policy = open_policy(model, base_url)
-    tok = tokenizer or (str(policy.tokenizer_dir) if policy.tokenizer_dir is not None else None)
+    policy = open_policy(model, base_url, tool_parser=tool_parser, tokenizer_dir=tokenizer)
+    if local_tok is None and not chat and tokenizer is None and policy.tokenizer_dir is not None:
+        local_tok = str(policy.tokenizer_dir)
 
     async def go() -> EvalSummary:
-        client = PolicyClient(policy.base_urls, policy.model, api_key=api_key, tokenizer=None if chat else tok)
+        client = PolicyClient(policy.base_urls, policy.model, api_key=api_key, tokenizer=local_tok,
+                              tool_parser=policy.tool_parser)
         total = num_tasks * rollouts
         try:
             await client.probe(token_path=not chat)
+            for line in client.capabilities():
+                console.print(f"chat endpoint {line}", highlight=False, soft_wrap=True)
             with progress_bar(console) as progress:  # bar with ETA on a terminal, quiet otherwise
                 bar = progress.add_task("eval", total=total)
                 # 2, 4, 5) results, episodes, summary

@@ -84,7 +84,7 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
     engines = await asyncio.to_thread(open_engines, cfg, start_model, threads)
     try:
         # the endpoint serves the model, and reports μ on the basis the trainer mirrors (before any work)
-        await engines.client.probe(token_path=True)
+        await engines.client.probe(token_path=True, training=True)
         probe_ids = await engines.client.tokenize(prompt="Hello")
         await engines.client.probe_sampling(cfg.rollout.sampling(), probe_ids or [0])
         # 5) state

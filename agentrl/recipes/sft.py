@@ -201,7 +201,8 @@ class _GreedyEvaluator:
         self.tasks = list(env.eval_dataset() or env.dataset())[: cfg.sft.eval_tasks]
         ic = cfg.inference
         args = EngineArgs(max_batch_size=ic.max_batch_size, max_model_len=ic.max_model_len, device=ic.device)
-        self.policy = open_policy(base, args=args, env={"OMP_NUM_THREADS": str(torch_threads(cfg))})
+        self.policy = open_policy(base, args=args, env={"OMP_NUM_THREADS": str(torch_threads(cfg))},
+                                  tool_parser=ic.tool_parser)
 
     def score(self, model: Any, version: int) -> float:
         return asyncio.run(self._score(model, version))
@@ -217,7 +218,7 @@ class _GreedyEvaluator:
             await ws.push({k: v.detach().cpu() for k, v in model.state_dict().items()}, version)
         finally:
             await ws.close()
-        client = PolicyClient(self.policy.base_urls, self.policy.model)
+        client = PolicyClient(self.policy.base_urls, self.policy.model, tool_parser=self.policy.tool_parser)
         try:
             ro = self.cfg.rollout
             trajs = await evaluate_tasks(

@@ -62,3 +62,27 @@ def test_cli_exit_codes(tokenizers, tmp_path):
     assert bad.returncode == 1 and "NOT prefix-stable" in bad.stdout
     missing = cli("model", "check-template", str(tmp_path / "nope"))
     assert missing.returncode == 2 and missing.stderr.startswith("error:") and "Traceback" not in missing.stderr
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral", "pythonic"])
+def test_each_family_template_is_prefix_stable_and_its_calls_parse_back(family):
+    from chat_families import family_tokenizer
+
+    from agentrl.envs.template import check_tool_format
+
+    tok = family_tokenizer(family)
+    assert check_template(tok).prefix_stable
+    fmt = check_tool_format(tok)
+    assert fmt.ok and fmt.parser == fmt.detected == family
+    wrong = check_tool_format(tok, "pythonic" if family != "pythonic" else "hermes")
+    assert not wrong.ok and "parsed []" in wrong.detail
+
+
+def test_cli_names_the_tool_parser(tmp_path):
+    from chat_families import family_tokenizer
+
+    family_tokenizer("llama3_json").save_pretrained(tmp_path / "llama")
+    ok = cli("model", "check-template", str(tmp_path / "llama"))
+    assert ok.returncode == 0 and "tool-call parser llama3_json (detected): ok" in ok.stdout, ok.stdout + ok.stderr
+    forced = cli("model", "check-template", str(tmp_path / "llama"), "--tool-parser", "hermes")
+    assert forced.returncode == 1 and "tool-call parser hermes (given): FAIL" in forced.stdout

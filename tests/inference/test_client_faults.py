@@ -151,7 +151,8 @@ async def test_probe_names_the_model_to_pass_and_the_missing_routes():
             with pytest.raises(EndpointProbeError, match="pass --model m"):
                 await pc.probe(token_path=False)
         async with PolicyClient(srv.url, "m") as pc:
-            await pc.probe(token_path=False)
+            with pytest.raises(EndpointProbeError, match="no /v1/chat/completions route"):
+                await pc.probe(token_path=False)
             with pytest.raises(EndpointProbeError, match="no /tokenize route.*--chat"):
                 await pc.probe(token_path=True)
     async with PolicyClient("http://127.0.0.1:9/v1", "m") as pc:
@@ -180,3 +181,18 @@ async def test_the_sampling_probe_wants_processed_logprobs_and_the_support():
             await pc.probe_sampling(SamplingParams(temperature=0.7, top_p=0.8), [1, 2])
         (c,) = await pc.complete([1], SamplingParams(temperature=0.7, top_k=20))
         assert c.support == [20]
+
+
+async def test_special_tokens_stay_in_the_text_where_the_tool_markers_are_special_tokens():
+    seen = []
+
+    async def script(call, body):
+        seen.append(body["skip_special_tokens"])
+        return 200, completion_body()
+
+    async with Server(script) as srv:
+        for parser, skip in (("hermes", True), ("pythonic", True), ("mistral", False), ("llama3_json", False)):
+            async with PolicyClient(srv.url, "m", tool_parser=parser) as pc:
+                assert pc.tool_parser == parser
+                await pc.complete([1], SamplingParams())
+            assert seen[-1] is skip
