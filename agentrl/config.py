@@ -9,6 +9,7 @@ the CLI prints it and exits with code 2.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -253,8 +254,25 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _non_finite(value: Any, path: str) -> str | None:
+    """The dotted path of the first NaN/inf inside ``value`` (None when every number is finite)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]")
+        if found is not None:
+            return found
+    return None
+
+
 def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """``["--trainer.lr=1e-5", "--env.name", "calc"]`` → nested dict."""
+    """``["--trainer.lr=1e-5", "--env.name", "calc"]`` → nested dict.
+
+    Non-finite numbers (``nan``, ``inf``, ``NaN``, ``-Infinity``, also inside a list or
+    table) are refused: JSON has no spelling for them, so they would vanish from
+    ``--dry-run`` and ``config.toml`` while still reaching the code.
+    """
     out: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -275,7 +293,13 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r} conflicts with another override")
-        node[leaf] = _parse_value(value)
+        parsed = _parse_value(value)
+        if (bad := _non_finite(parsed, key)) is not None:
+            raise ConfigError(
+                f"override --{key}={value}: {bad} is not a finite number; give a finite value "
+                "(nan and inf cannot be recorded in config.toml)"
+            )
+        node[leaf] = parsed
         i += 1
     return out
 
@@ -311,9 +335,13 @@ def load_config(files: list[str | Path] = (), overrides: list[str] | dict[str, A
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = _deep_merge(data, tomllib.loads(p.read_text()))
+            loaded = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
+        if (bad := _non_finite(loaded, "")) is not None:
+            raise ConfigError(f"{p}: {bad.lstrip('.')} is not a finite number; give a finite value "
+                              "(nan and inf cannot be recorded in config.toml)")
+        data = _deep_merge(data, loaded)
     over = overrides if isinstance(overrides, dict) else parse_overrides(list(overrides))
     data = _deep_merge(data, over)
     try:
