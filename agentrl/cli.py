@@ -2,11 +2,13 @@
 
 Each command parses its arguments and hands off to the module that owns the work;
 heavy imports (torch, transformers) happen inside the command so `agentrl --help`
-stays fast. User errors (:class:`agentrl.errors.AgentrlError`) print one line and exit 2.
+stays fast. User errors (:class:`agentrl.errors.AgentrlError`) print one line and exit 2;
+``agentrl --traceback ...`` (or ``AGENTRL_TRACEBACK=1``) prints the full trace instead.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -33,6 +35,21 @@ app.add_typer(env_app, name="env")
 app.add_typer(sandbox_app, name="sandbox")
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+_TRACEBACK = {"on": False}  # set by --traceback
+
+
+@app.callback()
+def _options(
+    traceback: Annotated[
+        bool, typer.Option("--traceback", help="On an error, print the full Python trace, not one line (or AGENTRL_TRACEBACK=1).")
+    ] = False,
+) -> None:
+    """Agentic multi-turn async RL for language models."""
+    _TRACEBACK["on"] = traceback
+
+
+def _show_traceback() -> bool:
+    return _TRACEBACK["on"] or os.environ.get("AGENTRL_TRACEBACK", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 # ----------------------------------------------------------------------------- run / sft
@@ -413,7 +430,12 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
     except AgentrlError as e:
-        typer.echo(f"error: {e}", err=True)
+        if _show_traceback():  # the whole chain: the user's own frames are in the cause
+            import traceback
+
+            traceback.print_exception(e)
+        else:
+            typer.echo(f"error: {e}", err=True)
         sys.exit(2)
     except (KeyboardInterrupt, typer.Abort):
         typer.echo("interrupted", err=True)
