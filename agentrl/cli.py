@@ -91,6 +91,24 @@ def sft(
     typer.echo(str(path))
 
 
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (RUN_DIR of `agentrl run`).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the HF model into (new or empty).")],
+    step: Annotated[int | None, typer.Option("--step", min=0, help="Checkpoint step (default: the latest kept).")] = None,
+    model: Annotated[
+        Path | None, typer.Option("--model", help="Model dir for config + tokenizer (default: the run's model.path).")
+    ] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="auto (as trained) | float32 | bfloat16 | float16.")] = "auto",
+) -> None:
+    """A kept checkpoint as a Hugging Face model dir (safetensors + config + tokenizer; LoRA merged)."""
+    from agentrl.recipes.export import export_checkpoint
+
+    done = export_checkpoint(run_dir, out, step=step, model_dir=model, dtype=dtype)
+    merged = " (LoRA merged)" if done.lora_merged else ""
+    typer.echo(f"{done.out}: step {done.step}{merged} from {done.checkpoint}; serve it with `agentrl serve {done.out}`")
+
+
 # ----------------------------------------------------------------------------- model init
 
 

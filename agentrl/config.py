@@ -134,6 +134,10 @@ class TrainerConfig(Section):
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
     loss: LossConfig = Field(default_factory=LossConfig)
     checkpoint_every: int = Field(20, ge=0, description="Checkpoint every K steps (0 = only at the end).")
+    keep_checkpoints: int = Field(
+        2, ge=0, description="Complete checkpoints kept in RUN_DIR/checkpoints, the newest (0 = keep all); "
+        "each can be exported with `agentrl export RUN_DIR --step N`."
+    )
     push_every: int = Field(1, ge=1, description="Push weights to the engines every K steps.")
     lora_rank: int = Field(0, ge=0, description="LoRA rank (0 = full fine-tuning).")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha.")

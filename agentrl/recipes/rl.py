@@ -417,7 +417,7 @@ async def _train_loop(
         live.update(row)
         every = cfg.trainer.checkpoint_every
         if final or (every and rep.version % every == 0):
-            await checkpoint(run_dir, trainer, buffer, sampler, rep.version)
+            await checkpoint(run_dir, trainer, buffer, sampler, rep.version, keep=cfg.trainer.keep_checkpoints)
 
     try:
         try:
@@ -460,11 +460,13 @@ class WeightPusher:
         return seconds
 
 
-async def checkpoint(run_dir: Path, trainer: Any, buffer: StalenessBuffer, sampler: TaskSampler, version: int) -> None:
+async def checkpoint(
+    run_dir: Path, trainer: Any, buffer: StalenessBuffer, sampler: TaskSampler, version: int, keep: int = 2
+) -> None:
     from agentrl.trainer.checkpoint import save_checkpoint
 
     state = {"step": version, "buffer": buffer.state_dict(), "sampler": sampler.state_dict()}
-    await asyncio.to_thread(save_checkpoint, run_dir, version, trainer.state_dict(), state)
+    await asyncio.to_thread(save_checkpoint, run_dir, version, trainer.state_dict(), state, keep)
 
 
 # ----------------------------------------------------------------------------- 7) finish
