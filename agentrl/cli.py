@@ -2,11 +2,13 @@
 
 Each command parses its arguments and hands off to the module that owns the work;
 heavy imports (torch, transformers) happen inside the command so `agentrl --help`
-stays fast. User errors (:class:`agentrl.errors.AgentrlError`) print one line and exit 2.
+stays fast. User errors (:class:`agentrl.errors.AgentrlError`) print one line and exit 2;
+``agentrl --traceback ...`` (or ``AGENTRL_TRACEBACK=1``) prints the full trace instead.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -33,6 +35,21 @@ app.add_typer(env_app, name="env")
 app.add_typer(sandbox_app, name="sandbox")
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+_TRACEBACK = {"on": False}  # set by --traceback
+
+
+@app.callback()
+def _options(
+    traceback: Annotated[
+        bool, typer.Option("--traceback", help="On an error, print the full Python trace, not one line (or AGENTRL_TRACEBACK=1).")
+    ] = False,
+) -> None:
+    """Agentic multi-turn async RL for language models."""
+    _TRACEBACK["on"] = traceback
+
+
+def _show_traceback() -> bool:
+    return _TRACEBACK["on"] or os.environ.get("AGENTRL_TRACEBACK", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 # ----------------------------------------------------------------------------- run / sft
@@ -72,6 +89,24 @@ def sft(
 
     path = warm_start(load_config(*split_files_and_overrides([*configs, *ctx.args])))
     typer.echo(str(path))
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (RUN_DIR of `agentrl run`).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the HF model into (new or empty).")],
+    step: Annotated[int | None, typer.Option("--step", min=0, help="Checkpoint step (default: the latest kept).")] = None,
+    model: Annotated[
+        Path | None, typer.Option("--model", help="Model dir for config + tokenizer (default: the run's model.path).")
+    ] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="auto (as trained) | float32 | bfloat16 | float16.")] = "auto",
+) -> None:
+    """A kept checkpoint as a Hugging Face model dir (safetensors + config + tokenizer; LoRA merged)."""
+    from agentrl.recipes.export import export_checkpoint
+
+    done = export_checkpoint(run_dir, out, step=step, model_dir=model, dtype=dtype)
+    merged = " (LoRA merged)" if done.lora_merged else ""
+    typer.echo(f"{done.out}: step {done.step}{merged} from {done.checkpoint}; serve it with `agentrl serve {done.out}`")
 
 
 # ----------------------------------------------------------------------------- model init
@@ -439,7 +474,12 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
     except AgentrlError as e:  # user errors exit 2; failed work (e.g. a stalled run) says its own code
-        typer.echo(f"error: {e}", err=True)
+        if _show_traceback():  # the whole chain: the user's own frames are in the cause
+            import traceback
+
+            traceback.print_exception(e)
+        else:
+            typer.echo(f"error: {e}", err=True)
         sys.exit(getattr(e, "exit_code", 2))
     except (KeyboardInterrupt, typer.Abort):
         typer.echo("interrupted", err=True)

@@ -9,6 +9,7 @@ the CLI prints it and exits with code 2.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -151,7 +152,10 @@ class TrainerConfig(Section):
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
     loss: LossConfig = Field(default_factory=LossConfig)
     checkpoint_every: int = Field(20, ge=0, description="Checkpoint every K steps (0 = only at the end).")
-    keep_checkpoints: int = Field(2, ge=0, description="Complete checkpoints kept (0 = all); `agentrl export` turns any into a model dir.")
+    keep_checkpoints: int = Field(
+        2, ge=0, description="Complete checkpoints kept in RUN_DIR/checkpoints, the newest (0 = keep all); "
+        "each can be exported with `agentrl export RUN_DIR --step N`."
+    )
     push_every: int = Field(1, ge=1, description="Push weights to the engines every K steps.")
     lora_rank: int = Field(0, ge=0, description="LoRA rank (0 = full fine-tuning).")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha.")
@@ -272,8 +276,25 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _non_finite(value: Any, path: str) -> str | None:
+    """The dotted path of the first NaN/inf inside ``value`` (None when every number is finite)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]")
+        if found is not None:
+            return found
+    return None
+
+
 def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """``["--trainer.lr=1e-5", "--env.name", "calc"]`` → nested dict."""
+    """``["--trainer.lr=1e-5", "--env.name", "calc"]`` → nested dict.
+
+    Non-finite numbers (``nan``, ``inf``, ``NaN``, ``-Infinity``, also inside a list or
+    table) are refused: JSON has no spelling for them, so they would vanish from
+    ``--dry-run`` and ``config.toml`` while still reaching the code.
+    """
     out: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -294,7 +315,13 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r} conflicts with another override")
-        node[leaf] = _parse_value(value)
+        parsed = _parse_value(value)
+        if (bad := _non_finite(parsed, key)) is not None:
+            raise ConfigError(
+                f"override --{key}={value}: {bad} is not a finite number; give a finite value "
+                "(nan and inf cannot be recorded in config.toml)"
+            )
+        node[leaf] = parsed
         i += 1
     return out
 
@@ -330,9 +357,13 @@ def load_config(files: list[str | Path] = (), overrides: list[str] | dict[str, A
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = _deep_merge(data, tomllib.loads(p.read_text()))
+            loaded = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: invalid TOML: {e}") from None
+        if (bad := _non_finite(loaded, "")) is not None:
+            raise ConfigError(f"{p}: {bad.lstrip('.')} is not a finite number; give a finite value "
+                              "(nan and inf cannot be recorded in config.toml)")
+        data = _deep_merge(data, loaded)
     over = overrides if isinstance(overrides, dict) else parse_overrides(list(overrides))
     data = _deep_merge(data, over)
     try:

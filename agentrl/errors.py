@@ -42,6 +42,10 @@ class RunDirExists(AgentrlError):
     """The run directory already holds a run and --resume was not given."""
 
 
+class CheckpointError(AgentrlError):
+    """A checkpoint could not be written (disk full, quota, read-only) or is damaged."""
+
+
 class EngineStartError(AgentrlError):
     """An inference engine did not come up (bad model dir, port in use, crash at load)."""
 
@@ -112,6 +116,7 @@ def error_kind_of(e: BaseException, default: str = "env") -> str:
 __all__ = [
     "ERROR_KINDS",
     "AgentrlError",
+    "CheckpointError",
     "ConfigError",
     "ContextLengthExceeded",
     "EndpointError",

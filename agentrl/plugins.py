@@ -12,6 +12,10 @@ and is found by its entry-point name once installed (``pip install -e path``), o
 checkout, without installing — by the path of its directory (``environments/calc``).
 Rubric plugins work the same way under ``agentrl.rubrics`` (factories returning a Rubric).
 Names compare case-insensitively with ``-`` and ``_`` treated alike.
+
+A plugin's own code failing (its module does not import, its factory raises) is a
+:class:`~agentrl.errors.UserCodeError` naming the plugin, its entry point, the function
+and the exception on one line; the CLI's ``--traceback`` shows the full trace.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata as md
+import inspect
 import json
+import re
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -27,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from agentrl.errors import AgentrlError, EnvironmentNotFound, RubricNotFound
+from agentrl.errors import AgentrlError, EnvironmentNotFound, RubricNotFound, UserCodeError
 
 ENV_GROUP = "agentrl.environments"
 RUBRIC_GROUP = "agentrl.rubrics"
@@ -50,6 +56,10 @@ class Plugin:
     defaults: dict[str, Any] = field(default_factory=dict)
     eval_defaults: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def kind(self) -> str:
+        return "environment" if self.group == ENV_GROUP else "rubric"
+
     def load(self) -> Any:
         """The factory object (imports the module)."""
         module_name, _, attr = self.target.partition(":")
@@ -60,8 +70,45 @@ class Plugin:
             for part in filter(None, attr.split(".")):
                 obj = getattr(obj, part)
         except Exception as e:
-            raise AgentrlError(f"plugin {self.name!r} ({self.target}) failed to import: {type(e).__name__}: {e}") from e
+            raise UserCodeError(
+                f"{self.kind} {self.name!r} ({self.target}) failed to import: {_one_line(e)}{_TRACE_HINT}"
+            ) from e
         return obj
+
+    def call(self, factory: Any, args: dict[str, Any]) -> Any:
+        """``factory(**args)``; arguments it cannot take are an AgentrlError, anything it raises
+        a :class:`UserCodeError` naming the plugin, the function and the exception."""
+        try:
+            inspect.signature(factory).bind(**args)
+        except TypeError as e:
+            raise AgentrlError(f"{self.kind} {self.name!r} rejected its arguments {sorted(args)}: {e}") from e
+        except ValueError:  # no introspectable signature (a builtin, a C extension): just call it
+            pass
+        try:
+            return factory(**args)
+        except TypeError as e:
+            if _is_bad_argument(e, args):  # ``**kwargs`` passed on to a constructor that refused one
+                raise AgentrlError(f"{self.kind} {self.name!r} rejected its arguments {sorted(args)}: {e}") from e
+            raise UserCodeError(f"{self.kind} {self.name!r} ({self.target}) raised {_one_line(e)}{_TRACE_HINT}") from e
+        except Exception as e:
+            raise UserCodeError(f"{self.kind} {self.name!r} ({self.target}) raised {_one_line(e)}{_TRACE_HINT}") from e
+
+
+_TRACE_HINT = " (fix the plugin, or rerun with --traceback to see where)"
+
+
+def _is_bad_argument(e: TypeError, args: dict[str, Any]) -> bool:
+    """A TypeError about the call's own keyword arguments (not a bug deeper in the factory)."""
+    text = str(e)
+    named = re.search(r"unexpected keyword argument '(\w+)'", text)
+    return (named is not None and named.group(1) in args) or "required keyword-only argument" in text
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """``ValueError: message`` with the message's whitespace (newlines included) collapsed."""
+    text = " ".join(str(e).split())
+    text = text if len(text) <= limit else text[: limit - 1] + "…"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _prefer_source(source_dir: Path, module_name: str) -> None:
@@ -163,13 +210,7 @@ def load_environment(name_or_path: str, **kwargs: Any):
 
     plugin = find(name_or_path, ENV_GROUP)
     factory = plugin.load()
-    args = {**plugin.defaults, **kwargs}
-    try:
-        env = factory(**args)
-    except TypeError as e:
-        raise AgentrlError(f"environment {plugin.name!r} rejected its arguments {sorted(args)}: {e}") from e
-    except ValueError as e:
-        raise AgentrlError(f"environment {plugin.name!r}: {e}") from e
+    env = plugin.call(factory, {**plugin.defaults, **kwargs})
     if not isinstance(env, Environment):
         raise AgentrlError(f"{plugin.target} returned {type(env).__name__}, not an agentrl Environment")
     if env.name == Environment.name:
@@ -186,10 +227,7 @@ def load_rubric(name: str, **kwargs: Any):
 
     plugin = find(name, RUBRIC_GROUP)
     factory = plugin.load()
-    try:
-        rubric = factory(**kwargs) if callable(factory) and not isinstance(factory, Rubric) else factory
-    except TypeError as e:
-        raise AgentrlError(f"rubric {plugin.name!r} rejected its arguments {sorted(kwargs)}: {e}") from e
+    rubric = plugin.call(factory, kwargs) if callable(factory) and not isinstance(factory, Rubric) else factory
     if not isinstance(rubric, Rubric):
         raise AgentrlError(f"{plugin.target} gave {type(rubric).__name__}, not an agentrl Rubric")
     return rubric

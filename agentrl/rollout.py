@@ -212,7 +212,7 @@ class RolloutManager:
         client = _Watched(pin or self.client, run)
         settled = False
         try:
-            trajs = await asyncio.gather(*(self._episode(client, group.task) for _ in range(self.group_size)))
+            trajs = await gather_all(*(self._episode(client, group.task) for _ in range(self.group_size)))
             for t, eid in zip(trajs, run.episode_ids, strict=True):
                 t.id, t.group_id = eid, group.id
             group.trajectories = list(trajs)
@@ -301,7 +301,7 @@ async def run_group(
     """``n`` scored episodes of one task on one endpoint (never raises)."""
     pin = client.pin(n) if hasattr(client, "pin") else None
     try:
-        trajs = list(await asyncio.gather(*(
+        trajs = list(await gather_all(*(
             run_episode_of(env, pin or client, task, sampling, timeout_s=timeout_s, max_turns=max_turns,
                            token_exact=token_exact)
             for _ in range(n)
@@ -325,7 +325,27 @@ async def evaluate_tasks(
             (traj,) = await run_group(env, client, task, sampling, 1, timeout_s=timeout_s, max_turns=max_turns)
             return traj
 
-    return list(await asyncio.gather(*(one(t) for t in tasks)))
+    return list(await gather_all(*(one(t) for t in tasks)))
+
+
+async def gather_all(*aws: Any) -> list[Any]:
+    """``asyncio.gather`` that no awaitable outlives: when it is cancelled (or one raises) the
+    others are cancelled and awaited before the exception propagates.  Plain ``gather`` returns
+    as soon as the first child is cancelled, so a stopped manager's siblings kept running after
+    the client and sandboxes were closed (found by ``benchmarks/soak.py``)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            if not t.done() and not t.cancelling():  # never twice: a wait_for inside would orphan its task
+                t.cancel()
+        while not all(t.done() for t in tasks):
+            try:
+                await asyncio.wait(tasks)
+            except asyncio.CancelledError:  # cancelled again while settling: it is re-raised below
+                continue
+        raise
 
 
 def mean_reward(trajs: Sequence[Trajectory]) -> float:

@@ -27,6 +27,8 @@ def test_dry_run_prints_resolved_config(tmp_path):
         ["run", "MISSING.toml", "--dry-run"],
         ["run", "CFG", "--dry-run", "--trainer.lr=fast"],
         ["run", "CFG", "--dry-run", "--nosuch.key=1"],
+        ["run", "CFG", "--dry-run", "--env.args.x=nan"],  # would vanish from config.toml, yet reach the env
+        ["run", "CFG", "--dry-run", "--trainer.lr=inf"],
     ],
 )
 def test_bad_config_is_one_line_exit_2(tmp_path, args):

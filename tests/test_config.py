@@ -46,6 +46,28 @@ def test_bad_overrides_are_config_errors(args, needle):
         load_config([], args)
 
 
+@pytest.mark.parametrize(
+    "arg, where",
+    [("--trainer.lr=nan", "trainer.lr"), ("--trainer.lr=inf", "trainer.lr"), ("--trainer.lr=-inf", "trainer.lr"),
+     ("--env.args.x=NaN", "env.args.x"), ("--env.args.x=-Infinity", "env.args.x"),
+     ("--env.args.x=[1.0, nan]", "env.args.x[1]"), ("--env.args={a = {b = inf}}", "env.args.a.b")],
+)
+def test_non_finite_overrides_are_refused(arg, where):
+    # model_dump(mode="json") turns NaN into null, so such a value vanished from --dry-run and
+    # config.toml while reaching load_environment(): refuse it with the path that held it
+    with pytest.raises(ConfigError, match=r"is not a finite number") as e:
+        load_config([], [arg])
+    assert where in str(e.value) and "\n" not in str(e.value)
+    assert parse_overrides(["--trainer.lr=1e-5", "--env.args.x=[1.5, -2]"]) == {
+        "trainer": {"lr": 1e-5}, "env": {"args": {"x": [1.5, -2]}}}
+
+
+def test_non_finite_values_in_a_file_are_refused(tmp_path):
+    p = write(tmp_path, "c.toml", "[env.args]\nx = nan\n")
+    with pytest.raises(ConfigError, match=r"c.toml: env.args.x is not a finite number"):
+        load_config([p])
+
+
 def test_missing_file_and_invalid_toml(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config([tmp_path / "missing.toml"])

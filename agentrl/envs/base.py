@@ -76,23 +76,30 @@ class State(dict):
 
 
 def as_task(item: Task | dict[str, Any] | str, system_prompt: str | None = None) -> Task:
-    """Accept a Task, a plain question string, or a dict with ``prompt``/``question`` + ``answer``."""
+    """Accept a Task, a plain question string, or a dict with ``prompt``/``question`` + ``answer``.
+
+    A dict's other keys (``difficulty``, ``tests``, ...) are kept in ``task.info`` beside
+    its own ``info`` entries (which win on a clash), so a rubric can ask for them.
+    """
     if isinstance(item, Task):
         task = item
     elif isinstance(item, str):
         task = Task(prompt=[Message("user", item)])
     elif isinstance(item, dict):
-        prompt = item.get("prompt", item.get("question"))
+        key = "prompt" if "prompt" in item else "question"
+        prompt = item.get(key)
         if isinstance(prompt, str):
             msgs = [Message("user", prompt)]
         elif isinstance(prompt, list):
             msgs = [Message.from_dict(m) for m in prompt]
         else:
             raise ValueError(f"dataset row needs a 'prompt' or 'question' (str or messages): {item!r}")
-        extra = {"info": item["info"]} if "info" in item else {}
-        if "id" in item:
-            extra["id"] = item["id"]
-        task = Task(prompt=msgs, answer=item.get("answer"), **extra)
+        own = item.get("info") or {}
+        if not isinstance(own, dict):
+            raise ValueError(f"dataset row's 'info' must be a dict, got {type(own).__name__}: {item!r}")
+        info = {k: v for k, v in item.items() if k not in (key, "answer", "info", "id")} | own
+        extra = {"id": item["id"]} if "id" in item else {}
+        task = Task(prompt=msgs, answer=item.get("answer"), info=info, **extra)
     else:
         raise TypeError(f"cannot turn {type(item).__name__} into a Task")
     if system_prompt and not (task.prompt and task.prompt[0].role == "system"):

@@ -244,14 +244,20 @@ class ToolEnv(Environment):
             return fail("bad_args", f"invalid arguments for {call.name!r}: {_validation_summary(e)}")
         kwargs = {name: getattr(validated, name) for name in type(validated).model_fields}
         kwargs = await self.update_tool_args(tool, kwargs, state)
+        # the call runs inside the episode's own task (no wait_for task that a repeated
+        # cancellation could leave running after the episode ended, on a released sandbox)
+        limit = asyncio.timeout(self.tool_timeout_s)
         try:
-            if inspect.iscoroutinefunction(tool.fn):
-                result = await asyncio.wait_for(tool.fn(**kwargs), self.tool_timeout_s)
-            else:
-                result = await asyncio.wait_for(asyncio.to_thread(tool.fn, **kwargs), self.tool_timeout_s)
-                if inspect.isawaitable(result):
-                    result = await asyncio.wait_for(result, self.tool_timeout_s)
-        except TimeoutError:
+            async with limit:
+                if inspect.iscoroutinefunction(tool.fn):
+                    result = await tool.fn(**kwargs)
+                else:
+                    result = await asyncio.to_thread(tool.fn, **kwargs)
+                    if inspect.isawaitable(result):
+                        result = await result
+        except TimeoutError as e:
+            if not limit.expired():  # the tool's own TimeoutError: it raised
+                return fail("raised", f"TimeoutError: {e}"[: self.max_result_chars])
             return fail("timeouts", f"tool {call.name!r} timed out after {self.tool_timeout_s:g}s")
         except self.stop_errors as e:
             if error_kind_of(e) == "env":  # raised inside the tool: the tool's failure, named

@@ -399,7 +399,7 @@ async def _train_loop(
         live.update(row)
         every = cfg.trainer.checkpoint_every
         if final or (every and rep.version % every == 0):
-            await checkpoint(run_dir, trainer, buffer, sampler, rep.version, cfg.trainer.keep_checkpoints)
+            await checkpoint(run_dir, trainer, buffer, sampler, rep.version, keep=cfg.trainer.keep_checkpoints)
 
     try:
         try:

@@ -1,15 +1,21 @@
 """`agentrl sft` (and phase 2 of `agentrl run`): the warm start, in numbered phases.
 
     1. base model   ``model.path``, built (tiny) when missing and ``model.init = "tiny"``
-    2. cache        ``<model dir>-sft-<hash>``: the hash covers the base model's weights, the
-                    environment (name, version, args) and ``[sft]``; a complete entry is reused
-    3. data         ``env.demonstrations(n, seed)`` rendered with the model's chat template
+    2. data         ``env.demonstrations(n, seed)`` rendered with the model's chat template
                     (the same template and tool schemas the rollouts use); the loss covers
                     *assistant tokens only* (the template's ``{% generation %}`` blocks)
+    3. cache        ``<model dir>-sft-<key>``: the key hashes everything that shapes the
+                    weights (:func:`cache_inputs`: agentrl, torch and transformers versions
+                    and this module's source, the base model's files, a hash of the rendered
+                    data, ``[sft]``, the seed, the device type, the environment).  An entry is
+                    reused only when its manifest (``sft_manifest.json``: those inputs and the
+                    sha256 of each weights file) still matches; otherwise it is rebuilt, with a
+                    one-line note saying why
     4. train        AdamW on cross-entropy; with ``sft.target_reward`` a greedy held-out
                     evaluation every ``sft.eval_every`` steps stops it early, leaving the RL
                     stage headroom
-    5. save         written beside the cache entry and renamed into place
+    5. save         weights, tokenizer, manifest, then the marker, written beside the cache
+                    entry and renamed into place
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ if TYPE_CHECKING:
     from agentrl.config import Config, ModelConfig, SFTConfig
 
 MARKER = "SFT_COMPLETE"
+MANIFEST = "sft_manifest.json"
 
 
 def ensure_base_model(model_cfg: ModelConfig) -> Path:
@@ -64,14 +71,62 @@ def _hash_dir(path: Path) -> str:
     return h.hexdigest()
 
 
-def sft_cache_key(cfg: Config, base: Path, env: Any) -> str:
-    blob = {
+def cache_inputs(cfg: Config, base: Path, env: Any, data: list[tuple[list[int], list[int]]]) -> dict[str, Any]:
+    """Everything that shapes the warm-start weights (the cache key hashes this)."""
+    import torch
+    import transformers
+
+    import agentrl
+    from agentrl.trainer.trainer import resolve_device
+
+    data_hash = hashlib.sha256(json.dumps(data, separators=(",", ":")).encode()).hexdigest()
+    inputs: dict[str, Any] = {
+        "code": {"agentrl": agentrl.__version__, "sft_source": _sha256_file(Path(__file__)),
+                 "torch": torch.__version__, "transformers": transformers.__version__},
         "model": _hash_dir(base),
+        "data": {"sha256": data_hash, "examples": len(data)},
         "env": [cfg.env.name, getattr(env, "version", ""), cfg.env.args],
         "sft": cfg.sft.model_dump(mode="json"),
         "seed": cfg.run.seed,
+        "device": resolve_device(cfg.trainer.device).type,  # CPU and CUDA kernels round differently
     }
-    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    if cfg.sft.target_reward is not None:  # early stopping reads greedy held-out rollouts
+        inputs["eval"] = {"max_tokens": cfg.rollout.max_tokens, "max_turns": cfg.rollout.max_turns}
+    return json.loads(json.dumps(inputs, sort_keys=True, default=str))  # as the manifest will read back
+
+
+def sft_cache_key(inputs: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def verify_cached(entry: Path, inputs: dict[str, Any]) -> str | None:
+    """Why a cached warm start cannot be reused (None: it can): its manifest must record these
+    inputs and the weights files must still hash to what was saved."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"no readable {MANIFEST}"
+    if manifest.get("inputs") != inputs:
+        changed = sorted(k for k in set(inputs) | set(manifest.get("inputs", {}))
+                         if inputs.get(k) != manifest.get("inputs", {}).get(k))
+        return f"built from other inputs ({', '.join(changed)})"
+    weights = manifest.get("weights") or {}
+    if not weights:
+        return "its manifest lists no weights"
+    for name, digest in weights.items():
+        if not (entry / name).is_file():
+            return f"{name} is missing"
+        if _sha256_file(entry / name) != digest:
+            return f"{name} changed since it was saved"
+    return None
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def encode_demos(tokenizer: Any, demos: list[list[Any]], tools: list[dict] | None) -> list[tuple[list[int], list[int]]]:
@@ -89,42 +144,72 @@ def encode_demos(tokenizer: Any, demos: list[list[Any]], tools: list[dict] | Non
 
 def warm_start(cfg: Config, *, progress: bool = True) -> Path:
     """Warm-start model dir for ``cfg`` (the base model itself when SFT is disabled)."""
+    from agentrl.errors import AgentrlError
     from agentrl.plugins import load_environment
 
     # 1) base model
     base = ensure_base_model(cfg.model)
     if not cfg.sft.enabled or cfg.sft.steps == 0:
         return base
-    # 2) cache
+    # 2) data: rendered before the cache lookup, since the key covers it
     env = load_environment(cfg.env.name, **cfg.env.args)
-    out = base.parent / f"{base.name}-sft-{sft_cache_key(cfg, base, env)}"
+    data = demonstration_data(env, base, cfg.sft, cfg.run.seed)
+    # 3) cache
+    inputs = cache_inputs(cfg, base, env, data)
+    out = base.parent / f"{base.name}-sft-{sft_cache_key(inputs)}"
     if (out / MARKER).is_file():
-        _say(progress, f"sft: cached warm start {out}")
-        return out
-    if not hasattr(env, "demonstrations"):
-        from agentrl.errors import AgentrlError
-
-        raise AgentrlError(f"environment {cfg.env.name!r} has no demonstrations(); set sft.enabled = false")
-    # 3-4) data and training
+        problem = verify_cached(out, inputs)
+        if problem is None:
+            _say(progress, f"sft: cached warm start {out}")
+            return out
+        _say(progress, f"sft: not reusing the cached warm start {out}: {problem}; rebuilding it")
+    # 4) train
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     evaluator = _GreedyEvaluator(base, env, cfg) if cfg.sft.target_reward is not None else None
     try:
         train_sft(base, env, cfg.sft, seed=cfg.run.seed, out_dir=tmp, device=cfg.trainer.device,
-                  progress=progress, evaluator=evaluator)
+                  progress=progress, evaluator=evaluator, data=data)
     finally:
         if evaluator is not None:
             evaluator.close()
-    # 5) save
+    # 5) save: the manifest records what the weights were built from and what they hash to
+    weights = {f.name: _sha256_file(f) for f in sorted(tmp.glob("*.safetensors"))}
+    if not weights:
+        raise AgentrlError(f"sft wrote no .safetensors weights into {tmp}")
+    (tmp / MANIFEST).write_text(json.dumps({"key": sft_cache_key(inputs), "inputs": inputs, "weights": weights},
+                                           indent=1, sort_keys=True))
     (tmp / MARKER).write_text("ok")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
 
 
+def demonstration_data(env: Any, base: Path, sft: SFTConfig, seed: int) -> list[tuple[list[int], list[int]]]:
+    """``env.demonstrations`` rendered with ``base``'s chat template: (token ids, assistant mask) each."""
+    from transformers import AutoTokenizer
+
+    from agentrl.errors import AgentrlError, UserCodeError
+
+    try:
+        demos = env.demonstrations(sft.num_demos, seed=seed, **sft.demo_args)
+    except NotImplementedError:
+        raise AgentrlError(f"environment {env.name!r} has no demonstrations(); set sft.enabled = false") from None
+    except Exception as e:
+        message = " ".join(str(e).split())[:300]
+        raise UserCodeError(f"environment {env.name!r}: demonstrations() raised {type(e).__name__}: {message} "
+                            "(fix the environment, or rerun with --traceback to see where)") from e
+    data = encode_demos(AutoTokenizer.from_pretrained(base), demos, env.tool_schemas())
+    if not data:
+        raise AgentrlError("no demonstration had assistant tokens to train on")
+    return data
+
+
 def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path, device: str = "auto",
-              progress: bool = True, evaluator: Any = None) -> Path:
-    """SFT loop; with an ``evaluator`` it stops once greedy reward ≥ ``sft.target_reward``."""
+              progress: bool = True, evaluator: Any = None,
+              data: list[tuple[list[int], list[int]]] | None = None) -> Path:
+    """SFT loop over ``data`` (default: :func:`demonstration_data`); with an ``evaluator`` it
+    stops once greedy reward ≥ ``sft.target_reward``."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -135,12 +220,8 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(base)
-    demos = env.demonstrations(sft.num_demos, seed=seed, **sft.demo_args)
-    data = encode_demos(tok, demos, env.tool_schemas())
-    if not data:
-        from agentrl.errors import AgentrlError
-
-        raise AgentrlError("no demonstration had assistant tokens to train on")
+    if data is None:
+        data = demonstration_data(env, base, sft, seed)
     dev = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(dev)
     model.train()

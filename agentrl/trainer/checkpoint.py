@@ -1,26 +1,162 @@
-"""Atomic checkpoints: a step counts only once its marker file exists.
+"""Checkpoints: written whole into a temporary directory, then renamed into place.
 
 ``RUN_DIR/checkpoints/step_00000020/`` holds ``trainer.pt`` (model, optimizer, LR
-schedule, RNG) and ``state.json`` (buffer + ledger, task-sampler cursor, version, and
-whatever the loop adds).  Both are written to temporary names, fsynced and renamed;
-only then is ``COMPLETE`` written and fsynced, together with the directory.  A process
-killed at any point leaves either a complete checkpoint or one without a marker, which
-:func:`latest_checkpoint` ignores.  Older complete checkpoints beyond ``keep`` are removed.
+schedule, every RNG state), ``state.json`` (buffer + ledger, task-sampler cursor, version,
+and whatever the loop adds) and ``COMPLETE`` (the step and each file's size).
+:func:`save_checkpoint`:
+
+1. writes all three into ``checkpoints/.tmp-step_00000020/``, fsyncing each file and the
+   directory (leftovers of a save that was killed are removed first);
+2. renames that directory to ``step_00000020`` and fsyncs ``checkpoints/``.  Should that
+   name already be taken (a resumed run saving the same step again) the old directory is
+   first moved aside to ``.old-step_…``; a process killed between the two renames leaves
+   it there, and the next listing moves it back;
+3. only then removes the oldest complete checkpoints beyond ``keep`` (0 = keep all).
+
+So at every instant the newest complete checkpoint on disk is intact: nothing is deleted
+before its replacement is complete.  A write that fails (disk full, quota, file too large,
+read-only) removes the partial directory and raises :class:`~agentrl.errors.CheckpointError`
+naming the path and the free space; the earlier checkpoints are untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
+from agentrl.errors import CheckpointError
 from agentrl.types import json_default
 
 MARKER = "COMPLETE"
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, trainer_state: dict[str, Any], state: dict[str, Any], keep: int = 2
+) -> Path:
+    """Write checkpoint ``step`` (module docstring); returns its directory.
+
+    ``keep``: complete checkpoints to keep, this one included (0 = all).
+    """
+    if keep < 0:
+        raise ValueError(f"keep must be >= 0 (0 = keep all), got {keep}")
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    _recover(root)
+    for leftover in root.glob(TMP_PREFIX + "step_*"):  # one writer per run dir: a killed save's
+        shutil.rmtree(leftover, ignore_errors=True)
+    ckpt = root / checkpoint_name(step)
+    tmp = root / (TMP_PREFIX + ckpt.name)
+    # 1) everything into the temporary directory
+    try:
+        tmp.mkdir()
+        sizes = {
+            "trainer.pt": _write_durable(tmp / "trainer.pt", lambda f: torch.save(trainer_state, f)),
+            "state.json": _write_durable(tmp / "state.json", lambda f: f.write(json.dumps(state, default=json_default).encode())),
+        }
+        marker = json.dumps({"step": step, "files": sizes}).encode()
+        _write_durable(tmp / MARKER, lambda f: f.write(marker))
+        _fsync_dir(tmp)
+    except (OSError, RuntimeError) as e:
+        os_error = _os_error_in(e)
+        if os_error is None:  # torch's own failure, not the file system's
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        raise _write_failed(ckpt, tmp, root, os_error) from e
+    # 2) into place
+    aside = root / (OLD_PREFIX + ckpt.name)
+    if ckpt.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(ckpt, aside)
+    os.rename(tmp, ckpt)
+    _fsync_dir(root)
+    shutil.rmtree(aside, ignore_errors=True)
+    # 3) retention, now that the new one is complete
+    if keep:
+        for old in complete_checkpoints(run_dir)[:-keep]:
+            if old != ckpt:
+                shutil.rmtree(old, ignore_errors=True)
+    return ckpt
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Every complete checkpoint of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    _recover(root)
+    return sorted(p for p in root.glob("step_*") if (p / MARKER).is_file())
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = complete_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    """The step a checkpoint directory holds (from its name)."""
+    return int(Path(ckpt).name.removeprefix("step_"))
+
+
+def load_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(trainer state for ``Trainer.load_state_dict``, loop state); a damaged one is a CheckpointError."""
+    ckpt = Path(ckpt)
+    _verify(ckpt)
+    trainer_state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
+    state = json.loads((ckpt / "state.json").read_text())
+    return trainer_state, state
+
+
+# ----------------------------------------------------------------------------- RNG states
+
+
+def rng_state() -> dict[str, Any]:
+    """Every process-wide RNG a step can draw from: python, numpy, torch CPU and each CUDA device."""
+    import numpy as np
+
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(rng: dict[str, Any]) -> None:
+    """Restore :func:`rng_state` (states a checkpoint lacks, e.g. CUDA saved on a CPU host, stay as they are)."""
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "numpy" in rng:
+        import numpy as np
+
+        np.random.set_state(rng["numpy"])
+    if rng.get("cuda") and torch.cuda.is_available():
+        for device, state in enumerate(rng["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+def _write_durable(path: Path, write: Callable[[IO[bytes]], Any]) -> int:
+    """Write, flush and fsync ``path``; returns its size."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -31,46 +167,67 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durable(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _recover(root: Path) -> None:
+    """Finish a swap that a killed save left half done (step 2 of the module docstring)."""
+    for aside in root.glob(OLD_PREFIX + "step_*"):
+        target = root / aside.name.removeprefix(OLD_PREFIX)
+        if (target / MARKER).is_file():
+            shutil.rmtree(aside, ignore_errors=True)
+        elif (aside / MARKER).is_file():
+            shutil.rmtree(target, ignore_errors=True)
+            os.rename(aside, target)
 
 
-def save_checkpoint(run_dir: Path, step: int, trainer_state: dict[str, Any], state: dict[str, Any], keep: int = 2) -> Path:
-    root = Path(run_dir) / "checkpoints"
-    ckpt = root / f"step_{step:08d}"
-    if ckpt.exists():
-        shutil.rmtree(ckpt)
-    ckpt.mkdir(parents=True)
-    _write_durable(ckpt / "trainer.pt", lambda f: torch.save(trainer_state, f))
-    _write_durable(ckpt / "state.json", lambda f: f.write(json.dumps(state, default=json_default).encode()))
-    _fsync_dir(ckpt)
-    _write_durable(ckpt / MARKER, lambda f: f.write(str(step).encode()))
-    _fsync_dir(ckpt)
-    _fsync_dir(root)
-    for old in complete_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return ckpt
+def _os_error_in(e: BaseException) -> OSError | None:
+    """The OSError behind ``e`` (torch.save reports a failed write as a RuntimeError)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step_*") if (p / MARKER).is_file())
+def _write_failed(ckpt: Path, tmp: Path, root: Path, e: OSError) -> CheckpointError:
+    """Remove the partial checkpoint; the one-line error names the path, the cause and the free space."""
+    written = sum(f.stat().st_size for f in tmp.glob("*") if f.is_file()) if tmp.is_dir() else 0
+    shutil.rmtree(tmp, ignore_errors=True)
+    free = shutil.disk_usage(root).free
+    kept = max((p for p in root.glob("step_*") if (p / MARKER).is_file()), default=None)
+    last = f"the last complete checkpoint {kept.name} is intact" if kept else "no earlier checkpoint exists"
+    if e.errno == errno.EFBIG:
+        fix = "raise the file-size limit (ulimit -f) or set run.dir on a file system that takes larger files"
+    elif e.errno in _DISK_FULL:
+        fix = "free disk space (or lower trainer.keep_checkpoints, or set run.dir on a larger disk)"
+    else:
+        fix = "make the run directory writable"
+    return CheckpointError(
+        f"checkpoint {ckpt} not written: {e.strerror or e} after {_size(written)} "
+        f"({_size(free)} free there now); {last}; {fix}, then continue with --resume"
+    )
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = complete_checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
+def _verify(ckpt: Path) -> None:
+    if not (ckpt / MARKER).is_file():
+        raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {MARKER} file); pick another step")
+    try:
+        sizes = json.loads((ckpt / MARKER).read_text()).get("files", {})
+    except (ValueError, AttributeError):
+        sizes = {}  # a marker from before sizes were recorded
+    for name, size in sizes.items():
+        actual = (ckpt / name).stat().st_size if (ckpt / name).is_file() else None
+        if actual != size:
+            raise CheckpointError(
+                f"checkpoint {ckpt} is damaged: {name} has {actual} bytes, {size} were written; "
+                "resume from an earlier checkpoint (delete this directory)"
+            )
 
 
-def load_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(trainer state for ``Trainer.load_state_dict``, loop state)."""
-    trainer_state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
-    state = json.loads((ckpt / "state.json").read_text())
-    return trainer_state, state
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

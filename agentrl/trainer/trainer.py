@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agentrl.trainer.checkpoint import rng_state, set_rng_state
 from agentrl.trainer.logprobs import head_of, token_logprobs_from_hidden
 from agentrl.trainer.losses import LossSpec, add_stats, policy_loss, summarize, token_weights
 from agentrl.types import Group, SamplingParams
@@ -313,15 +314,14 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "rng": rng_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
+        set_rng_state(state["rng"])
 
 
 def _hf_name(peft_module_name: str) -> str:

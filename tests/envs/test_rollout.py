@@ -206,6 +206,27 @@ async def test_single_turn_env_and_system_prompt():
     assert traj.env_name == "env" and traj.completion[0].content == "4"
 
 
+async def test_extra_dataset_keys_reach_the_rubric_through_task_info():
+    rows = [{"question": "2+2?", "answer": "4", "difficulty": 3, "tests": ["a"], "info": {"source": "x"}, "id": "t1"},
+            {"prompt": [{"role": "user", "content": "3+3?"}], "question": "kept too", "info": {"difficulty": 9}}]
+    seen = []
+
+    def harder_counts_more(completion, answer, info) -> float:
+        seen.append(info)
+        return float(completion == answer) * info["difficulty"]
+
+    env = SingleTurnEnv(dataset=rows, rubric=Rubric([harder_counts_more]))
+    first, second = env.dataset()
+    assert first.info == {"difficulty": 3, "tests": ["a"], "source": "x"} and first.id == "t1"
+    assert second.info == {"question": "kept too", "difficulty": 9}  # the row's own info wins a clash
+    traj = await env.rollout(ScriptedClient(lambda p: "4"), first)
+    await env.rubric.score_group([traj])
+    assert traj.reward == 3.0 and seen[0]["tests"] == ["a"]
+    assert Task.from_dict(first.to_dict()).info == first.info  # and survive the rollout record
+    with pytest.raises(ValueError, match="'info' must be a dict"):
+        SingleTurnEnv(dataset=[{"question": "q", "info": 3}])
+
+
 async def test_cancellation_still_cleans_up():
     class Hang(Guess):
         async def step(self, state, msg):

@@ -1,0 +1,219 @@
+"""Checkpoints: renamed into place whole, retention as a setting, every RNG state, and a disk that
+fills mid-write (a real ENOSPC on a small tmpfs, or a real EFBIG under RLIMIT_FSIZE) leaves the
+previous checkpoint intact with a one-line error."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agentrl.errors import CheckpointError
+from agentrl.trainer.checkpoint import (
+    MARKER,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _state(step: int, numel: int = 16) -> dict:
+    return {"w": torch.full((numel,), float(step))}
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [int(p.name.removeprefix("step_")) for p in complete_checkpoints(run_dir)]
+
+
+def test_retention_keeps_the_newest_k_and_zero_keeps_all(tmp_path):
+    for step in range(1, 6):
+        save_checkpoint(tmp_path / "two", step, _state(step), {"step": step}, keep=2)
+        save_checkpoint(tmp_path / "all", step, _state(step), {"step": step}, keep=0)
+    assert _steps(tmp_path / "two") == [4, 5]
+    assert _steps(tmp_path / "all") == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in (tmp_path / "two/checkpoints").iterdir()) == ["step_00000004", "step_00000005"]
+    ts, state = load_checkpoint(latest_checkpoint(tmp_path / "two"))
+    assert torch.equal(ts["w"], _state(5)["w"]) and state == {"step": 5}
+    with pytest.raises(ValueError, match="keep"):
+        save_checkpoint(tmp_path / "x", 1, _state(1), {}, keep=-1)
+
+
+def test_keep_checkpoints_is_a_config_setting_passed_to_the_save(tmp_path):
+    import asyncio
+
+    from agentrl.config import load_config
+    from agentrl.recipes.rl import checkpoint, make_buffer
+    from agentrl.rollout import TaskSampler
+    from agentrl.types import Message, Task
+
+    assert load_config([]).trainer.keep_checkpoints == 2
+    cfg = load_config([], ["--trainer.keep_checkpoints=3"])
+
+    class Weights:
+        def state_dict(self):
+            return _state(0)
+
+    buffer = make_buffer(cfg.buffer, cfg.trainer.batch_groups)
+    sampler = TaskSampler([Task([Message("user", "q")])])
+    for version in range(1, 6):
+        asyncio.run(checkpoint(tmp_path, Weights(), buffer, sampler, version, keep=cfg.trainer.keep_checkpoints))
+    assert _steps(tmp_path) == [3, 4, 5]
+
+
+KILLED_MID_WRITE = textwrap.dedent("""\
+    import os, signal, sys
+    import torch
+    from agentrl.trainer.checkpoint import save_checkpoint
+
+    class DieWhilePickled:  # SIGKILL with trainer.pt half written
+        def __reduce__(self):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    run_dir, step = sys.argv[1], int(sys.argv[2])
+    save_checkpoint(run_dir, step, {"w": torch.zeros(100_000), "boom": DieWhilePickled()}, {"step": step}, keep=1)
+""")
+
+
+@pytest.mark.parametrize("step", [3, 2], ids=["a new step", "the same step again (resume)"])
+def test_a_save_killed_mid_write_leaves_the_last_complete_checkpoint(tmp_path, step):
+    save_checkpoint(tmp_path, 1, _state(1), {"step": 1}, keep=1)
+    save_checkpoint(tmp_path, 2, _state(2), {"step": 2}, keep=1)
+    script = tmp_path / "die.py"
+    script.write_text(KILLED_MID_WRITE)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path), str(step)], capture_output=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == -9, r.stderr.decode()[-2000:]
+    assert _steps(tmp_path) == [2]  # step 1 went by retention; step 2 is whole
+    ts, state = load_checkpoint(latest_checkpoint(tmp_path))
+    assert torch.equal(ts["w"], _state(2)["w"]) and state == {"step": 2}
+    save_checkpoint(tmp_path, 4, _state(4), {"step": 4}, keep=1)  # the next save clears the leftovers
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004"]
+
+
+def test_a_swap_cut_between_its_two_renames_is_finished_by_the_next_listing(tmp_path):
+    ckpt = save_checkpoint(tmp_path, 2, _state(2), {"step": 2})
+    os.rename(ckpt, ckpt.with_name(".old-" + ckpt.name))  # killed after moving the old one aside
+    assert latest_checkpoint(tmp_path) == ckpt and (ckpt / MARKER).is_file()
+    new = save_checkpoint(tmp_path, 2, _state(7), {"step": 2})
+    shutil.copytree(new, new.with_name(".old-" + new.name))  # killed after the new one landed
+    assert latest_checkpoint(tmp_path) == new and not new.with_name(".old-" + new.name).exists()
+    assert torch.equal(load_checkpoint(new)[0]["w"], _state(7)["w"])
+
+
+def test_a_damaged_checkpoint_is_refused_with_what_to_do(tmp_path):
+    ckpt = save_checkpoint(tmp_path, 1, _state(1, numel=4096), {"step": 1})
+    data = (ckpt / "trainer.pt").read_bytes()
+    (ckpt / "trainer.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"damaged: trainer.pt has \d+ bytes, \d+ were written"):
+        load_checkpoint(ckpt)
+
+
+def _draws() -> list:
+    return [random.random(), float(np.random.rand()), float(torch.rand(1))]
+
+
+def test_every_rng_state_is_saved_and_restored_through_a_checkpoint(tmp_path):
+    from agentrl.config import TrainerConfig
+    from agentrl.tiny_model import build_tiny_model
+    from agentrl.trainer.trainer import Trainer
+
+    tr = Trainer(build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2), TrainerConfig(), seed=3)
+    np.random.seed(11)
+    _draws()  # move every generator away from its seed
+    ckpt = save_checkpoint(tmp_path / "run", 1, tr.state_dict(), {"step": 1})
+    expected = _draws()
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)  # a fresh process starts elsewhere
+    ts, _ = load_checkpoint(ckpt)
+    assert set(ts["rng"]) >= {"python", "numpy", "torch"}
+    tr.load_state_dict(ts)
+    assert _draws() == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rng_state_is_saved_and_restored():
+    torch.cuda.manual_seed_all(5)
+    torch.rand(3, device="cuda")
+    state = rng_state()
+    assert len(state["cuda"]) == torch.cuda.device_count()
+    expected = torch.rand(3, device="cuda").cpu()
+    torch.cuda.manual_seed_all(99)
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3, device="cuda").cpu(), expected)
+
+
+DISK_FULL_CHILD = textwrap.dedent("""\
+    import json, os, sys
+    import torch
+    from agentrl.errors import CheckpointError
+    from agentrl.trainer.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
+
+    run_dir = sys.argv[1]
+    save_checkpoint(run_dir, 1, {"w": torch.ones(1000)}, {"step": 1}, keep=2)  # fits
+    try:  # 4 MB into a 1 MiB filesystem (or file-size limit)
+        save_checkpoint(run_dir, 2, {"w": torch.ones(1_000_000)}, {"step": 2}, keep=2)
+        raised = None
+    except CheckpointError as e:
+        raised = str(e)
+    # what is left: reported from here, since a private tmpfs vanishes with this process
+    ckpts = complete_checkpoints(run_dir)
+    ts, state = load_checkpoint(ckpts[-1])
+    print(json.dumps({"raised": raised, "steps": [p.name for p in ckpts], "w_sum": float(ts["w"].sum()),
+                      "state": state, "entries": sorted(os.listdir(os.path.join(run_dir, "checkpoints")))}))
+""")
+
+
+def _run_disk_full_child(tmp_path: Path) -> tuple[dict, Path, str]:
+    """Run the child where writes really fail: (its report, run dir, how).  ENOSPC from a 1 MiB
+    tmpfs in a private mount namespace where this host allows one, else EFBIG under RLIMIT_FSIZE."""
+    script = tmp_path / "child.py"
+    script.write_text(DISK_FULL_CHILD)
+    mnt = tmp_path / "small_disk"
+    mnt.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    unshare = shutil.which("unshare")
+    if unshare:
+        flags = ["--mount", "--propagation", "private"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]
+        inner = f"mount -t tmpfs -o size=1m tmpfs {mnt} && exec {sys.executable} {script} {mnt / 'run'}"
+        r = subprocess.run([unshare, *flags, "sh", "-c", inner], capture_output=True, text=True, timeout=120, env=env)
+        if r.returncode == 0:
+            return json.loads(r.stdout.strip().splitlines()[-1]), mnt / "run", "tmpfs"
+    import resource
+    import signal
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    r = subprocess.run([sys.executable, str(script), str(mnt / "run")], capture_output=True, text=True, timeout=120,
+                       env=env, preexec_fn=limit_file_size)
+    if r.returncode != 0:
+        pytest.skip(f"cannot make writes fail here (no private tmpfs, no RLIMIT_FSIZE): {r.stderr[-300:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1]), mnt / "run", "rlimit"
+
+
+def test_a_disk_that_fills_mid_checkpoint_is_one_line_and_keeps_the_previous(tmp_path):
+    report, run_dir, how = _run_disk_full_child(tmp_path)
+    msg = report["raised"]
+    assert msg is not None, f"no CheckpointError ({how})"
+    cause = "No space left on device" if how == "tmpfs" else "File too large"
+    assert f"checkpoint {run_dir / 'checkpoints' / 'step_00000002'} not written: {cause}" in msg, msg
+    assert "free there now" in msg and "the last complete checkpoint step_00000001 is intact" in msg
+    assert "--resume" in msg and "\n" not in msg
+    assert report["steps"] == ["step_00000001"]
+    assert report["entries"] == ["step_00000001"]  # the partial step 2 was removed
+    assert report["w_sum"] == 1000.0 and report["state"] == {"step": 1}

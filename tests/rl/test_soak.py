@@ -1,0 +1,110 @@
+"""Soak: 1,000 concurrent episodes on the real stack, stopped mid-flight, leave nothing behind
+(file descriptors, asyncio tasks, threads, sandboxes, child processes, unhandled loop errors).
+
+The soak found that a stopped group's sibling episodes (and a cancelled tool call) kept running
+after the manager returned and the client and sandboxes were closed; the two tests after it
+pin those down deterministically."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentrl.buffer import StalenessBuffer
+from agentrl.envs import SingleTurnEnv, ToolEnv
+from agentrl.envs.check import ScriptedClient
+from agentrl.rollout import RolloutManager, TaskSampler
+from agentrl.rubrics import Rubric
+from agentrl.types import Message, SamplingParams, Task
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_soak():
+    spec = importlib.util.spec_from_file_location("soak_benchmark", ROOT / "benchmarks" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_a_1000_episode_soak_leaks_nothing():
+    soak = _load_soak()
+    out = soak.run_soak(15, concurrency=1000, latency_ms=5, sandbox_every=5, warmup_s=3, settle_s=5)
+    assert out["peak_in_flight"] == 1000
+    assert out["episodes"] > 0 and out["sandbox_execs"] > 0 and out["errored"] == 0, out["errors"]
+    assert out["leaked"] == {"fds": [], "threads": [], "children": [], "sandboxes": [], "tasks": [], "unhandled": []}
+
+
+class _Slow(ScriptedClient):
+    """Every model call takes a minute: episodes are mid-call when the manager stops."""
+
+    async def complete(self, prompt_ids, sampling, n=1):
+        await asyncio.sleep(60)
+        return await super().complete(prompt_ids, sampling, n)
+
+
+async def test_a_stopped_manager_returns_only_after_every_episode_finished():
+    class SlowCleanup(SingleTurnEnv):
+        started = cleaned = 0
+
+        async def setup(self, task):
+            self.started += 1
+            state = await super().setup(task)
+            state["slow"] = self.started % 2 == 0
+            return state
+
+        async def cleanup(self, state):
+            if state["slow"]:  # releasing a sandbox, say
+                await asyncio.sleep(0.3)
+            self.cleaned += 1
+
+    env = SlowCleanup(dataset=[f"q{i}" for i in range(8)], rubric=Rubric([lambda completion: 1.0]))
+    buffer = StalenessBuffer(batch_groups=4, max_staleness=1)
+    manager = RolloutManager(env, _Slow(), buffer, TaskSampler(list(env.dataset())), SamplingParams(),
+                             group_size=4, max_in_flight=16)
+    runner = asyncio.create_task(manager.run())
+    while env.started < 16:
+        await asyncio.sleep(0.01)
+    manager.stop()
+    await runner
+    # plain gather let the group end with its first cancelled episode: the slow siblings were
+    # still cleaning up (then touching a closed client or sandbox pool) after run() returned
+    assert env.cleaned == env.started == 16
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+async def test_a_tool_call_never_outlives_its_episode_even_when_cancelled_twice():
+    finished = []
+
+    async def slow_tool(x: int) -> int:
+        """A tool that needs a moment to clean up when cancelled.
+
+        Args:
+            x: anything
+        """
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await asyncio.sleep(0.2)  # e.g. killing the command in its sandbox
+            finished.append(x)
+        return x
+
+    env = ToolEnv(tools=[slow_tool], rubric=Rubric([lambda completion: 1.0]))
+    client = ScriptedClient(lambda p: '<tool_call>\n{"name": "slow_tool", "arguments": {"x": 1}}\n</tool_call>')
+    episode = asyncio.create_task(env.rollout(client, Task([Message("user", "go")]), SamplingParams(max_tokens=200)))
+    await asyncio.sleep(0.1)
+    episode.cancel()
+    await asyncio.sleep(0.05)
+    episode.cancel()  # a second cancellation while the first is being handled (a stop during a wall limit, ...)
+    with pytest.raises(asyncio.CancelledError):
+        await episode
+    # with asyncio.wait_for the second cancel abandoned the tool's task, still running on its own
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    await asyncio.sleep(0.3)
+    assert finished == []  # its cleanup was cut by the second cancel, inside the episode's own task
