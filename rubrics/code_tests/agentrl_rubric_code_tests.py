@@ -97,11 +97,14 @@ async def run_tests(code: str, entry_point: str, tests: list[dict[str, Any]], sa
                     timeout_s: float | None = None) -> TestReport:  # fmt: skip
     """Run ``tests`` against ``code`` in ``sandbox`` (a started :mod:`agentrl.sandbox` sandbox)."""
     report = TestReport(total=len(tests))
-    out = f"/tmp/report-{secrets.token_hex(8)}.json"
+    # both live in the work dir (the only place file I/O reaches); random names so code
+    # written earlier in the episode cannot plant a runner or a report in advance
+    tag = secrets.token_hex(8)
+    out, runner = f".report-{tag}.json", f".runner-{tag}.py"
     await sandbox.write_file("solution.py", code)
-    await sandbox.write_file("/tmp/runner.py", RUNNER)
+    await sandbox.write_file(runner, RUNNER)
     req = {"entry_point": entry_point, "inputs": [t["args"] for t in tests], "out": out}
-    r = await sandbox.exec(["python3", "/tmp/runner.py"], stdin=json.dumps(req), timeout=timeout_s)
+    r = await sandbox.exec(["python3", runner], stdin=json.dumps(req), timeout=timeout_s)
     if r.timed_out or r.cpu_exceeded or r.oom:
         report.error = "timed out" if r.timed_out else ("CPU limit" if r.cpu_exceeded else "out of memory")
         return report

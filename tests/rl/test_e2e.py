@@ -112,6 +112,17 @@ def test_sigkill_then_resume_continues_without_retraining(tiny_model, tmp_path):
     trained = _trained_ids(run_dir)
     assert len(trained) == len(set(trained)) == n_steps * 2 * 4  # no episode trained twice
     _ledger_adds_up(rows[-1])
+    # across both processes every episode id has exactly one ledger record (interrupted ones
+    # included), and no rollout written after the checkpoint by the killed process survives
+    records = read_jsonl(run_dir / "ledger.jsonl")
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids))
+    assert any(r["fate"] == "interrupted" for r in records)
+    rollout_ids = [r["id"] for r in read_jsonl(run_dir / "rollouts.jsonl")]
+    assert len(rollout_ids) == len(set(rollout_ids))
+    fated = set(ids)
+    in_flight_at_exit = rows[-1]["ledger/in_flight"]
+    assert len([i for i in rollout_ids if i not in fated]) <= in_flight_at_exit
 
     from transformers import AutoModelForCausalLM
 
