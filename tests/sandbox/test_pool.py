@@ -76,11 +76,14 @@ async def test_creation_rate_limit_spaces_creations(bwrap, limits):
     BwrapSandbox._start = timed_start
     try:
         async with SandboxPool(bwrap, limits, max_live=4, creations_per_s=rate) as pool:
+            t0 = time.monotonic()
             await asyncio.gather(*(pool.get() for _ in range(4)))
     finally:
         BwrapSandbox._start = original
-    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    assert len(starts) == 4 and min(gaps) >= 1 / rate * 0.9
+    # creation i may start no earlier than its slot, i / rate after the first request; a
+    # loaded event loop may wake any of them late (so gaps between wake-ups are not checked)
+    assert len(starts) == 4
+    assert all(s - t0 >= i / rate * 0.95 for i, s in enumerate(sorted(starts))), [s - t0 for s in starts]
 
 
 async def test_retries_infrastructure_errors_with_backoff(bwrap, limits, monkeypatch):
