@@ -337,21 +337,12 @@ def model_check_template(
     from rich.table import Table
 
     from agentrl.envs.template import check_template, check_tool_format
+    from agentrl.inference.client import load_tokenizer
     from agentrl.tool_format import get_parser
 
     if tool_parser != "auto":
         get_parser(tool_parser)
-
-    if not model_dir.is_dir():
-        raise AgentrlError(f"{model_dir} is not a directory")
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except Exception as e:
-        raise AgentrlError(f"cannot load a tokenizer from {model_dir}: {type(e).__name__}: {e}") from e
-    if not getattr(tokenizer, "chat_template", None):
-        raise AgentrlError(f"the tokenizer in {model_dir} has no chat template")
+    tokenizer = load_tokenizer(model_dir)
     report = check_template(tokenizer)
     table = Table(title=f"chat template of {model_dir} (end of turn: {report.end_of_turn})", show_header=True)
     for col in ("conversation", "turn", "ok", "detail"):

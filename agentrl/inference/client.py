@@ -63,7 +63,7 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     from pathlib import Path
 
     if not Path(path).is_dir():
-        raise AgentrlError(f"--tokenizer {str(path)!r} is not a directory (expected a HF model or tokenizer dir)")
+        raise AgentrlError(f"tokenizer dir {str(path)!r} is not a directory (expected a HF model or tokenizer dir)")
     try:
         from transformers import AutoTokenizer
 
