@@ -294,8 +294,9 @@ def _free_port() -> int:
 
 
 def report_token(args, r: dict, served: dict) -> dict:
-    calls = r["calls"]
-    requests = calls * (1 + served["tokenize"] / max(1, served["completions"]))
+    # model calls as the server counted them: the client's endpoint counter also counts /tokenize
+    calls = served["completions"] or r["calls"]
+    requests = calls + served["tokenize"]
     ideal_eps = args.concurrency / (3 * args.latency_ms / 1000)
     out = {
         "benchmark": "rollout_overhead", "path": "token", "episodes": args.episodes, "concurrency": args.concurrency,
