@@ -49,7 +49,14 @@ class InferenceConfig(Section):
     max_batch_size: int = Field(_ENGINE.max_batch_size, ge=1, description="Embedded engine: sequences decoded together.")
     max_model_len: int = Field(_ENGINE.max_model_len, ge=16, description="Longest prompt+completion the engine accepts.")
     device: str = Field(_ENGINE.device, description="Embedded engine device: auto | cpu | cuda.")
-    weight_transport: Literal["shm", "disk"] = Field("shm", description="How weights reach a same-host engine.")
+    weight_transport: Literal["shm", "disk", "http"] = Field(
+        "shm", description="How weights reach the engines: shm (same host), disk (a shared filesystem), or http "
+        "(streamed in checksummed chunks to engines on other hosts; engines on the trainer's host keep shm).",
+    )
+    weight_bucket_mb: float = Field(32.0, gt=0, description="http weight transport: bytes per chunk, in MiB.")
+    weight_push_timeout_s: float = Field(
+        300.0, gt=0, description="A push to one engine that takes longer is abandoned; it catches up at the next push."
+    )
     request_timeout_s: float = Field(120.0, gt=0, description="Per-request client timeout.")
     max_retries: int = Field(3, ge=0, description="Client retries on transient endpoint errors.")
 

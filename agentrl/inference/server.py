@@ -16,7 +16,9 @@ Routes (vLLM names and fields where vLLM has them):
   ``POST /update_weights_from_disk`` ``{model_path, weight_version?, lora?}``,
   ``POST /update_weights_from_shm`` ``{path, size, manifest, weight_version?, lora?}``
   (``lora: true``: the tensors are LoRA factors the engine merges into its base weights),
-  ``GET /get_weight_version``, ``POST /update_weight_version`` ``{weight_version}``.
+  ``GET /get_weight_version``, ``POST /update_weight_version`` ``{weight_version}``;
+  over the network (no shared filesystem): ``POST /weights/begin``, ``PUT /weights/chunk``,
+  ``POST /weights/commit`` (:mod:`agentrl.weights.network`).
 
 Request schemas and error bodies: :mod:`agentrl.inference.protocol`.
 """
@@ -47,9 +49,11 @@ from agentrl.inference.engine_args import EngineArgs
 from agentrl.inference.protocol import (
     APIError,
     ChatRequest,
+    CommitWeightsRequest,
     CompletionRequest,
     DetokenizeRequest,
     DiskWeightsRequest,
+    NetworkWeightsRequest,
     SamplingBody,
     ShmWeightsRequest,
     TokenizeRequest,
@@ -62,6 +66,8 @@ from agentrl.render import render_chat_ids
 from agentrl.tool_format import parse_tool_calls
 from agentrl.types import new_id
 from agentrl.weights.lora import AdapterMerger
+from agentrl.weights.manifest import manifest_views
+from agentrl.weights.network import ChunkReceiver, load_views
 from agentrl.weights.receive import SharedWeights, load_safetensors_path, read_safetensors
 
 STARTUP_ERROR = "agentrl engine: error: "  # prefix of the one line a refused start prints
@@ -91,8 +97,6 @@ async def _unless_disconnected(work: Any, http: Request) -> Any:
     if not job.done() or job.cancelled():
         return JSONResponse(status_code=499, content={"error": {"message": "client closed the request"}})
     return job.result()
-
-
 
 
 class EngineServer:
@@ -237,7 +241,6 @@ class EngineServer:
             )
         return content
 
-
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
         self.check_model(req.model)
         if req.echo:
@@ -269,7 +272,6 @@ class EngineServer:
             "choices": choices,
             "usage": self.usage(sum(len(p) for p in prompts), [r for b in batches for r in b]),
         }
-
 
     def prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -338,6 +340,7 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> FastAPI:
     _token_routes(app, srv)
     _info_routes(app, srv)
     _weight_routes(app, srv)
+    _network_weight_routes(app, srv)
     return app
 
 
@@ -439,39 +442,68 @@ def _weight_routes(app: FastAPI, srv: EngineServer) -> None:
         version = await asyncio.to_thread(engine.update_weights, lambda m: None, req.weight_version)
         return {"success": True, "weight_version": version}
 
-    async def _update(version: int | None, lora: bool, load: Callable, read_factors: Callable) -> dict[str, Any]:
-        """Full weights (``load(model)``) or LoRA factors (``read_factors()``) as ``version``."""
-
-        def apply(model) -> int:
-            if lora:
-                return srv.adapters.apply(model, read_factors())
-            n = load(model)
-            srv.adapters.reset()  # new base weights: adapters merged before no longer apply
-            return n
-
-        t0 = time.perf_counter()
-        count: list[int] = []
-        try:
-            new = await asyncio.to_thread(engine.update_weights, lambda m: count.append(apply(m)), version)
-        except RequestError as e:
-            raise from_request_error(e) from e
-        return {"success": True, "weight_version": new, "num_tensors": count[0] if count else 0,
-                "seconds": time.perf_counter() - t0}
-
     @app.post("/update_weights_from_disk")
     async def update_from_disk(req: DiskWeightsRequest):
-        return await _update(
-            req.weight_version, req.lora,
+        return await _apply_update(
+            srv, req.weight_version, req.lora,
             lambda m: load_safetensors_path(m, req.model_path), lambda: read_safetensors(req.model_path),
         )
 
     @app.post("/update_weights_from_shm")
     async def update_from_shm(req: ShmWeightsRequest):
-        return await _update(
-            req.weight_version, req.lora,
+        return await _apply_update(
+            srv, req.weight_version, req.lora,
             lambda m: srv.shared.apply(m, req.path, req.manifest, req.size),
             lambda: srv.shared.views(req.path, req.manifest, req.size),
         )
+
+
+async def _apply_update(srv: EngineServer, version: int | None, lora: bool, load: Callable,
+                        read_factors: Callable) -> dict[str, Any]:
+    """Full weights (``load(model)``) or LoRA factors (``read_factors()``) as ``version``."""
+
+    def apply(model) -> int:
+        if lora:
+            return srv.adapters.apply(model, read_factors())
+        n = load(model)
+        srv.adapters.reset()  # new base weights: adapters merged before no longer apply
+        return n
+
+    t0 = time.perf_counter()
+    count: list[int] = []
+    try:
+        new = await asyncio.to_thread(srv.engine.update_weights, lambda m: count.append(apply(m)), version)
+    except RequestError as e:
+        raise from_request_error(e) from e
+    return {"success": True, "weight_version": new, "num_tensors": count[0] if count else 0,
+            "seconds": time.perf_counter() - t0}
+
+
+def _network_weight_routes(app: FastAPI, srv: EngineServer) -> None:
+    """``weight_transport = "http"``: begin, chunks, commit (:mod:`agentrl.weights.network`)."""
+    rx = ChunkReceiver()
+
+    async def call(fn: Callable, *args: Any) -> Any:  # a push that does not fit is the caller's 400
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except RequestError as e:
+            raise from_request_error(e) from e
+
+    @app.post("/weights/begin")
+    async def begin(r: NetworkWeightsRequest):
+        await call(rx.begin, r.transfer, r.size, r.manifest, r.chunks, r.weight_version, r.lora)
+        return {"transfer": r.transfer, "chunks": len(r.chunks)}
+
+    @app.put("/weights/chunk")
+    async def chunk(transfer: str, index: int, http: Request):
+        await call(rx.chunk, transfer, index, await http.body())
+        return {"transfer": transfer, "index": index}
+
+    @app.post("/weights/commit")
+    async def commit(r: CommitWeightsRequest):
+        t = await call(rx.take, r.transfer)
+        views = manifest_views(t.buffer, t.manifest)
+        return await _apply_update(srv, t.version, t.lora, lambda m: load_views(m, views), lambda: views)
 
 
 # ----------------------------------------------------------------------------- serve

@@ -63,7 +63,10 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
                              env=thread_env)
     on_vllm = bool(ic.base_url) and ic.engine == "vllm"
     try:
-        sync = make_weight_sync(policy.base_urls, ic.weight_transport, engine="vllm" if on_vllm else "embedded")
+        sync = make_weight_sync(
+            policy.base_urls, ic.weight_transport, engine="vllm" if on_vllm else "embedded",
+            local_urls=local_engine_urls(policy), bucket_mb=ic.weight_bucket_mb, timeout=ic.weight_push_timeout_s,
+        )
     except ValueError as e:
         policy.stop()
         raise AgentrlError(f"weight sync: {e}") from None
@@ -75,6 +78,16 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
         requests_per_s=cfg.rollout.requests_per_s, cache_salt=on_vllm,
     )
     return Engines(policy, client, sync, on_vllm)
+
+
+def local_engine_urls(policy: Any) -> list[str]:
+    """Engines on the trainer's host (they keep shared memory under ``weight_transport = "http"``):
+    what a Ray pool says by node, else the loopback addresses."""
+    from urllib.parse import urlparse
+
+    if hasattr(policy, "local_urls"):
+        return list(policy.local_urls())
+    return [u for u in policy.base_urls if urlparse(u).hostname in ("127.0.0.1", "localhost", "::1")]
 
 
 class WeightPusher:
