@@ -176,7 +176,22 @@ class EvalConfig(Section):
 class ClusterConfig(Section):
     backend: Literal["local", "ray"] = Field("local", description="local: one machine; ray: Ray actors.")
     num_inference: int = Field(1, ge=1, description="Inference engines to start (ray backend).")
-    ray_address: str | None = Field(None, description="Existing Ray cluster (None = start a local one).")
+    ray_address: str | None = Field(
+        None, description="Existing Ray cluster to join, e.g. 'auto' or 'HEAD_IP:6379' (None = start a local one)."
+    )
+    engine_cpus: float = Field(1.0, gt=0, description="Ray: CPUs reserved per inference engine actor.")
+    engine_gpus: float = Field(0.0, ge=0, description="Ray: GPUs per inference engine actor.")
+    max_restarts: int = Field(-1, ge=-1, description="Ray: restarts of a dead engine or rollout worker actor (-1: always).")
+    trainer_actor: bool = Field(
+        False, description="Ray: run the trainer in its own actor (trainer_cpus/gpus), not in the driver."
+    )
+    trainer_cpus: float = Field(1.0, gt=0, description="Ray: CPUs reserved for the trainer actor.")
+    trainer_gpus: float = Field(0.0, ge=0, description="Ray: GPUs for the trainer actor.")
+    rollout_workers: int = Field(
+        0, ge=0, description="Ray: rollout worker actors sharing one buffer actor, each with a share of "
+        "rollout.max_in_flight (0 = the rollout manager runs in the driver).",
+    )
+    worker_cpus: float = Field(0.5, gt=0, description="Ray: CPUs reserved per rollout worker (and the buffer actor).")
 
 
 class RunConfig(Section):

@@ -72,6 +72,7 @@ class Endpoint:
 
     def __init__(self, base_url: str, api_key: str, timeout: float, requests_per_s: float = 0.0):
         self.root = url_root(base_url)
+        self._api_key, self._timeout_s = api_key, timeout
         self.openai = openai.AsyncOpenAI(base_url=self.root + "/v1", api_key=api_key, timeout=timeout, max_retries=0)
         self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
         self.timeout = aiohttp.ClientTimeout(total=timeout)
@@ -118,6 +119,13 @@ class Endpoint:
             except ValueError as e:
                 raise MalformedResponse(f"{self.root}{path} answered non-JSON: {text[:200]!r}") from e
 
+    def rebase(self, base_url: str) -> None:
+        """The engine behind this endpoint came back at another address (a restarted actor);
+        pinned groups keep their pin and load counts stay."""
+        self.root = url_root(base_url)
+        self.openai = openai.AsyncOpenAI(base_url=self.root + "/v1", api_key=self._api_key, timeout=self._timeout_s,
+                                         max_retries=0)
+
     async def close(self) -> None:
         await self.openai.close()
         if self._session is not None and self._loop is asyncio.get_running_loop():
@@ -159,6 +167,7 @@ class PolicyClient:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
         self._rr = itertools.count()
+        self.retries = 0  # attempts after a transient failure (failovers to another endpoint)
 
     @property
     def base_urls(self) -> list[str]:
@@ -188,6 +197,7 @@ class PolicyClient:
         async def attempt(i: int) -> T:
             ep = prefer if (i == 0 and prefer is not None) else self._pick(exclude=tried[-1] if tried else None)
             tried.append(ep)
+            self.retries += i > 0
             if ep.throttle is not None:
                 await ep.throttle.acquire()
             ep.in_flight += 1

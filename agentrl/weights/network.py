@@ -166,6 +166,7 @@ class HttpWeightSync:
         self.local = {r: EmbeddedWeightSync(r, "shm", timeout=timeout) for r in self.roots if r in local}
         self.bucket_bytes = max(1 << 16, int(bucket_mb * 2**20))
         self.timeout = timeout
+        self.in_flight_chunks = 3
         self._http_timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self._http: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
         self._buf: torch.Tensor | None = None
@@ -231,10 +232,14 @@ class HttpWeightSync:
                 "chunks": [list(c) for c in chunks], "lora": lora}
         await self._post(http, root + "/weights/begin", json=body)
         assert self._buf is not None
-        data = memoryview(self._buf.numpy())
-        for i, (off, nbytes, _) in enumerate(chunks):
-            await self._post(http, root + "/weights/chunk", params={"transfer": transfer, "index": i},
-                             content=bytes(data[off : off + nbytes]), method="PUT")
+        data, window = memoryview(self._buf.numpy()), asyncio.Semaphore(self.in_flight_chunks)
+
+        async def send(i: int, off: int, nbytes: int) -> None:
+            async with window:  # a few chunks in flight: the engine checks one while the next travels
+                await self._post(http, root + "/weights/chunk", params={"transfer": transfer, "index": i},
+                                 content=bytes(data[off : off + nbytes]), method="PUT")
+
+        await asyncio.gather(*(send(i, off, n) for i, (off, n, _) in enumerate(chunks)))
         await self._post(http, root + "/weights/commit", json={"transfer": transfer})
 
     @staticmethod
