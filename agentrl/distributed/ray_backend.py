@@ -157,6 +157,9 @@ class RayInferencePool:
             try:
                 info = ray.get(self.actors[index].info.remote(), timeout=min(30.0, self.startup_timeout))
                 break
+            except ray.exceptions.ActorUnavailableError as e:  # Ray is restarting it: ask again
+                last = e
+                time.sleep(0.5)
             except ray.exceptions.RayActorError as e:  # died for good (restarts used up): start a fresh one
                 if self.spawn is None:
                     raise RayBackendError(f"engine actor {index} died and cannot be replaced: {e}") from None

@@ -161,12 +161,15 @@ class Supervisor:
         dead = getattr(self.engines.policy, "dead", None)
         return dead() if dead is not None else []
 
-    async def watch(self, every_s: float = 1.0) -> None:
+    async def _refresh(self) -> None:
         refresh = getattr(self.engines.policy, "refresh", None)  # Ray: a health check, off the event loop
+        if refresh is not None:
+            await asyncio.to_thread(refresh)
+
+    async def watch(self, every_s: float = 1.0) -> None:
         while True:
             await asyncio.sleep(every_s)
-            if refresh is not None:
-                await asyncio.to_thread(refresh)
+            await self._refresh()
             if self._dead():
                 await self.revive()
 
@@ -191,6 +194,7 @@ class Supervisor:
                 try:
                     return await self.pusher.push(version)
                 except WeightSyncError:
+                    await self._refresh()
                     if not self._dead():
                         raise
             await self.revive()
