@@ -235,6 +235,11 @@ class Config(Section):
                 f"trainer.push_every = {self.trainer.push_every} > buffer.max_staleness + 1 = {eta + 1}: every "
                 "group would be too stale to train; lower push_every or raise max_staleness"
             )
+        if self.cluster.trainer_actor or self.cluster.rollout_workers:
+            raise ValueError(
+                "cluster.trainer_actor and cluster.rollout_workers are not implemented yet: with backend = \"ray\" "
+                "the engines are Ray actors and the trainer, rollout and buffer run in the driver; leave them unset"
+            )
         return self
 
     @property

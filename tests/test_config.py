@@ -78,3 +78,12 @@ def test_trajectory_json_round_trip_keeps_token_provenance():
     assert back.sequences[0].loss_mask == [0, 0, 0, 1, 1]
     with pytest.raises(ValueError):
         seq.extend_sampled([1], [], [1])
+
+
+def test_ray_roles_not_built_yet_are_refused_not_ignored():
+    from agentrl.config import load_config
+    from agentrl.errors import ConfigError
+
+    for override in ("--cluster.rollout_workers=2", "--cluster.trainer_actor=true"):
+        with pytest.raises(ConfigError, match="not implemented yet"):
+            load_config([], [override])
