@@ -99,6 +99,24 @@ def _tasks(env: Environment, split: str) -> list[Task] | None:
     raise web.HTTPBadRequest(text=_json_error(f"split must be 'train' or 'eval', not {split!r}"))
 
 
+def _info(env: Environment, cache: dict[str, list[Task] | None]) -> dict[str, Any]:
+    """What a client needs to run the env like a local one: limits, tools, rubric, task counts."""
+    for split in ("train", "eval"):
+        if split not in cache:
+            try:
+                cache[split] = _tasks(env, split)
+            except NotImplementedError:
+                cache[split] = None
+    return {
+        "protocol": PROTOCOL, "name": env.name, "version": str(env.version), "max_turns": env.max_turns,
+        "max_total_tokens": env.max_total_tokens, "max_seq_len": env.max_seq_len, "timeout_s": env.timeout_s,
+        "on_length": env.on_length, "reward_range": env.reward_range, "max_reward": env.max_reward,
+        "tools": env.tool_schemas(), "system_prompt": getattr(env, "system_prompt", None),
+        "rubric": [{"name": f.name, "weight": f.weight} for f in getattr(env.rubric, "funcs", [])],
+        "num_tasks": {k: (None if v is None else len(v)) for k, v in cache.items()},
+    }  # fmt: skip
+
+
 def make_app(env: Environment, *, keep_closed: int = 4096) -> web.Application:
     """The aiohttp application serving ``env`` (routes in the module docstring)."""
     episodes = _Episodes(keep_closed)
@@ -111,20 +129,7 @@ def make_app(env: Environment, *, keep_closed: int = 4096) -> web.Application:
 
     @routes.get("/info")
     async def info(_: web.Request) -> web.Response:
-        for split in ("train", "eval"):
-            if split not in cache:
-                try:
-                    cache[split] = _tasks(env, split)
-                except NotImplementedError:
-                    cache[split] = None
-        return web.json_response({
-            "protocol": PROTOCOL, "name": env.name, "version": str(env.version), "max_turns": env.max_turns,
-            "max_total_tokens": env.max_total_tokens, "max_seq_len": env.max_seq_len, "timeout_s": env.timeout_s,
-            "on_length": env.on_length, "reward_range": env.reward_range, "max_reward": env.max_reward,
-            "tools": env.tool_schemas(), "system_prompt": env.system_prompt,
-            "rubric": [{"name": f.name, "weight": f.weight} for f in getattr(env.rubric, "funcs", [])],
-            "num_tasks": {k: (None if v is None else len(v)) for k, v in cache.items()},
-        })  # fmt: skip
+        return web.json_response(_info(env, cache))
 
     @routes.get("/tasks")
     async def tasks(request: web.Request) -> web.Response:
