@@ -226,6 +226,9 @@ def env_serve(
     port: Annotated[int, typer.Option("--port", "-p", min=1, max=65535, help="TCP port to listen on.")] = 8765,
     host: Annotated[str, typer.Option("--host", help="Address to bind (0.0.0.0: every interface).")] = "127.0.0.1",
     env_args: Annotated[str | None, typer.Option("--env-args", "-a", help="JSON kwargs for load_environment.")] = None,
+    idle_timeout: Annotated[
+        float, typer.Option("--idle-timeout", min=0, help="Expire an open episode after this many idle seconds (0: never).")
+    ] = 600.0,
 ) -> None:
     """Serve an environment over HTTP; runs and evals use it as env.name = "http://HOST:PORT"."""
     import asyncio
@@ -239,7 +242,7 @@ def env_serve(
         typer.echo(f"serving {environment.name} {environment.version} on {url}", err=True)
 
     try:
-        asyncio.run(serve(environment, host=host, port=port, on_ready=ready))
+        asyncio.run(serve(environment, host=host, port=port, on_ready=ready, idle_timeout_s=idle_timeout or None))
     except KeyboardInterrupt:
         pass
 

@@ -18,7 +18,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +82,7 @@ class RemoteEnvironment(Environment):
         self.reward_range = tuple(info["reward_range"]) if info.get("reward_range") else None
         self.max_reward = info.get("max_reward")
         self._tools = info.get("tools")
+        self._has_reference = bool(info.get("reference_policy"))
         self._train = self._fetch_tasks("train", connect_timeout_s)
         self._eval = self._fetch_tasks("eval", connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -175,16 +176,31 @@ class RemoteEnvironment(Environment):
         out = await self.call("close", {"episode_id": state["episode_id"]})
         state.metrics.update(out["metrics"])
 
-    def demonstrations(self, n: int, seed: int = 0) -> list[list[Message]]:
+    def _post_sync(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         req = urllib.request.Request(
-            f"{self.url}/demonstrations", data=json.dumps({"n": n, "seed": seed}).encode(),
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
+            f"{self.url}/{route}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=self.request_timeout_s) as r:
-            out = json.loads(r.read())
+            return json.loads(r.read())
+
+    def demonstrations(self, n: int, seed: int = 0) -> list[list[Message]]:
+        out = self._post_sync("demonstrations", {"n": n, "seed": seed})
         if "error" in out:
             raise NotImplementedError(f"environment server {self.url}: {out['error']}")
         return [[Message.from_dict(m) for m in conv] for conv in out["conversations"]]
+
+    def reference_policy(self) -> Callable[[Task, list[Message]], Message] | None:
+        """The served env's reference policy, played on the server one turn at a time (None if it has none)."""
+        if not self._has_reference:
+            return None
+
+        def policy(task: Task, conversation: list[Message]) -> Message:
+            out = self._post_sync("reference", {"task": task.to_dict(), "messages": [m.to_dict() for m in conversation]})
+            if "error" in out:
+                raise remote_failure(out.get("error_kind") or "env", out["error"])
+            return Message.from_dict(out["message"])
+
+        return policy
 
 
 def _served() -> float:

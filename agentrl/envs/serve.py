@@ -16,17 +16,22 @@ called from here: the server holds each episode's :class:`State` and runs the en
     POST /score  {"episodes": [{"episode_id", "trajectory"}]}   one group, scored together:
                                      {"scores": [{"reward", "metrics", "error", "error_kind"}]}
     POST /demonstrations {"n", "seed"}  {"conversations": [[messages]]}
+    POST /reference  {"task", "messages"}   the env's reference policy's next turn: {"message"}
 
 A hook that raises answers 200 with ``{"error", "error_kind"}`` (the boundary it crossed, as
 in a local episode); a request the server cannot act on (unknown episode, bad JSON) answers
 4xx with ``{"error"}``.  Closed episodes keep their state for scoring until scored or until
-``keep_closed`` newer ones push them out.
+``keep_closed`` newer ones push them out.  An open episode nobody touched for
+``idle_timeout_s`` (its client died) is expired: cleaned up, forgotten, counted in ``/health``
+(``expired``); a later call naming it answers 404 saying so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -44,23 +49,47 @@ MAX_TASK_PAGE = 1000
 class _Episodes:
     """Open episodes by id, and closed ones kept (bounded) until they are scored."""
 
-    def __init__(self, keep_closed: int) -> None:
+    def __init__(self, keep_closed: int, idle_timeout_s: float | None) -> None:
         self.open: dict[str, State] = {}
         self.closed: OrderedDict[str, State] = OrderedDict()
         self.keep_closed = keep_closed
+        self.idle_timeout_s = idle_timeout_s
+        self.touched: dict[str, float] = {}  # open episode id -> monotonic time of its last call
+        self.expired: OrderedDict[str, None] = OrderedDict()  # recent expired ids (for the 404 message)
+        self.num_expired = 0
         self._ids = itertools.count()
 
     def add(self, state: State) -> str:
         eid = f"ep{next(self._ids)}"
         self.open[eid] = state
+        self.touched[eid] = time.monotonic()
         return eid
 
     def get_open(self, eid: str) -> State:
         if eid not in self.open:
-            raise web.HTTPNotFound(text=_json_error(f"no open episode {eid!r} (closed, or the server restarted)"))
+            why = f"expired after {self.idle_timeout_s:g}s idle" if eid in self.expired else "closed, or the server restarted"
+            raise web.HTTPNotFound(text=_json_error(f"no open episode {eid!r} ({why})"))
+        self.touched[eid] = time.monotonic()
         return self.open[eid]
 
+    def idle(self, now: float) -> list[str]:
+        """Open episodes untouched for longer than the idle timeout."""
+        if self.idle_timeout_s is None:
+            return []
+        return [eid for eid, t in self.touched.items() if now - t > self.idle_timeout_s]
+
+    def expire(self, eid: str) -> State | None:
+        state = self.open.pop(eid, None)
+        self.touched.pop(eid, None)
+        if state is not None:
+            self.num_expired += 1
+            self.expired[eid] = None
+            while len(self.expired) > self.keep_closed:
+                self.expired.popitem(last=False)
+        return state
+
     def close(self, eid: str) -> State | None:
+        self.touched.pop(eid, None)
         state = self.open.pop(eid, None)
         if state is not None:
             self.closed[eid] = state
@@ -114,18 +143,37 @@ def _info(env: Environment, cache: dict[str, list[Task] | None]) -> dict[str, An
         "tools": env.tool_schemas(), "system_prompt": getattr(env, "system_prompt", None),
         "rubric": [{"name": f.name, "weight": f.weight} for f in getattr(env.rubric, "funcs", [])],
         "num_tasks": {k: (None if v is None else len(v)) for k, v in cache.items()},
+        "reference_policy": env.reference_policy() is not None,
     }  # fmt: skip
 
 
-def make_app(env: Environment, *, keep_closed: int = 4096) -> web.Application:
-    """The aiohttp application serving ``env`` (routes in the module docstring)."""
-    episodes = _Episodes(keep_closed)
+async def _reap(env: Environment, episodes: _Episodes) -> None:
+    """Expire idle open episodes (their client died): run the env's cleanup, count them."""
+    assert episodes.idle_timeout_s is not None
+    period = min(max(episodes.idle_timeout_s / 4, 0.05), 5.0)
+    while True:
+        await asyncio.sleep(period)
+        for eid in episodes.idle(time.monotonic()):
+            state = episodes.expire(eid)
+            if state is not None:
+                with contextlib.suppress(Exception):  # a failing cleanup must not stop the reaper
+                    await asyncio.shield(env.cleanup(state))
+
+
+def make_app(env: Environment, *, keep_closed: int = 4096, idle_timeout_s: float | None = 600.0) -> web.Application:
+    """The aiohttp application serving ``env`` (routes in the module docstring).
+
+    ``idle_timeout_s``: an open episode with no call for this long is expired (None: never)."""
+    episodes = _Episodes(keep_closed, idle_timeout_s)
     cache: dict[str, list[Task] | None] = {}
     routes = web.RouteTableDef()
 
     @routes.get("/health")
     async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "env": env.name, "version": str(env.version), "open": len(episodes.open)})
+        return web.json_response({
+            "status": "ok", "env": env.name, "version": str(env.version), "open": len(episodes.open),
+            "expired": episodes.num_expired,
+        })  # fmt: skip
 
     @routes.get("/info")
     async def info(_: web.Request) -> web.Response:
@@ -204,9 +252,37 @@ def make_app(env: Environment, *, keep_closed: int = 4096) -> web.Application:
             return _failed(e)
         return web.json_response({"conversations": [messages_to_dicts(c) for c in convs]})
 
+    _reference_route(routes, env)
     app = web.Application(client_max_size=64 * 2**20)
     app.add_routes(routes)
+    if idle_timeout_s is not None:
+        app.cleanup_ctx.append(lambda _: _reaper(env, episodes))
     return app
+
+
+async def _reaper(env: Environment, episodes: _Episodes) -> Any:
+    """The idle reaper's lifetime is the app's (an aiohttp cleanup context)."""
+    task = asyncio.create_task(_reap(env, episodes))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _reference_route(routes: web.RouteTableDef, env: Environment) -> None:
+    """``POST /reference``: the env's reference policy plays one turn (``agentrl env test URL``)."""
+
+    @routes.post("/reference")
+    async def reference(request: web.Request) -> web.Response:
+        body = await _body(request, "task", "messages")
+        policy = env.reference_policy()
+        if policy is None:
+            return web.json_response({"error": f"{env.name} has no reference policy", "error_kind": "env"})
+        try:
+            msg = policy(Task.from_dict(body["task"]), [Message.from_dict(m) for m in body["messages"]])
+        except Exception as e:
+            return _failed(e)
+        return web.json_response({"message": msg.to_dict()})
 
 
 async def _score(env: Environment, episodes: _Episodes, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -228,11 +304,13 @@ async def _score(env: Environment, episodes: _Episodes, items: list[dict[str, An
     return [{"reward": t.reward, "metrics": t.metrics, "error": t.error, "error_kind": t.error_kind} for t in trajs]
 
 
-async def serve(env: Environment, *, host: str = "127.0.0.1", port: int = 8765, on_ready: Any = None) -> None:
+async def serve(
+    env: Environment, *, host: str = "127.0.0.1", port: int = 8765, on_ready: Any = None, idle_timeout_s: float | None = 600.0
+) -> None:
     """Serve ``env`` until cancelled (``agentrl env serve``); ``on_ready(url)`` once listening."""
     from agentrl.errors import AgentrlError
 
-    runner = web.AppRunner(make_app(env), access_log=None)
+    runner = web.AppRunner(make_app(env, idle_timeout_s=idle_timeout_s), access_log=None)
     await runner.setup()
     try:
         try:

@@ -30,9 +30,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(env: str, env_args: dict, port: int | None = None) -> tuple[subprocess.Popen, str]:
+def serve(env: str, env_args: dict, port: int | None = None, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
     port = port or _free_port()
-    cmd = [sys.executable, "-m", "agentrl.cli", "env", "serve", env, "--port", str(port), "--env-args", json.dumps(env_args)]
+    cmd = [sys.executable, "-m", "agentrl.cli", "env", "serve", env, "--port", str(port), "--env-args", json.dumps(env_args),
+           *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -180,3 +181,87 @@ def test_agentrl_eval_and_a_training_run_use_a_served_env(calc_server, tmp_path)
     assert episodes and all(e["env_name"] == "calc" for e in episodes)
     with urllib.request.urlopen(f"{calc_server}/health", timeout=5) as r:
         assert json.loads(r.read())["open"] == 0  # every episode was closed on the server
+
+
+def test_agentrl_env_test_url_plays_the_served_reference_policy(calc_server):
+    """`agentrl env test URL` runs the env's reference policy on the server (POST /reference).
+
+    Catches: the reference check silently skipped for a URL (no policy on the client side), the
+    policy's tool-call turns not surviving the round trip (reward below max)."""
+    r = subprocess.run([sys.executable, "-m", "agentrl.cli", "env", "test", calc_server, "-n", "2"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    row = next(line for line in r.stdout.splitlines() if "reference_solution" in line)
+    assert "pass" in row and "rewards [1.0, 1.0" in row, row
+
+
+class _Counting:
+    """Wraps an env: counts cleanups (to see the reaper run the env's own cleanup)."""
+
+    def __init__(self, env):
+        self.env, self.cleaned = env, 0
+        orig = env.cleanup
+
+        async def cleanup(state):
+            self.cleaned += 1
+            await orig(state)
+
+        env.cleanup = cleanup
+
+
+async def test_an_episode_whose_client_died_expires_after_the_idle_timeout():
+    """Two open episodes on a real aiohttp server with idle_timeout 0.4s: the one still stepping
+    stays open, the silent one is cleaned up, counted in /health, and a late call names the cause.
+
+    Catches: a reaper that expires active episodes (last call not recorded), one that forgets to
+    run the env's cleanup, expiries not counted, a late call answered as a generic unknown id."""
+    import asyncio
+
+    from aiohttp import web
+
+    from agentrl.envs.base import State
+    from agentrl.envs.remote import RemoteEnvironment
+    from agentrl.envs.serve import make_app
+
+    counting = _Counting(load_environment(CALC, num_train=10))
+    runner = web.AppRunner(make_app(counting.env, idle_timeout_s=0.4))
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        remote = await asyncio.to_thread(RemoteEnvironment, f"http://127.0.0.1:{port}")
+        task = remote.eval_dataset()[0]
+        alive, silent = await remote.setup(task), await remote.setup(task)
+        for _ in range(12):  # 1.2 s of activity on one episode, silence on the other
+            await asyncio.sleep(0.1)
+            await remote.step(alive, remote.parse_assistant("still here", alive))
+        health = await remote._client().get(f"{remote.url}/health")
+        h = await health.json()
+        assert (h["open"], h["expired"], counting.cleaned) == (1, 1, 1), h
+        with pytest.raises(Exception, match=r"no open episode 'ep1' \(expired after 0.4s idle\)") as e:
+            await remote.step(silent, remote.parse_assistant("late", silent))
+        assert type(e.value).error_kind == "env"
+        await remote.cleanup(alive)
+        assert isinstance(alive, State) and counting.cleaned == 2
+        await remote.aclose()
+    finally:
+        await runner.cleanup()
+
+
+def test_env_serve_idle_timeout_flag():
+    """`agentrl env serve --idle-timeout 1`: an episode opened and abandoned is expired."""
+    proc, url = serve(CALC, {"num_train": 5}, extra=["--idle-timeout", "1"])
+    try:
+        with urllib.request.urlopen(f"{url}/tasks?split=eval&limit=1", timeout=5) as r:
+            task = json.loads(r.read())["tasks"][0]
+        req = urllib.request.Request(f"{url}/reset", data=json.dumps({"task": task}).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert json.loads(r.read())["episode_id"] == "ep0"
+        time.sleep(2.5)
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            h = json.loads(r.read())
+        assert (h["open"], h["expired"]) == (0, 1), h
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
