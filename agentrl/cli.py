@@ -269,6 +269,33 @@ def env_list() -> None:
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
+@env_app.command("serve")
+def env_serve(
+    env: Annotated[str, typer.Argument(help="Installed environment name or path to an env package dir.")],
+    port: Annotated[int, typer.Option("--port", "-p", min=1, max=65535, help="TCP port to listen on.")] = 8765,
+    host: Annotated[str, typer.Option("--host", help="Address to bind (0.0.0.0: every interface).")] = "127.0.0.1",
+    env_args: Annotated[str | None, typer.Option("--env-args", "-a", help="JSON kwargs for load_environment.")] = None,
+    idle_timeout: Annotated[
+        float, typer.Option("--idle-timeout", min=0, help="Expire an open episode after this many idle seconds (0: never).")
+    ] = 600.0,
+) -> None:
+    """Serve an environment over HTTP; runs and evals use it as env.name = "http://HOST:PORT"."""
+    import asyncio
+
+    from agentrl.envs.serve import serve
+    from agentrl.plugins import load_environment, parse_env_args
+
+    environment = load_environment(env, **parse_env_args(env_args))
+
+    def ready(url: str) -> None:
+        typer.echo(f"serving {environment.name} {environment.version} on {url}", err=True)
+
+    try:
+        asyncio.run(serve(environment, host=host, port=port, on_ready=ready, idle_timeout_s=idle_timeout or None))
+    except KeyboardInterrupt:
+        pass
+
+
 @env_app.command("test")
 def env_test(
     env: Annotated[str, typer.Argument(help="Installed environment name or path to an env package dir.")],

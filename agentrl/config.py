@@ -50,7 +50,14 @@ class InferenceConfig(Section):
     max_batch_size: int = Field(_ENGINE.max_batch_size, ge=1, description="Embedded engine: sequences decoded together.")
     max_model_len: int = Field(_ENGINE.max_model_len, ge=16, description="Longest prompt+completion the engine accepts.")
     device: str = Field(_ENGINE.device, description="Embedded engine device: auto | cpu | cuda.")
-    weight_transport: Literal["shm", "disk"] = Field("shm", description="How weights reach a same-host engine.")
+    weight_transport: Literal["shm", "disk", "http"] = Field(
+        "shm", description="How weights reach the engines: shm (same host), disk (a shared filesystem), or http "
+        "(streamed in checksummed chunks to engines on other hosts; engines on the trainer's host keep shm).",
+    )
+    weight_bucket_mb: float = Field(32.0, gt=0, description="http weight transport: bytes per chunk, in MiB.")
+    weight_push_timeout_s: float = Field(
+        300.0, gt=0, description="A push to one engine that takes longer is abandoned; it catches up at the next push."
+    )
     tool_parser: str = Field(
         "auto",
         description="The model's tool-call format, as vLLM's --tool-call-parser names it: hermes | llama3_json | "
@@ -58,7 +65,6 @@ class InferenceConfig(Section):
     )
     request_timeout_s: float = Field(120.0, gt=0, description="Per-request client timeout.")
     max_retries: int = Field(3, ge=0, description="Client retries on transient endpoint errors.")
-
 
     @field_validator("tool_parser")
     @classmethod
@@ -191,7 +197,22 @@ class EvalConfig(Section):
 class ClusterConfig(Section):
     backend: Literal["local", "ray"] = Field("local", description="local: one machine; ray: Ray actors.")
     num_inference: int = Field(1, ge=1, description="Inference engines to start (ray backend).")
-    ray_address: str | None = Field(None, description="Existing Ray cluster (None = start a local one).")
+    ray_address: str | None = Field(
+        None, description="Existing Ray cluster to join, e.g. 'auto' or 'HEAD_IP:6379' (None = start a local one)."
+    )
+    engine_cpus: float = Field(1.0, gt=0, description="Ray: CPUs reserved per inference engine actor.")
+    engine_gpus: float = Field(0.0, ge=0, description="Ray: GPUs per inference engine actor.")
+    max_restarts: int = Field(-1, ge=-1, description="Ray: restarts of a dead engine or rollout worker actor (-1: always).")
+    trainer_actor: bool = Field(
+        False, description="Ray: run the trainer in its own actor (trainer_cpus/gpus), not in the driver."
+    )
+    trainer_cpus: float = Field(1.0, gt=0, description="Ray: CPUs reserved for the trainer actor.")
+    trainer_gpus: float = Field(0.0, ge=0, description="Ray: GPUs for the trainer actor.")
+    rollout_workers: int = Field(
+        0, ge=0, description="Ray: rollout worker actors sharing one buffer actor, each with a share of "
+        "rollout.max_in_flight (0 = the rollout manager runs in the driver).",
+    )
+    worker_cpus: float = Field(0.5, gt=0, description="Ray: CPUs reserved per rollout worker (and the buffer actor).")
 
 
 class RunConfig(Section):
@@ -234,6 +255,11 @@ class Config(Section):
             raise ValueError(
                 f"trainer.push_every = {self.trainer.push_every} > buffer.max_staleness + 1 = {eta + 1}: every "
                 "group would be too stale to train; lower push_every or raise max_staleness"
+            )
+        if self.cluster.trainer_actor or self.cluster.rollout_workers:
+            raise ValueError(
+                "cluster.trainer_actor and cluster.rollout_workers are not implemented yet: with backend = \"ray\" "
+                "the engines are Ray actors and the trainer, rollout and buffer run in the driver; leave them unset"
             )
         return self
 

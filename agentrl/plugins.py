@@ -205,9 +205,21 @@ def find(name_or_path: str, group: str = ENV_GROUP) -> Plugin:
 
 
 def load_environment(name_or_path: str, **kwargs: Any):
-    """Build an environment: package defaults from ``[tool.agentrl.args]``, then ``kwargs``."""
+    """Build an environment: package defaults from ``[tool.agentrl.args]``, then ``kwargs``.
+
+    A URL (``http://host:port``) names an environment served by ``agentrl env serve``; its
+    arguments were given to the server, so ``kwargs`` must be empty."""
     from agentrl.envs.base import Environment
 
+    if name_or_path.startswith(("http://", "https://")):
+        from agentrl.envs.remote import RemoteEnvironment
+
+        if kwargs:
+            raise AgentrlError(
+                f"environment arguments {sorted(kwargs)} cannot go to a served environment ({name_or_path}): "
+                "give them to `agentrl env serve NAME --env-args ...`"
+            )
+        return RemoteEnvironment(name_or_path)
     plugin = find(name_or_path, ENV_GROUP)
     factory = plugin.load()
     env = plugin.call(factory, {**plugin.defaults, **kwargs})

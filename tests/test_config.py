@@ -108,3 +108,12 @@ def test_tool_parser_is_checked_with_every_other_error():
     assert "did you mean 'hermes'" in str(info.value) and "trainer.lr" in str(info.value)
     assert load_config([], ["--inference.tool_parser=llama4_json"]).inference.tool_parser == "llama4_json"
     assert Config().inference.tool_parser == "auto"
+
+
+def test_ray_roles_not_built_yet_are_refused_not_ignored():
+    from agentrl.config import load_config
+    from agentrl.errors import ConfigError
+
+    for override in ("--cluster.rollout_workers=2", "--cluster.trainer_actor=true"):
+        with pytest.raises(ConfigError, match="not implemented yet"):
+            load_config([], [override])

@@ -1,18 +1,28 @@
-"""Ray backend: inference engines as Ray actors, one OpenAI-compatible address each.
+"""Ray backend: inference engines as supervised Ray actors, one OpenAI-compatible address each.
 
-What this implements (``[cluster] backend = "ray"``): ``num_inference`` actors, each owning
-one embedded engine process on whatever node Ray places it; the orchestrator (rollout
-manager, buffer) and the trainer stay in the driver and reach the engines over HTTP with the
-usual :class:`~agentrl.inference.PolicyClient` (load-balanced) and WeightSync.  Ray does the
+What this implements (``[cluster] backend = "ray"``): ``cluster.num_inference`` actors, each
+owning one embedded engine process on whatever node Ray places it (``cluster.engine_cpus`` /
+``engine_gpus`` per actor).  Everything else reaches the engines over HTTP with the usual
+:class:`~agentrl.inference.PolicyClient` (load-balanced) and WeightSync.  Ray does the
 placement, resources and lifetime; agentrl adds no scheduler or RPC of its own.
 
-Weight transport across nodes needs a path every node can read (``disk`` on a shared
-filesystem); ``shm`` works only when trainer and engine share a host (always true for a
-local cluster).  Importing this module imports ``ray``; only ``backend = "ray"`` does.
+Supervision: the actors are created with Ray's ``max_restarts``; an actor whose engine process
+died exits so Ray restarts it.  :meth:`RayInferencePool.refresh` (run by the recipe's
+:class:`~agentrl.recipes.engines.Supervisor` off the event loop) health-checks every actor;
+:meth:`RayInferencePool.dead` answers from that cache (cheap enough for admission control);
+``handle.restart()`` waits for Ray's restart (or starts a new actor once Ray gave up) and
+records the engine's new address, which the supervisor hands to the client and the weight
+sync before pushing the current weights into it.
+
+Weight transport across nodes: ``inference.weight_transport = "http"`` (no shared filesystem);
+:meth:`RayInferencePool.local_urls` tells which engines share the trainer's node (they keep
+shared memory).  Importing this module imports ``ray``; only ``backend = "ray"`` does.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,9 +32,34 @@ import ray
 from agentrl.errors import AgentrlError
 from agentrl.inference.engine_args import EngineArgs
 
+HEALTH_TIMEOUT_S = 5.0
+
 
 class RayBackendError(AgentrlError):
     """Ray could not start or place the inference actors."""
+
+
+def ensure_ray(address: str | None) -> bool:
+    """Join ``address`` (or start a local cluster) unless Ray is up; True if we started it."""
+    if ray.is_initialized():
+        return False
+    try:
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(include_dashboard=False, log_to_driver=False)
+    except Exception as e:  # ConnectionError, RuntimeError, ... — all mean "no cluster"
+        raise RayBackendError(f"could not start or join a Ray cluster ({address or 'local'}): {e}") from None
+    return True
+
+
+def engine_actor_name(index: int, driver_pid: int | None = None) -> str:
+    """The Ray actor name of engine ``index`` started by the driver process ``driver_pid``."""
+    return f"agentrl-engine-{driver_pid or os.getpid()}-{index}"
+
+
+def current_node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
 
 
 @ray.remote
@@ -37,24 +72,36 @@ class InferenceActor:
         # Multi-node: listen on all interfaces and advertise this node's IP.
         host = "0.0.0.0" if advertise_host is None else "127.0.0.1"
         self._engine = start_embedded_engine(model_dir, host=host, **engine_kwargs)
-        self.model = self._engine.model
         public = advertise_host or ray.util.get_node_ip_address()
-        self._url = f"http://{public}:{self._engine.port}/v1"
+        self._info = {"url": f"http://{public}:{self._engine.port}/v1", "model": self._engine.model,
+                      "pid": self._engine.proc.pid, "node_id": current_node_id(), "actor_pid": os.getpid()}
 
-    def base_url(self) -> str:
-        return self._url
-
-    def served_model(self) -> str:
-        return self.model
-
-    def pid(self) -> int:
-        return self._engine.proc.pid
-
-    def alive(self) -> bool:
-        return self._engine.alive
+    def info(self) -> dict[str, Any]:
+        """Address, served model, engine pid, node; an actor whose engine died exits (Ray restarts it)."""
+        if not self._engine.alive:
+            os._exit(1)
+        return self._info
 
     def stop(self) -> None:
         self._engine.stop()
+
+
+@dataclass
+class RayEngine:
+    """One engine slot of the pool: what :class:`~agentrl.recipes.engines.Supervisor` restarts."""
+
+    pool: RayInferencePool
+    index: int
+
+    @property
+    def base_url(self) -> str:
+        return self.pool.base_urls[self.index]
+
+    def describe(self) -> str:
+        return f"Ray engine actor {self.index} ({self.base_url})"
+
+    def restart(self) -> None:
+        self.pool.restart(self.index)
 
 
 @dataclass
@@ -66,11 +113,66 @@ class RayInferencePool:
     base_urls: list[str]
     engine_pids: list[int] = field(default_factory=list)
     model: str = ""
+    node_ids: list[str] = field(default_factory=list)
+    spawn: Any = None  # index -> a new actor handle (once Ray gave up restarting one)
+    startup_timeout: float = 300.0
+    restarts: int = 0
+    _down: set[int] = field(default_factory=set)
     _started_ray: bool = False
 
     @property
     def started(self) -> bool:
         return True
+
+    def local_urls(self, node_id: str | None = None) -> list[str]:
+        """Engines on ``node_id`` (default: this process's node): they share its memory."""
+        here = node_id or current_node_id()
+        return [u for u, n in zip(self.base_urls, self.node_ids, strict=True) if n == here]
+
+    def refresh(self) -> list[int]:
+        """Health-check every actor (blocking, up to HEALTH_TIMEOUT_S): an actor that does not
+        answer, or answers from a new address (Ray restarted it), is down until restarted."""
+        refs = [a.info.remote() for a in self.actors]
+        down = set()
+        for i, ref in enumerate(refs):
+            try:
+                info = ray.get(ref, timeout=HEALTH_TIMEOUT_S)
+            except Exception:  # RayActorError, ActorUnavailableError, GetTimeoutError: not serving now
+                down.add(i)
+                continue
+            if info["url"] != self.base_urls[i] or info["pid"] != self.engine_pids[i]:
+                down.add(i)  # restarted by Ray behind our back: new address, base weights
+        self._down = down
+        return sorted(down)
+
+    def dead(self) -> list[RayEngine]:
+        """Engines found down by the last :meth:`refresh` (no Ray call: admission asks this often)."""
+        return [RayEngine(self, i) for i in sorted(self._down)]
+
+    def restart(self, index: int) -> None:
+        """Wait for Ray's restart of actor ``index`` (a new actor if Ray gave up); record its address."""
+        deadline = time.monotonic() + self.startup_timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                info = ray.get(self.actors[index].info.remote(), timeout=min(30.0, self.startup_timeout))
+                break
+            except ray.exceptions.ActorUnavailableError as e:  # Ray is restarting it: ask again
+                last = e
+                time.sleep(0.5)
+            except ray.exceptions.RayActorError as e:  # died for good (restarts used up): start a fresh one
+                if self.spawn is None:
+                    raise RayBackendError(f"engine actor {index} died and cannot be replaced: {e}") from None
+                self.actors[index] = self.spawn(index)
+                last = e
+            except Exception as e:  # restarting: ask again
+                last = e
+                time.sleep(0.5)
+        else:
+            raise RayBackendError(f"engine actor {index} did not come back within {self.startup_timeout:g}s: {last}")
+        self.base_urls[index], self.engine_pids[index], self.node_ids[index] = info["url"], info["pid"], info["node_id"]
+        self._down.discard(index)
+        self.restarts += 1
 
     def stop(self) -> None:
         for a in self.actors:
@@ -78,7 +180,7 @@ class RayInferencePool:
                 ray.get(a.stop.remote(), timeout=30)
             except Exception:  # an actor that already died has nothing left to stop
                 pass
-            ray.kill(a)
+            ray.kill(a, no_restart=True)
         self.actors.clear()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
@@ -99,42 +201,42 @@ def start_inference_actors(
     num_gpus_per_engine: float = 0.0,
     local_only: bool = True,
     startup_timeout: float = 300.0,
+    max_restarts: int = -1,
+    resources: dict[str, float] | None = None,
     **engine_kwargs: Any,
 ) -> RayInferencePool:
     """Start ``num_engines`` inference actors (connecting to ``ray_address`` or a new local cluster).
 
     ``local_only`` binds each engine to loopback (right for a single-machine cluster);
     set it False on a multi-node cluster so engines listen on their node's address.
+    ``max_restarts``: how often Ray restarts a dead actor (-1: always).
     """
-    started = False
-    if not ray.is_initialized():
-        try:
-            if ray_address:
-                ray.init(address=ray_address, log_to_driver=False)
-            else:
-                ray.init(include_dashboard=False, log_to_driver=False)
-            started = True
-        except Exception as e:  # ConnectionError, RuntimeError, ... — all mean "no cluster"
-            raise RayBackendError(f"could not start or join a Ray cluster ({ray_address or 'local'}): {e}") from None
+    started = ensure_ray(ray_address)
     advertise = "127.0.0.1" if local_only else None
-    opts: dict[str, Any] = {"num_cpus": num_cpus_per_engine, "max_restarts": 0}
+    opts: dict[str, Any] = {"num_cpus": num_cpus_per_engine, "max_restarts": max_restarts}
     if num_gpus_per_engine:
         opts["num_gpus"] = num_gpus_per_engine
+    if resources:
+        opts["resources"] = resources
     kwargs = dict(engine_kwargs, startup_timeout=startup_timeout)
-    actors = [
-        InferenceActor.options(**opts).remote(str(model_dir), kwargs, advertise) for _ in range(num_engines)
-    ]
+
+    def spawn(index: int) -> Any:  # named, so an operator (or a test) can find engine i of this driver
+        name = engine_actor_name(index)
+        return InferenceActor.options(name=name, **opts).remote(str(model_dir), kwargs, advertise)
+
+    actors = [spawn(i) for i in range(num_engines)]
     try:
-        urls = ray.get([a.base_url.remote() for a in actors], timeout=startup_timeout + 60)
-        pids = ray.get([a.pid.remote() for a in actors], timeout=60)
-        model = ray.get(actors[0].served_model.remote(), timeout=60)
+        infos = ray.get([a.info.remote() for a in actors], timeout=startup_timeout + 60)
     except Exception as e:
         for a in actors:
-            ray.kill(a)
+            ray.kill(a, no_restart=True)
         if started:
             ray.shutdown()
         raise RayBackendError(f"inference actors failed to start: {e}") from None
-    return RayInferencePool(actors, urls, pids, model, _started_ray=started)
+    return RayInferencePool(
+        actors, [i["url"] for i in infos], [i["pid"] for i in infos], infos[0]["model"],
+        [i["node_id"] for i in infos], spawn, startup_timeout, _started_ray=started,
+    )
 
 
 def open_ray_policy(
@@ -145,4 +247,6 @@ def open_ray_policy(
     return start_inference_actors(
         model_dir, num_engines=cluster.num_inference, ray_address=cluster.ray_address,
         local_only=cluster.ray_address is None, args=args, served_model_name=served_model_name, env=env,
+        num_cpus_per_engine=cluster.engine_cpus, num_gpus_per_engine=cluster.engine_gpus,
+        max_restarts=cluster.max_restarts,
     )

@@ -155,6 +155,11 @@ class Endpoint:
             self._chat_lock = (loop, asyncio.Lock())
         return self._chat_lock[1]
 
+    def rebase(self, base_url: str) -> None:
+        """The engine behind this endpoint came back at another address (a restarted actor);
+        pinned groups keep their pin and load counts stay."""
+        self.root = url_root(base_url)
+
     async def close(self) -> None:
         if self._session is not None and self._loop is asyncio.get_running_loop():
             await self._session.close()
@@ -197,6 +202,7 @@ class PolicyClient:
         # named, else detected from the local tokenizer's chat template, else hermes
         self.tool_parser = resolve_tool_parser(tool_parser, getattr(tokenizer, "chat_template", None)).name
         self._rr = itertools.count()
+        self.retries = 0  # attempts after a transient failure (failovers to another endpoint)
 
     @property
     def base_urls(self) -> list[str]:
@@ -226,6 +232,7 @@ class PolicyClient:
         async def attempt(i: int) -> T:
             ep = prefer if (i == 0 and prefer is not None) else self._pick(exclude=tried[-1] if tried else None)
             tried.append(ep)
+            self.retries += i > 0
             if ep.throttle is not None:
                 await ep.throttle.acquire()
             ep.in_flight += 1

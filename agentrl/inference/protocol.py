@@ -104,6 +104,19 @@ class ShmWeightsRequest(_Body):
     lora: bool = False
 
 
+class NetworkWeightsRequest(_Body):
+    transfer: str
+    size: int = Field(ge=0)
+    manifest: list[dict[str, Any]]
+    chunks: list[list[int]]  # [offset, nbytes, crc32] per chunk
+    weight_version: int | None = None
+    lora: bool = False
+
+
+class CommitWeightsRequest(_Body):
+    transfer: str
+
+
 class VersionRequest(_Body):
     weight_version: int
 

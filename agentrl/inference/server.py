@@ -15,11 +15,13 @@ Routes (vLLM names and fields where vLLM has them):
 - ``POST /tokenize`` (``prompt`` or ``messages`` + ``tools``), ``POST /detokenize``.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (JSON).
 - ``POST /reset_prefix_cache`` (the prefix cache is also cleared by every weight update).
-- weights: ``POST /pause`` (mode=keep), ``POST /resume``, ``GET /is_paused``,
+- weights (:mod:`agentrl.inference.weight_routes`): ``POST /pause`` (mode=keep), ``POST /resume``, ``GET /is_paused``,
   ``POST /update_weights_from_disk`` ``{model_path, weight_version?, lora?}``,
   ``POST /update_weights_from_shm`` ``{path, size, manifest, weight_version?, lora?}``
   (``lora: true``: the tensors are LoRA factors the engine merges into its base weights),
-  ``GET /get_weight_version``, ``POST /update_weight_version`` ``{weight_version}``.
+  ``GET /get_weight_version``, ``POST /update_weight_version`` ``{weight_version}``;
+  over the network (no shared filesystem): ``POST /weights/begin``, ``PUT /weights/chunk``,
+  ``POST /weights/commit`` (:mod:`agentrl.weights.network`).
 
 Request schemas and error bodies: :mod:`agentrl.inference.protocol`.
 """
@@ -33,7 +35,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,20 +53,18 @@ from agentrl.inference.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DiskWeightsRequest,
     SamplingBody,
-    ShmWeightsRequest,
     TokenizeRequest,
-    VersionRequest,
     error_response,
     from_request_error,
 )
 from agentrl.inference.sampling import EngineSampling
+from agentrl.inference.weight_routes import network_weight_routes, weight_routes
 from agentrl.render import render_chat_ids
 from agentrl.tool_format import resolve_tool_parser
 from agentrl.types import new_id
 from agentrl.weights.lora import AdapterMerger
-from agentrl.weights.receive import SharedWeights, load_safetensors_path, read_safetensors
+from agentrl.weights.receive import SharedWeights
 
 STARTUP_ERROR = "agentrl engine: error: "  # prefix of the one line a refused start prints
 
@@ -94,8 +93,6 @@ async def _unless_disconnected(work: Any, http: Request) -> Any:
     if not job.done() or job.cancelled():
         return JSONResponse(status_code=499, content={"error": {"message": "client closed the request"}})
     return job.result()
-
-
 
 
 class EngineServer:
@@ -242,7 +239,6 @@ class EngineServer:
             )
         return content
 
-
     async def completions(self, req: CompletionRequest) -> dict[str, Any]:
         self.check_model(req.model)
         if req.echo:
@@ -274,7 +270,6 @@ class EngineServer:
             "choices": choices,
             "usage": self.usage(sum(len(p) for p in prompts), [r for b in batches for r in b]),
         }
-
 
     def prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -343,7 +338,8 @@ def create_app(engine: Engine, served_model_name: str | None = None, tool_parser
     _generation_routes(app, srv)
     _token_routes(app, srv)
     _info_routes(app, srv)
-    _weight_routes(app, srv)
+    weight_routes(app, srv)
+    network_weight_routes(app, srv)
     return app
 
 
@@ -409,75 +405,6 @@ def _info_routes(app: FastAPI, srv: EngineServer) -> None:
     @app.get("/metrics")
     async def metrics():
         return engine.stats()
-
-
-def _weight_routes(app: FastAPI, srv: EngineServer) -> None:
-    """``/pause``, ``/resume``, versions, and full or LoRA weight updates (agentrl.weights)."""
-    engine = srv.engine
-
-    @app.post("/pause")
-    async def pause(mode: str = "keep"):
-        if mode != "keep":
-            raise APIError(400, f"pause mode {mode!r} is not supported; use mode=keep", param="mode")
-        await asyncio.to_thread(engine.pause)
-        return {"is_paused": True}
-
-    @app.post("/resume")
-    async def resume():
-        engine.resume()
-        return {"is_paused": False}
-
-    @app.get("/is_paused")
-    async def is_paused():
-        return {"is_paused": engine.is_paused}
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        await asyncio.to_thread(engine.reset_prefix_cache)
-        return {"success": True}
-
-    @app.get("/get_weight_version")
-    async def get_weight_version():
-        return {"weight_version": engine.version}
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(req: VersionRequest):
-        version = await asyncio.to_thread(engine.update_weights, lambda m: None, req.weight_version)
-        return {"success": True, "weight_version": version}
-
-    async def _update(version: int | None, lora: bool, load: Callable, read_factors: Callable) -> dict[str, Any]:
-        """Full weights (``load(model)``) or LoRA factors (``read_factors()``) as ``version``."""
-
-        def apply(model) -> int:
-            if lora:
-                return srv.adapters.apply(model, read_factors())
-            n = load(model)
-            srv.adapters.reset()  # new base weights: adapters merged before no longer apply
-            return n
-
-        t0 = time.perf_counter()
-        count: list[int] = []
-        try:
-            new = await asyncio.to_thread(engine.update_weights, lambda m: count.append(apply(m)), version)
-        except RequestError as e:
-            raise from_request_error(e) from e
-        return {"success": True, "weight_version": new, "num_tensors": count[0] if count else 0,
-                "seconds": time.perf_counter() - t0}
-
-    @app.post("/update_weights_from_disk")
-    async def update_from_disk(req: DiskWeightsRequest):
-        return await _update(
-            req.weight_version, req.lora,
-            lambda m: load_safetensors_path(m, req.model_path), lambda: read_safetensors(req.model_path),
-        )
-
-    @app.post("/update_weights_from_shm")
-    async def update_from_shm(req: ShmWeightsRequest):
-        return await _update(
-            req.weight_version, req.lora,
-            lambda m: srv.shared.apply(m, req.path, req.manifest, req.size),
-            lambda: srv.shared.views(req.path, req.manifest, req.size),
-        )
 
 
 # ----------------------------------------------------------------------------- serve

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,13 @@ class Engines:
     client: Any  # agentrl.inference.PolicyClient
     sync: Any  # agentrl.weights.WeightSync
     on_vllm: bool
+    make_sync: Any = None  # policy -> WeightSync for its current addresses (rebuilt after a restart)
+    retired_syncs: list[Any] = field(default_factory=list)
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.sync.close()
+        for sync in [self.sync, *self.retired_syncs]:
+            with contextlib.suppress(Exception):
+                await sync.close()
         await self.client.close()
         await asyncio.to_thread(self.policy.stop)
 
@@ -39,6 +42,34 @@ class Engines:
         """No engine agentrl started has died (checked before each group starts)."""
         dead = getattr(self.policy, "dead", None)
         return dead is None or not dead()
+
+    def rebind(self) -> list[int]:
+        """Engines that came back at a new address (a restarted Ray actor): the client's endpoint
+        follows it (its pins and load stay) and the weight sync is rebuilt for the new addresses."""
+        changed = [i for i, (ep, url) in enumerate(zip(self.client.endpoints, self.policy.base_urls, strict=True))
+                   if ep.root + "/v1" != url.rstrip("/")]
+        for i in changed:
+            self.client.endpoints[i].rebase(self.policy.base_urls[i])
+        if changed and self.make_sync is not None:
+            old, self.sync = self.sync, self.make_sync(self.policy)
+            self.retired_syncs.append(old)  # closed with the engines (a push may be using it now)
+        return changed
+
+    async def metrics(self) -> dict[str, Any]:
+        """``engine/...``: restarts, client retries, and per engine (index i) its weight version,
+        running sequences and the requests this process sent it (what the engine reports, when it can)."""
+        row: dict[str, Any] = {"engine/retries": self.client.retries}
+        for i, ep in enumerate(self.client.endpoints):
+            row[f"engine/{i}/requests"] = ep.calls
+            row[f"engine/{i}/load"] = ep.load
+            try:  # the embedded engine's routes (a vLLM server answers what it has)
+                row[f"engine/{i}/version"] = (await ep.get("/get_weight_version"))["weight_version"]
+                stats = await ep.get("/metrics")
+                row[f"engine/{i}/running"] = stats["running"]
+                row[f"engine/{i}/generated_tokens"] = stats["total_generated_tokens"]
+            except Exception:  # down, restarting, or another engine: the row says nothing rather than fail
+                row[f"engine/{i}/down"] = 1
+        return row
 
     def tag_version(self, version: int) -> None:
         # vLLM reports no per-token versions: the client tags tokens with the version current
@@ -62,8 +93,15 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
         policy = open_policy(start_model, ic.base_url or None, args=args, served_model_name=ic.model_name,
                              env=thread_env, tool_parser=ic.tool_parser)
     on_vllm = bool(ic.base_url) and ic.engine == "vllm"
+
+    def make_sync(pol: Any) -> Any:
+        return make_weight_sync(
+            list(pol.base_urls), ic.weight_transport, engine="vllm" if on_vllm else "embedded",
+            local_urls=local_engine_urls(pol), bucket_mb=ic.weight_bucket_mb, timeout=ic.weight_push_timeout_s,
+        )
+
     try:
-        sync = make_weight_sync(policy.base_urls, ic.weight_transport, engine="vllm" if on_vllm else "embedded")
+        sync = make_sync(policy)
     except ValueError as e:
         policy.stop()
         raise AgentrlError(f"weight sync: {e}") from None
@@ -74,7 +112,17 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
         tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
         requests_per_s=cfg.rollout.requests_per_s, cache_salt=on_vllm, tool_parser=ic.tool_parser,
     )
-    return Engines(policy, client, sync, on_vllm)
+    return Engines(policy, client, sync, on_vllm, make_sync)
+
+
+def local_engine_urls(policy: Any) -> list[str]:
+    """Engines on the trainer's host (they keep shared memory under ``weight_transport = "http"``):
+    what a Ray pool says by node, else the loopback addresses."""
+    from urllib.parse import urlparse
+
+    if hasattr(policy, "local_urls"):
+        return list(policy.local_urls())
+    return [u for u in policy.base_urls if urlparse(u).hostname in ("127.0.0.1", "localhost", "::1")]
 
 
 class WeightPusher:
@@ -113,18 +161,28 @@ class Supervisor:
         dead = getattr(self.engines.policy, "dead", None)
         return dead() if dead is not None else []
 
+    async def _refresh(self) -> None:
+        refresh = getattr(self.engines.policy, "refresh", None)  # Ray: a health check, off the event loop
+        if refresh is not None:
+            await asyncio.to_thread(refresh)
+
     async def watch(self, every_s: float = 1.0) -> None:
         while True:
             await asyncio.sleep(every_s)
+            await self._refresh()
             if self._dead():
                 await self.revive()
 
     async def revive(self) -> None:
         async with self.lock:
             for engine in self._dead():
-                self.live.note(f"engine {engine.base_url} died (exit {engine.proc.returncode}); restarting it")
+                proc = getattr(engine, "proc", None)
+                what = engine.describe() if hasattr(engine, "describe") else f"engine {engine.base_url}"
+                cause = f" (exit {proc.returncode})" if proc is not None else ""
+                self.live.note(f"{what} died{cause}; restarting it")
                 await asyncio.to_thread(engine.restart)
                 self.restarts += 1
+            self.engines.rebind()  # a restarted actor may serve from a new address
             await self.pusher.push(self.buffer.version)  # the restarted engine is back on the base weights
 
     async def push(self, version: int) -> float:
@@ -136,6 +194,7 @@ class Supervisor:
                 try:
                     return await self.pusher.push(version)
                 except WeightSyncError:
+                    await self._refresh()
                     if not self._dead():
                         raise
             await self.revive()

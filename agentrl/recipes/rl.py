@@ -387,6 +387,7 @@ async def _train_loop(
     async def on_step(rep: StepReport) -> None:
         row = steplog.row(rep)
         row["engine/restarts"] = supervisor.restarts
+        row.update(await engines.metrics())
         out_of_time = bool(cfg.run.max_wall_s) and row["time/wall_s"] > cfg.run.max_wall_s
         final = rep.version == cfg.trainer.steps or out_of_time
         stop["now"] = out_of_time

@@ -2,7 +2,8 @@
 
 Trainer side: :func:`make_weight_sync` returns the :class:`WeightSync` for the run's engines
 (``push(named_tensors, version)``): :class:`~agentrl.weights.push.EmbeddedWeightSync` (shm or
-disk, full weights or LoRA factors) or :class:`~agentrl.weights.vllm.VLLMWeightSync` (NCCL).
+disk, full weights or LoRA factors), :class:`~agentrl.weights.network.HttpWeightSync` (HTTP chunks
+to engines on other hosts, shm to those on the trainer's) or :class:`~agentrl.weights.vllm.VLLMWeightSync` (NCCL).
 Engine side: :mod:`agentrl.weights.receive` (load named tensors, safetensors files, shared
 memory) and :mod:`agentrl.weights.lora` (merge adapter factors).  The byte layout both sides
 of a shared-memory push agree on: :mod:`agentrl.weights.manifest`.
@@ -21,19 +22,30 @@ __all__ = ["NamedTensors", "WeightSync", "WeightSyncError", "make_weight_sync"]
 
 def make_weight_sync(
     base_urls: str | list[str],
-    transport: Literal["shm", "disk"] = "shm",
+    transport: Literal["shm", "disk", "http"] = "shm",
     *,
     engine: Literal["embedded", "vllm"] = "embedded",
     work_dir: str | Path | None = None,
     timeout: float = 300.0,
+    local_urls: list[str] | None = None,
+    bucket_mb: float | None = None,
 ) -> WeightSync:
-    """The WeightSync for these engines: agentrl's embedded engine (shm/disk) or ``vllm serve`` (NCCL)."""
+    """The WeightSync for these engines: agentrl's embedded engine (shm/disk/http) or ``vllm serve`` (NCCL).
+
+    ``transport="http"``: ``local_urls`` are the engines on the trainer's host (they keep shm);
+    the others are streamed to over HTTP in ``bucket_mb`` chunks (:mod:`agentrl.weights.network`).
+    """
     if engine == "vllm":
         from agentrl.weights.vllm import VLLMWeightSync
 
         return VLLMWeightSync(base_urls)
     if engine != "embedded":
         raise ValueError(f"no weight sync for engine {engine!r}; use 'embedded' or 'vllm'")
+    if transport == "http":
+        from agentrl.weights.network import DEFAULT_BUCKET_MB, HttpWeightSync
+
+        return HttpWeightSync(base_urls, local_urls=local_urls, bucket_mb=bucket_mb or DEFAULT_BUCKET_MB,
+                              timeout=timeout)
     from agentrl.weights.push import EmbeddedWeightSync
 
     return EmbeddedWeightSync(base_urls, transport, work_dir=work_dir, timeout=timeout)

@@ -80,3 +80,56 @@ def test_agentrl_run_with_ray_backend_trains_across_two_engines(tmp_path):
     versions = {v for r in read_jsonl(run_dir / "rollouts.jsonl") for s in r["sequences"] for v in s["versions"] if v >= 0}
     assert max(versions) >= 1
     assert not ray.is_initialized()  # the run shut down the cluster it started
+
+
+def test_killed_engine_actor_is_restarted_and_the_run_completes(tmp_path):
+    """Kill engine actor 0 mid-run: Ray restarts it, the supervisor finds it at its new address,
+    pushes the current weights, and the run finishes with every episode accounted for.
+
+    Catches: a dead engine that is never brought back (the run stalls: admission waits for it),
+    a restarted engine left on the base weights or at its old address (versions differ at the end,
+    or it serves no traffic after), lost episodes (the ledger does not add up), restarts not
+    counted in engine/restarts."""
+    import threading
+    import time
+
+    from agentrl.config import load_config
+    from agentrl.distributed.ray_backend import engine_actor_name
+    from agentrl.metrics import read_jsonl
+    from agentrl.recipes.rl import train as run_training
+
+    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    run_dir = tmp_path / "run"
+    over = {
+        "run.dir": run_dir, "model.path": model, "sft.enabled": "false", "env.name": "calc",
+        "cluster.backend": "ray", "cluster.num_inference": 2, "cluster.engine_cpus": 0.25,
+        "rollout.group_size": 4, "rollout.max_in_flight": 16, "rollout.max_tokens": 16, "rollout.max_turns": 2,
+        "trainer.batch_groups": 2, "trainer.steps": 6, "buffer.filter_zero_variance": "false",
+        "eval.every": 0, "trainer.checkpoint_every": 0, "inference.max_batch_size": 16, "trainer.num_threads": 1,
+    }  # fmt: skip
+    killed: dict[str, float] = {}
+
+    def kill_after_first_step() -> None:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.1)
+        ray.kill(ray.get_actor(engine_actor_name(0)), no_restart=False)  # Ray restarts it
+        killed["at"] = time.monotonic()
+
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    run_training(load_config([], [f"--{k}={v}" for k, v in over.items()]), progress=False)
+    killer.join(timeout=5)
+    assert "at" in killed, "the run ended before the engine could be killed"
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    last = rows[-1]
+    assert [r["step"] for r in rows] == list(range(6))
+    assert last["engine/restarts"] >= 1
+    fates = sum(last[f"ledger/{f}"] for f in ("trained", "stale", "filtered", "errored", "interrupted", "skipped"))
+    assert last["ledger/started"] == fates + last["ledger/in_flight"]
+    assert last["ledger/trained"] == 6 * 2 * 4
+    # the restarted engine rejoined: same version as the other, and it served requests after
+    assert last["engine/0/version"] == last["engine/1/version"] == 6
+    assert last["engine/0/requests"] > 0 and last["engine/1/requests"] > 0
+    assert not ray.is_initialized()
