@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -49,12 +50,17 @@ def start_server(port: int | None = None, timeout_s: float = 120.0) -> tuple[sub
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "uvicorn", "openenv_drill_server:app", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # its log goes to a file: a pipe nobody reads fills up and then blocks the server mid-episode
+    log = tempfile.NamedTemporaryFile(prefix="openenv-drill-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    proc.log_path = log.name  # type: ignore[attr-defined]  # removed by _stop
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AgentrlError(f"the OpenEnv drill server exited with {proc.returncode}: {proc.stderr.read()[-300:]}")
+            tail = Path(log.name).read_text(errors="replace")[-300:]
+            raise AgentrlError(f"the OpenEnv drill server exited with {proc.returncode} (log {log.name}): {tail}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2):
                 return proc, url
@@ -71,6 +77,9 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+    log_path = getattr(proc, "log_path", None)
+    if log_path:
+        Path(log_path).unlink(missing_ok=True)
 
 
 def load_environment(url: str | None = None, num_tasks: int = 100, **kwargs: Any) -> DrillEnv:

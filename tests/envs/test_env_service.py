@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -34,13 +35,16 @@ def serve(env: str, env_args: dict, port: int | None = None, extra: tuple = ()) 
     port = port or _free_port()
     cmd = [sys.executable, "-m", "agentrl.cli", "env", "serve", env, "--port", str(port), "--env-args", json.dumps(env_args),
            *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    # the server's log goes to a file: an unread pipe fills up and blocks the server
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed with the process object)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"env server exited: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"env server exited: {log.read()[-2000:].decode(errors='replace')}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if json.loads(r.read())["status"] == "ok":
@@ -122,7 +126,7 @@ async def test_a_served_env_runs_exactly_like_the_local_one(calc_server, policy)
 
 async def test_the_checker_passes_on_a_served_env(calc_server):
     report = await check_environment(load_environment(calc_server), num_episodes=3)
-    assert report.ok, [f"{r.name}: {r.detail}" for r in report.failures]
+    assert report.ok, [f"{r.name}: {r.detail}" for r in report.failures()]
 
 
 async def test_server_side_failures_are_episode_errors_with_their_kind(calc_server):

@@ -55,7 +55,7 @@ async def test_right_answers_score_one_and_wrong_ones_zero(server):
 
 async def test_the_checker_passes(server):
     report = await check_environment(load_environment(str(HERE), url=server[1], num_tasks=6), num_episodes=2)
-    assert report.ok, [f"{r.name}: {r.detail}" for r in report.failures]
+    assert report.ok, [f"{r.name}: {r.detail}" for r in report.failures()]
 
 
 async def test_a_dead_server_errors_the_episode_not_the_run():

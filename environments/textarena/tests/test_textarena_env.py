@@ -43,7 +43,7 @@ async def test_bisection_wins_every_game_and_nonsense_does_not():
 
 async def test_the_checker_passes():
     report = await check_environment(load_environment(HERE, num_tasks=6), num_episodes=2)
-    assert report.ok, [f"{r.name}: {r.detail}" for r in report.failures]
+    assert report.ok, [f"{r.name}: {r.detail}" for r in report.failures()]
 
 
 def test_agentrl_eval_on_the_embedded_engine(tmp_path):
