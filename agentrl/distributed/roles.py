@@ -49,6 +49,9 @@ class BufferActorImpl:
         self.groups_by_worker: dict[str, int] = {}  # groups each worker put (finished and scored)
         self.worker_restarts = 0
         self.asking: dict[str, int] = {}  # workers waiting in lease() now
+        self.last_ask: dict[str, float] = {}  # worker -> when its last lease() returned
+        self.incarnation: dict[str, int] = {}  # bumped at (re)start and at close: older leases are refused
+        self.leases_by_worker: dict[str, int] = {}  # slots leased to each worker (for the fairness check)
 
     def _status(self) -> dict[str, Any]:
         return {"version": self.buffer.version, "oldest_trainable": self.buffer.oldest_trainable_version()}
@@ -56,24 +59,49 @@ class BufferActorImpl:
     def _free(self) -> int:
         return self.buffer.capacity() - sum(len(t) for t in self.leases.values())
 
+    def _held(self, worker: str) -> int:
+        """Admission slots a worker holds: leases not started yet and its running groups."""
+        return len(self.leases.get(worker, ())) + sum(1 for w in self.owner.values() if w == worker)
+
+    def _grant(self, worker: str, n: int) -> int:
+        """How many of the free slots ``worker`` may lease now.
+
+        Fair share: the slots the workers that want work hold or could take, split evenly; what
+        another wanting worker lacks of its share is reserved for it.  A worker wants work while
+        it asks (or asked within ``2 * LEASE_POLL_S``: its leaser asks again at once), so a dead
+        or saturated worker reserves nothing and the others may use every slot."""
+        free = self._free()
+        if free <= 0:
+            return 0
+        now = time.monotonic()
+        wanting = {w for w in self.incarnation if w in self.asking or now - self.last_ask.get(w, -1e9) < 2 * LEASE_POLL_S}
+        wanting.add(worker)
+        quota = -(-(free + sum(self._held(w) for w in wanting)) // len(wanting))
+        reserved = sum(max(0, quota - self._held(w)) for w in wanting if w != worker)
+        return max(0, min(n, free - reserved))
+
     # ------------------------------------------------------------------ worker side
 
-    async def lease(self, worker: str, n: int, wait_s: float = LEASE_POLL_S) -> dict[str, Any]:
-        """Up to ``n`` admission slots with their tasks; waits up to ``wait_s`` when none is free."""
+    async def lease(self, worker: str, incarnation: int, n: int, wait_s: float = LEASE_POLL_S) -> dict[str, Any]:
+        """Up to ``n`` admission slots with their tasks (fair share, :meth:`_grant`); waits up to
+        ``wait_s`` for one.  A lease for a closed or dead instance of the worker gets nothing."""
         deadline = time.monotonic() + wait_s
         self.asking[worker] = self.asking.get(worker, 0) + 1
         try:
-            while self._free() <= 0 and time.monotonic() < deadline:
+            while self._grant(worker, n) <= 0 and time.monotonic() < deadline:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.buffer.wait_change(), max(0.0, deadline - time.monotonic()))
-            # a fair share of what is free among the workers asking now (no worker takes all)
-            share = -(-self._free() // max(1, len(self.asking)))
         finally:
             self.asking[worker] -= 1
             if not self.asking[worker]:
                 del self.asking[worker]
-        tasks = [self.sampler.next() for _ in range(max(0, min(n, share, self._free())))]
+            self.last_ask[worker] = time.monotonic()
+        grant = self._grant(worker, n) if incarnation == self.incarnation.get(worker) else 0
+        tasks = [self.sampler.next() for _ in range(grant)]
         self.leases.setdefault(worker, []).extend(tasks)
+        self.leases_by_worker[worker] = self.leases_by_worker.get(worker, 0) + len(tasks)
+        if tasks:  # another worker waiting in lease() re-checks its share
+            self.buffer.notify()
         return {"tasks": tasks, **self._status()}
 
     async def start_group(self, worker: str, group_id: str, task: Task, episode_ids: list[str]) -> dict[str, Any]:
@@ -108,14 +136,18 @@ class BufferActorImpl:
         return self._status()
 
     async def return_leases(self, worker: str) -> None:
-        """A stopping worker gives its unused leases back (their tasks are handed out first)."""
+        """A stopping worker gives its unused leases back (their tasks are handed out first);
+        a lease still in transit to it is refused."""
+        self.incarnation[worker] = self.incarnation.get(worker, 0) + 1
         self.sampler.requeue(self.leases.pop(worker, []))
         self.buffer.notify()
 
-    async def worker_started(self, worker: str) -> int:
+    async def worker_started(self, worker: str) -> tuple[int, int]:
         """A (re)started worker reports in: what its previous instance held is re-queued.
 
-        Returns the number of groups re-queued (0 on a first start)."""
+        Returns ``(groups re-queued, incarnation)``: 0 groups on a first start; the worker
+        passes the incarnation with every lease, so a lease the dead instance asked for is refused."""
+        self.incarnation[worker] = self.incarnation.get(worker, 0) + 1
         lost = [gid for gid, w in self.owner.items() if w == worker]
         tasks = list(self.leases.pop(worker, []))
         for gid in lost:
@@ -125,7 +157,11 @@ class BufferActorImpl:
             self.worker_restarts += 1
         self.sampler.requeue(tasks)
         self.buffer.notify()
-        return len(lost)
+        return len(lost), self.incarnation[worker]
+
+    async def workers(self) -> list[str]:
+        """The workers that reported in."""
+        return sorted(self.incarnation)
 
     # ------------------------------------------------------------------ trainer side
 
@@ -154,6 +190,7 @@ class BufferActorImpl:
 
     async def stats(self) -> dict[str, Any]:
         return {"groups_by_worker": dict(self.groups_by_worker), "worker_restarts": self.worker_restarts,
+                "leases_by_worker": dict(self.leases_by_worker),
                 "ready": self.buffer.ready_groups,
                 "leased": sum(len(t) for t in self.leases.values()), **self._status(),
                 "ledger": self.buffer.ledger.as_metrics()}  # fmt: skip
@@ -173,18 +210,33 @@ class LeasedBuffer:
     ``capacity()`` is the number of leases held; ``next()`` hands out a leased task;
     the manager's state changes go to the actor through one ordered outbox."""
 
-    def __init__(self, actor: Any, worker: str, room: Callable[[], int]) -> None:
-        """``room()``: how many more groups the worker could start now (its in-flight share)."""
-        self.actor, self.worker, self.room = actor, worker, room
+    def __init__(self, actor: Any, worker: str, room: Callable[[], int], incarnation: int = 1) -> None:
+        """``room()``: how many more groups the worker could start now (its in-flight share);
+        ``incarnation``: what :meth:`BufferActorImpl.worker_started` returned."""
+        self.actor, self.worker, self.room, self.incarnation = actor, worker, room, incarnation
         self.tasks: list[Task] = []
+        self.leased = self.started = 0  # leases received, groups started (this instance)
         self.version, self._oldest_trainable = 0, -(10**9)
         self._changed = asyncio.Event()
         self._outbox: asyncio.Queue[tuple[str, tuple[Any, ...]]] = asyncio.Queue()
         self.errors: list[str] = []
+        self.failed = asyncio.Event()  # set when a background loop died or the actor refused a call
         self._loops: list[asyncio.Task] = []
 
     def start(self) -> None:
-        self._loops = [asyncio.create_task(self._leaser()), asyncio.create_task(self._sender())]
+        self._loops = [asyncio.create_task(self._guard(self._leaser())), asyncio.create_task(self._guard(self._sender()))]
+
+    async def _guard(self, loop: Any) -> None:
+        """A background loop that raises is recorded in ``errors`` and wakes the worker (never silent)."""
+        try:
+            await loop
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.errors.append(f"{loop.__name__}: {type(e).__name__}: {e}")
+            self.failed.set()
+            self._changed.set()
+            raise
 
     async def close(self) -> None:
         """Deliver what the manager sent, stop leasing, give unused leases back."""
@@ -206,9 +258,10 @@ class LeasedBuffer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), LEASE_POLL_S)
                 continue
-            out = await self.actor.lease.remote(self.worker, want)
+            out = await self.actor.lease.remote(self.worker, self.incarnation, want)
             self._seen(out)
             if out["tasks"]:
+                self.leased += len(out["tasks"])
                 self.tasks.extend(out["tasks"])
                 self._changed.set()
 
@@ -219,6 +272,7 @@ class LeasedBuffer:
                 self._seen(await getattr(self.actor, method).remote(self.worker, *args))
             except Exception as e:  # the actor refused (a ledger error): the run must hear of it
                 self.errors.append(f"{method}: {type(e).__name__}: {e}")
+                self.failed.set()
             finally:
                 self._outbox.task_done()
                 self._changed.set()
@@ -237,6 +291,7 @@ class LeasedBuffer:
         return self._oldest_trainable
 
     def start_group(self, group_id: str, task: Task, episode_ids: list[str]) -> None:
+        self.started += 1
         self._outbox.put_nowait(("start_group", (group_id, task, list(episode_ids))))
 
     def put(self, group: Group) -> None:
@@ -275,32 +330,40 @@ class RolloutWorkerImpl:
                      "episode_timeout_s": episode_timeout_s, "max_turns": max_turns}  # fmt: skip
         self.manager: RolloutManager | None = None
         self.requeued = -1
+        self.leased: LeasedBuffer | None = None
 
     async def run(self) -> dict[str, Any]:
         """Report in, then run rollouts until :meth:`stop`; returns the worker's counters."""
         from agentrl.plugins import load_environment
 
         env_name, env_args, client_factory, sampling = self.args
-        self.requeued = await self.actor.worker_started.remote(self.worker)
         env = load_environment(env_name, **env_args)
-        client = client_factory()
+        client = self.client = client_factory()
+        self.requeued, incarnation = await self.actor.worker_started.remote(self.worker)
         g, cap = self.opts["group_size"], self.opts["max_in_flight"]
 
         def room() -> int:
             active = self.manager.active_episodes if self.manager is not None else 0
             return max(0, (cap - active) // g) if active else max(1, cap // g)
 
-        leased = LeasedBuffer(self.actor, self.worker, room)
+        leased = self.leased = LeasedBuffer(self.actor, self.worker, room, incarnation)
         self.manager = RolloutManager(env, client, leased, leased, sampling, **self.opts)  # type: ignore[arg-type]
         leased.start()
+        manager, failed = asyncio.create_task(self.manager.run()), asyncio.create_task(leased.failed.wait())
         try:
-            await self.manager.run()
+            await asyncio.wait([manager, failed], return_when=asyncio.FIRST_COMPLETED)
+            if failed.done():  # a background loop died or the actor refused a call: stop, then say why
+                self.manager.stop()
+            await manager  # a crash of the manager itself propagates from here
         finally:
+            failed.cancel()
+            if not manager.done():
+                manager.cancel()
             await leased.close()
             if hasattr(client, "close"):
                 await client.close()
         if leased.errors:
-            raise RuntimeError(f"rollout worker {self.worker}: the buffer actor refused {leased.errors[0]}")
+            raise RuntimeError(f"rollout worker {self.worker} stopped: {leased.errors[0]}")
         return self.counters()
 
     async def stop(self) -> None:
@@ -311,6 +374,8 @@ class RolloutWorkerImpl:
         m = self.manager
         return {"worker": self.worker, "requeued": self.requeued, "episodes": m.episodes_finished if m else 0,
                 "active": m.active_episodes if m else 0,
+                "leases": self.leased.leased if self.leased else 0, "groups_started": self.leased.started if self.leased else 0,
+                "calls": {e.root: (e.calls, e.in_flight, e.pinned) for e in self.client.endpoints} if m else {},
                 "running_ids": sorted(m.running_episode_ids()) if m else []}  # fmt: skip
 
     async def pid(self) -> int:

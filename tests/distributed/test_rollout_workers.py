@@ -39,6 +39,13 @@ async def _running_ids(workers) -> set[str]:
     return {e for w in workers for e in (await _counters(w))["running_ids"]}
 
 
+async def _reported_in(actor, n: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(await actor.workers.remote()) < n:
+        assert time.monotonic() < deadline, "the rollout workers did not report in"
+        await asyncio.sleep(0.05)
+
+
 async def _a_worker_running_a_group(actor, timeout_s: float = 120) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -49,8 +56,6 @@ async def _a_worker_running_a_group(actor, timeout_s: float = 120) -> int:
     raise AssertionError("no worker ran a group")
 
 
-@pytest.mark.xfail(strict=False, reason="open bug: one worker can finish every group (the other ran none in the "
-                   "last run; the fair-share lease is not enough): see the ray branch report")
 def test_two_rollout_workers_share_one_buffer_and_a_dead_one_is_restarted(tmp_path):
     """Catches: admission not global (more groups running than (η+1)·B), a worker's groups
     missing from the ledger (check fails), a worker that never contributes (leases hoarded by
@@ -86,6 +91,7 @@ def _tag_version(urls: list[str], version: int) -> None:
 
 async def _drive(actor, workers, urls):
     runs = [w.run.remote() for w in workers]
+    await _reported_in(actor, len(workers))
     max_running, killed = 0, -1
     for step in range(STEPS):
         batch = await asyncio.wait_for(asyncio.wrap_future(actor.take.remote().future()), 180)
