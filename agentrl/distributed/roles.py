@@ -52,6 +52,7 @@ class BufferActorImpl:
         self.last_ask: dict[str, float] = {}  # worker -> when its last lease() returned
         self.incarnation: dict[str, int] = {}  # bumped at (re)start and at close: older leases are refused
         self.leases_by_worker: dict[str, int] = {}  # slots leased to each worker (for the fairness check)
+        self.rollouts: list[dict[str, Any]] = []  # finished episodes since the driver last drained them
 
     def _status(self) -> dict[str, Any]:
         return {"version": self.buffer.version, "oldest_trainable": self.buffer.oldest_trainable_version()}
@@ -116,6 +117,8 @@ class BufferActorImpl:
 
     async def put(self, worker: str, group: Group) -> dict[str, Any]:
         self.owner.pop(group.id, None)
+        self.rollouts.extend({"oldest_version": t.oldest_version(), "trainer_version": self.buffer.version,
+                              "worker": worker, **t.to_dict()} for t in group.trajectories)  # fmt: skip
         self.buffer.put(group)
         self.groups_by_worker[worker] = self.groups_by_worker.get(worker, 0) + 1
         return self._status()
@@ -174,15 +177,43 @@ class BufferActorImpl:
     async def skip_step(self, reason: str) -> list[str]:
         return self.buffer.skip_step(reason)
 
+    async def adapt(self, trainer_idle_frac: float, mismatch_kl: float) -> int:
+        return self.buffer.adapt(trainer_idle_frac, mismatch_kl)
+
     async def check_ledger(self, running_on_workers: set[str]) -> dict[str, float]:
         """The ledger's live set must equal what the buffer holds, and every episode a worker
-        runs must be held; returns the ledger metrics."""
+        runs must be held (or have settled since the workers were asked); returns the ledger metrics."""
         held = self.buffer.held_ids()
-        missing = running_on_workers - held
+        missing = running_on_workers - held - self.buffer.ledger.settled_since_drain()
         if missing:
-            raise RuntimeError(f"{len(missing)} episodes run on workers but the buffer does not hold them")
+            raise RuntimeError(f"{len(missing)} episodes run on workers but the buffer does not hold them "
+                               f"(e.g. {sorted(missing)[:3]})")  # fmt: skip
         self.buffer.ledger.check(held)
         return self.buffer.ledger.as_metrics()
+
+    async def ledger(self) -> Any:
+        """A copy of the ledger (counts, live set, records not drained yet)."""
+        return self.buffer.ledger
+
+    async def drain_records(self) -> list[dict[str, Any]]:
+        return self.buffer.ledger.drain_records()
+
+    async def drain_rollouts(self) -> list[dict[str, Any]]:
+        """Every episode the workers finished since the last call (the rollouts log)."""
+        out, self.rollouts = self.rollouts, []
+        return out
+
+    async def view(self) -> dict[str, Any]:
+        """What the driver's step row reads of the buffer."""
+        b = self.buffer
+        return {"version": b.version, "max_staleness": b.max_staleness, "ready": b.ready_groups,
+                "adaptive_reason": b.adaptive.last_reason if b.adaptive is not None else None}  # fmt: skip
+
+    async def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(buffer, sampler) state for a checkpoint; leased tasks not started yet count as queued."""
+        sampler = self.sampler.state_dict()
+        sampler["queued"] += [t.to_dict() for held in self.leases.values() for t in held]
+        return self.buffer.state_dict(), sampler
 
     async def owners(self) -> dict[str, str]:
         """Running group id -> the worker running it."""
@@ -221,7 +252,8 @@ class LeasedBuffer:
         self._outbox: asyncio.Queue[tuple[str, tuple[Any, ...]]] = asyncio.Queue()
         self.errors: list[str] = []
         self.failed = asyncio.Event()  # set when a background loop died or the actor refused a call
-        self._loops: list[asyncio.Task] = []
+        self.confirmed: dict[str, list[str]] = {}  # groups the actor started, not settled yet: their episodes
+        self._settling: set[str] = set()  # groups whose settling call is queued        self._loops: list[asyncio.Task] = []
 
     def start(self) -> None:
         self._loops = [asyncio.create_task(self._guard(self._leaser())), asyncio.create_task(self._guard(self._sender()))]
@@ -270,6 +302,10 @@ class LeasedBuffer:
             method, args = await self._outbox.get()
             try:
                 self._seen(await getattr(self.actor, method).remote(self.worker, *args))
+                if method == "start_group" and args[0] not in self._settling:
+                    self.confirmed[args[0]] = args[2]
+                elif method != "start_group":  # delivered after its start_group (one ordered outbox)
+                    self._settling.discard(args[0].id if method == "put" else args[0])
             except Exception as e:  # the actor refused (a ledger error): the run must hear of it
                 self.errors.append(f"{method}: {type(e).__name__}: {e}")
                 self.failed.set()
@@ -297,19 +333,31 @@ class LeasedBuffer:
     def put(self, group: Group) -> None:
         for t in group.trajectories:
             t.__dict__.pop("state", None)  # env state stays here (sockets, sandboxes)
+        self._settle(group.id)
         self._outbox.put_nowait(("put", (group,)))
 
     def fail_group(self, group_id: str, reason: str, kind: str) -> None:
+        self._settle(group_id)
         self._outbox.put_nowait(("fail_group", (group_id, reason, kind)))
 
     def drop_running_group(self, group_id: str, reason: str) -> None:
+        self._settle(group_id)
         self._outbox.put_nowait(("drop_running_group", (group_id, reason)))
 
     def abandon_group(self, group_id: str) -> None:
+        self._settle(group_id)
         self._outbox.put_nowait(("abandon_group", (group_id,)))
 
     def notify(self) -> None:
         self._changed.set()
+
+    def _settle(self, group_id: str) -> None:
+        self._settling.add(group_id)
+        self.confirmed.pop(group_id, None)
+
+    def running_episode_ids(self) -> set[str]:
+        """Episodes of groups the actor has started and this worker has not settled yet."""
+        return {e for ids in self.confirmed.values() for e in ids}
 
     async def wait_change(self) -> None:
         self._changed.clear()
@@ -376,7 +424,9 @@ class RolloutWorkerImpl:
                 "active": m.active_episodes if m else 0,
                 "leases": self.leased.leased if self.leased else 0, "groups_started": self.leased.started if self.leased else 0,
                 "calls": {e.root: (e.calls, e.in_flight, e.pinned) for e in self.client.endpoints} if m else {},
-                "running_ids": sorted(m.running_episode_ids()) if m else []}  # fmt: skip
+                "sampled_tokens": m.sampled_tokens if m else 0,
+                "groups_cancelled_stale": m.groups_cancelled_stale if m else 0,
+                "running_ids": sorted(self.leased.running_episode_ids()) if self.leased else []}  # fmt: skip
 
     async def pid(self) -> int:
         import os

@@ -114,3 +114,42 @@ async def _drive(actor, workers, urls):
     stats = await actor.stats.remote()
     await actor.check_ledger.remote(set())  # abandoned at stop: still held, still live
     return stats, counters, killed
+
+
+def test_agentrl_run_with_two_rollout_workers(tmp_path):
+    """`cluster.rollout_workers = 2`: the quickstart-shaped run on 2 engine actors and 2 rollout
+    worker actors around one buffer actor; the trainer in the driver takes its batches there.
+
+    Catches: a worker that never delivers (rollout/groups/wN missing or 0, no rollouts from it),
+    batches or commits that do not reach the actor (wrong trained count), a ledger that does not
+    add up across workers, an engine that served nothing, the workers not shut down (Ray still up)."""
+    from agentrl.config import load_config
+    from agentrl.metrics import read_jsonl
+    from agentrl.recipes.rl import train as run_training
+
+    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    run_dir = tmp_path / "run"
+    over = {
+        "run.dir": run_dir, "model.path": model, "sft.enabled": "false", "env.name": "calc",
+        "cluster.backend": "ray", "cluster.num_inference": 2, "cluster.engine_cpus": 0.25,
+        "cluster.rollout_workers": 2, "cluster.worker_cpus": 0.25,
+        "rollout.group_size": 4, "rollout.max_in_flight": 16, "rollout.max_tokens": 16, "rollout.max_turns": 2,
+        "trainer.batch_groups": 2, "trainer.steps": 4, "buffer.filter_zero_variance": "false",
+        "eval.every": 2, "eval.num_tasks": 4, "trainer.checkpoint_every": 2, "inference.max_batch_size": 16,
+        "trainer.num_threads": 1,
+    }  # fmt: skip
+    run_training(load_config([], [f"--{k}={v}" for k, v in over.items()]), progress=False)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    last = rows[-1]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert last["ledger/trained"] == 4 * 2 * 4
+    fates = sum(last[f"ledger/{f}"] for f in ("trained", "stale", "filtered", "errored", "interrupted", "skipped"))
+    assert last["ledger/started"] == fates + last["ledger/in_flight"]
+    assert last["rollout/groups/w0"] > 0 and last["rollout/groups/w1"] > 0  # both workers delivered
+    workers = {r["worker"] for r in read_jsonl(run_dir / "rollouts.jsonl")}
+    assert workers == {"w0", "w1"}
+    assert last["engine/0/requests"] > 0 and last["engine/1/requests"] > 0
+    assert "eval/reward_mean" in last  # held-out eval ran in the driver
+    records = read_jsonl(run_dir / "ledger.jsonl")
+    assert sum(1 for r in records if r["fate"] == "trained") == 4 * 2 * 4  # per-episode records from the actor
+    assert not ray.is_initialized()
