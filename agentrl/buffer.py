@@ -193,6 +193,14 @@ class StalenessBuffer:
         self._untrainable.errored[(kind, reason)] += len(ids)
         self._note_untrainable(len(ids))
 
+    def interrupt_group(self, group_id: str, reason: str) -> Task:
+        """A running group was lost with its runner (a rollout worker died): its episodes are
+        interrupted; returns its task, to be run again."""
+        task, ids = self._running.pop(group_id)
+        self.ledger.settle(ids, "interrupted", step=self.version, reason=reason)
+        self._changed.set()
+        return task
+
     def abandon_group(self, group_id: str) -> None:
         """A group cancelled at shutdown: its episodes stay in flight (interrupted on resume)."""
         _, ids = self._running.pop(group_id)

@@ -256,10 +256,15 @@ class Config(Section):
                 f"trainer.push_every = {self.trainer.push_every} > buffer.max_staleness + 1 = {eta + 1}: every "
                 "group would be too stale to train; lower push_every or raise max_staleness"
             )
-        if self.cluster.trainer_actor or self.cluster.rollout_workers:
+        if self.cluster.trainer_actor:
             raise ValueError(
-                "cluster.trainer_actor and cluster.rollout_workers are not implemented yet: with backend = \"ray\" "
-                "the engines are Ray actors and the trainer, rollout and buffer run in the driver; leave them unset"
+                "cluster.trainer_actor is not implemented yet: with backend = \"ray\" the trainer runs in the "
+                "driver; leave it unset"
+            )
+        if self.cluster.rollout_workers and self.cluster.backend != "ray":
+            raise ValueError(
+                f"cluster.rollout_workers = {self.cluster.rollout_workers} needs cluster.backend = \"ray\" "
+                "(local mode runs the rollout manager in the driver); set backend = \"ray\" or remove it"
             )
         return self
 

@@ -92,6 +92,10 @@ class Ledger:
                 f"{len(held - live)} held but not live (e.g. {unknown})"
             )
 
+    def settled_since_drain(self) -> set[str]:
+        """Episodes that reached their fate since the last :meth:`drain_records`."""
+        return {r["id"] for r in self._records}
+
     def drain_records(self) -> list[dict[str, Any]]:
         out, self._records = self._records, []
         return out

@@ -32,6 +32,7 @@ SCHEMA: dict[str, str] = {
     "rollout/tokens_per_s": "sampled tokens per second since the last step",
     "rollout/in_flight": "episodes running now",
     "rollout/groups_cancelled_stale": "running groups cancelled because a token became too stale (cumulative)",
+    "rollout/worker_restarts": "rollout worker actors restarted after dying (cluster.rollout_workers; cumulative)",
     # train: the optimizer step
     "train/reward_mean": "mean reward of the trained batch (after filtering)",
     "train/reward_std": "reward standard deviation of the trained batch",
@@ -77,7 +78,11 @@ SCHEMA: dict[str, str] = {
     "time/rl_wall_s": "seconds since the RL loop started (engine start-up and warm start excluded)",
 }
 # name families: one entry per error kind (agentrl.errors.ERROR_KINDS)
-SCHEMA_PREFIXES = {"ledger/errored/": "episodes errored with this kind", "engine/": "what the engine reports in /metrics"}
+SCHEMA_PREFIXES = {
+    "ledger/errored/": "episodes errored with this kind",
+    "engine/": "what the engine reports in /metrics",
+    "rollout/groups/": "groups rollout worker wN delivered to the buffer actor (cumulative)",
+}
 
 
 def known_metric(name: str) -> bool:

@@ -114,6 +114,9 @@ def test_ray_roles_not_built_yet_are_refused_not_ignored():
     from agentrl.config import load_config
     from agentrl.errors import ConfigError
 
-    for override in ("--cluster.rollout_workers=2", "--cluster.trainer_actor=true"):
-        with pytest.raises(ConfigError, match="not implemented yet"):
-            load_config([], [override])
+    with pytest.raises(ConfigError, match="trainer_actor is not implemented yet"):
+        load_config([], ["--cluster.trainer_actor=true"])
+    with pytest.raises(ConfigError, match='rollout_workers = 2 needs cluster.backend = "ray"'):
+        load_config([], ["--cluster.rollout_workers=2"])
+    cfg = load_config([], ["--cluster.rollout_workers=2", "--cluster.backend=ray"])
+    assert cfg.cluster.rollout_workers == 2

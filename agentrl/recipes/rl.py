@@ -354,11 +354,18 @@ async def _train_loop(
         logs["rollouts"].log({"oldest_version": t.oldest_version(), "trainer_version": buffer.version, **t.to_dict()})
 
     ro = cfg.rollout
-    manager = RolloutManager(
-        env, engines.client, buffer, sampler, ro.sampling(), group_size=ro.group_size, max_in_flight=ro.max_in_flight,
-        episode_timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns, on_trajectory=on_trajectory,
-        admit=engines.all_alive,
-    )
+    if cfg.cluster.rollout_workers:  # Ray rollout workers around one buffer actor (agentrl.distributed.pool)
+        from agentrl.distributed.pool import start_rollout_workers
+
+        manager = start_rollout_workers(cfg, env, engines.client, buffer, sampler, start_model)
+        buffer, sampler = manager.buffer, manager.sampler  # type: ignore[assignment]
+        steplog.buffer = buffer
+    else:
+        manager = RolloutManager(
+            env, engines.client, buffer, sampler, ro.sampling(), group_size=ro.group_size,
+            max_in_flight=ro.max_in_flight, episode_timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns,
+            on_trajectory=on_trajectory, admit=engines.all_alive,
+        )  # fmt: skip
     steplog.manager = manager
 
     def record_eval(version: int, trajs: list[Any]) -> None:  # the same held-out tasks at every eval version
@@ -385,7 +392,13 @@ async def _train_loop(
         return await supervisor.push(version)
 
     async def on_step(rep: StepReport) -> None:
+        if cfg.cluster.rollout_workers:  # the workers' finished episodes, through the buffer actor
+            for record in manager.drain_rollouts():
+                steplog.finished_rewards += [] if record["error"] is not None else [record["reward"]]
+                logs["rollouts"].log(record)
         row = steplog.row(rep)
+        if cfg.cluster.rollout_workers:
+            row.update(manager.metrics())
         row["engine/restarts"] = supervisor.restarts
         row.update(await engines.metrics())
         out_of_time = bool(cfg.run.max_wall_s) and row["time/wall_s"] > cfg.run.max_wall_s
@@ -424,6 +437,8 @@ async def _train_loop(
     finally:
         for log in logs.values():
             log.close()
+        if cfg.cluster.rollout_workers:
+            manager.close()
 
 
 class TrainingStalled(AgentrlError):
