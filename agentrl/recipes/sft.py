@@ -123,8 +123,9 @@ def warm_start(cfg: Config, *, progress: bool = True) -> Path:
 
 
 def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path, device: str = "auto",
-              progress: bool = True, evaluator: Any = None) -> Path:
-    """SFT loop; with an ``evaluator`` it stops once greedy reward ≥ ``sft.target_reward``."""
+              progress: bool = True, evaluator: Any = None, max_wall_s: float | None = None) -> Path:
+    """SFT loop; with an ``evaluator`` it stops once greedy reward ≥ ``sft.target_reward``,
+    with ``max_wall_s`` once that many seconds have passed (continued SFT on a time budget)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -178,6 +179,8 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
                 bar.note(f"sft step {step + 1}: greedy held-out reward {reward:.3f} (target {sft.target_reward})")
                 if reward >= sft.target_reward:
                     break
+            if max_wall_s is not None and time.perf_counter() - t0 >= max_wall_s:
+                break
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
