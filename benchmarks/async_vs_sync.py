@@ -83,11 +83,16 @@ def fixed_steps(args: argparse.Namespace, extra: list[str], root: Path) -> None:
 
 
 def slow_tools(args: argparse.Namespace, extra: list[str], root: Path) -> None:
-    from agentrl.recipes.sft import warm_start
-
     # one warm start for all three, trained and cached on instant tools (its early-stop
     # evaluations need not wait on slow ones)
-    warm = warm_start(load_config([str(QUICKSTART)], [f"--env.name={CALC_DIR}", *extra]), progress=False)
+    import torch
+
+    from agentrl.recipes.rl import torch_threads
+    from agentrl.recipes.sft import warm_start
+
+    cfg = load_config([str(QUICKSTART)], [f"--env.name={CALC_DIR}", *extra])
+    torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does before its warm start
+    warm = warm_start(cfg, progress=False)
     latency = {"tool_latency_median_s": args.latency_median, "tool_latency_p99_s": args.latency_p99}
     common = [f"--env.name={CALC_DIR}", *(f"--env.args.{k}={v}" for k, v in latency.items()),
               f"--model.path={warm}", "--sft.enabled=false", f"--run.max_wall_s={args.seconds}",

@@ -10,8 +10,8 @@ meets the budget more often, and only RL is paid for finding it.  Success = ``so
     1. warm start   the config's SFT on the random teacher's demonstrations (cached)
     2. RL           ``agentrl run`` on the warm start for ``--rl-seconds`` of wall time
     3. SFT          continued SFT from the same warm start on the same demonstrations, for
-                    the RL run's whole wall time (engine start and its evaluations included:
-                    SFT gets every core and every second RL had)
+                    the RL run's whole wall time (engine start included: SFT gets every
+                    second RL had, with the RL trainer's torch threads)
     4. evaluate     the warm start and both results with one evaluator: greedy, the same
                     held-out tasks; success, mean model turns, and the turn distribution
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -106,14 +105,14 @@ def run_rl(cfg: Config, seconds: float, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def run_sft(cfg: Config, warm: Path, seconds: float, out_dir: Path) -> dict[str, Any]:
+def run_sft(cfg: Config, warm: Path, seconds: float, out_dir: Path, threads: int) -> dict[str, Any]:
     """Continued SFT from ``warm`` on the same demonstrations, for ``seconds`` of wall time."""
     import torch
 
     from agentrl.plugins import load_environment
     from agentrl.recipes.sft import train_sft
 
-    torch.set_num_threads(os.cpu_count() or 1)  # the whole machine: RL shared it between engine and trainer
+    torch.set_num_threads(threads)
     log = read_jsonl(warm / "sft_metrics.jsonl")
     per_step = statistics.median(b["wall_s"] - a["wall_s"] for a, b in zip(log, log[1:], strict=False)
                                  if "eval_reward_mean" not in b)
@@ -132,11 +131,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rl-seconds", type=float, default=180.0, help="RL wall-time budget (SFT gets what RL used)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sft-threads", type=int, default=0,
+                   help="torch threads for continued SFT (0 = the RL trainer's: on a shared 2-core machine "
+                        "2 threads ran SFT 4-6x slower than 1)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs")
     args, extra = p.parse_known_args()
     cfg = load_config([str(CONFIG)], [f"--env.name={ENV_DIR}", f"--run.seed={args.seed}", *extra])
+    import torch
+
     from agentrl.recipes.rl import torch_threads
     from agentrl.recipes.sft import warm_start
+
+    threads = torch_threads(cfg)
+    torch.set_num_threads(threads)  # as `agentrl run` does before its warm start
 
     root = Path(tempfile.mkdtemp(prefix="agentrl-rlsft-"))
     try:
@@ -144,8 +151,7 @@ def main() -> None:
         warm = warm_start(cfg, progress=False)  # 1) warm start (cached)
         warm_s = time.perf_counter() - t0
         rl = run_rl(cfg, args.rl_seconds, root / "rl")  # 2) RL
-        sft = run_sft(cfg, warm, rl["wall_s"], root / "sft")  # 3) continued SFT, equal wall time
-        threads = torch_threads(cfg)  # 4) one evaluator for all three
+        sft = run_sft(cfg, warm, rl["wall_s"], root / "sft", args.sft_threads or threads)  # 3) equal wall time
         evals = {name: evaluate_model(m, cfg, threads) for name, m in
                  (("warm_start", warm), ("rl", rl["final_model"]), ("sft", sft["final_model"]))}
     finally:

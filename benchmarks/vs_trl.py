@@ -6,7 +6,7 @@ environment's 2-turn episode (call the calculator, then answer) with the same re
 step, lr 2e-4, AdamW betas (0.9, 0.99), 10 warm-up steps, grad clip 1, temperature 0.6:
 
 - **TRL**: ``GRPOTrainer`` with ``tools=[calculator]`` — its own generation and its own
-  tool-calling loop (one tool round, like ``rollout.max_turns = 2``), on CPU with every core.
+  tool-calling loop (one tool round, like ``rollout.max_turns = 2``), on CPU (``--trl-threads``).
   The tiny model's chat template renders tool calls the way Qwen's does, so TRL's own Qwen
   response template parses them; the tool schema is left out of the prompt, as the calc
   env leaves it out (checked: TRL's prompt tokens equal agentrl's).
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -104,7 +103,7 @@ class _Clock:
         self.next_eval = t + self.every_s
 
 
-def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: float) -> dict[str, Any]:
+def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: float, threads: int) -> dict[str, Any]:
     """TRL's GRPOTrainer on the calc task for ``seconds`` (evaluation time excluded)."""
     import torch
     from agentrl_env_calc import calculator, correct_answer
@@ -115,7 +114,7 @@ def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: flo
     from agentrl.plugins import load_environment
     from agentrl.recipes.sft import _GreedyEvaluator
 
-    torch.set_num_threads(os.cpu_count() or 1)  # one process generates and trains in turn: every core
+    torch.set_num_threads(threads)
     env = load_environment(cfg.env.name, **cfg.env.args)
     rows = [{"prompt": [{"role": m.role, "content": m.content} for m in t.prompt], "answer": t.answer}
             for t in env.dataset()]
@@ -165,16 +164,22 @@ def main() -> None:
     p.add_argument("--target", type=float, default=0.6, help="held-out reward to reach")
     p.add_argument("--eval-every-s", type=float, default=25.0, help="TRL: evaluate every N training seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trl-threads", type=int, default=0,
+                   help="torch threads for TRL (0 = agentrl's trainer's; on a shared 2-core machine 2 ran slower than 1)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs")
     args, extra = p.parse_known_args()
     cfg = load_config([str(QUICKSTART)], [f"--env.name={CALC_DIR}", f"--run.seed={args.seed}", *extra])
+    import torch
+
+    from agentrl.recipes.rl import torch_threads
     from agentrl.recipes.sft import warm_start
 
+    torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does before its warm start
     warm = warm_start(cfg, progress=False)
     root = Path(tempfile.mkdtemp(prefix="agentrl-vstrl-"))
     try:
         ours = run_agentrl(cfg, args.seconds, root / "agentrl")
-        trl = run_trl(cfg, warm, args.seconds, root / "trl", args.eval_every_s)
+        trl = run_trl(cfg, warm, args.seconds, root / "trl", args.eval_every_s, args.trl_threads or torch_threads(cfg))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
