@@ -114,9 +114,10 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
 def _prefer_source(source_dir: Path, module_name: str) -> None:
     """Make ``module_name`` import from ``source_dir`` (or its ``src/``)."""
     roots = [source_dir / "src", source_dir] if (source_dir / "src").is_dir() else [source_dir]
-    for root in reversed(roots):
-        if str(root) not in sys.path:
-            sys.path.insert(0, str(root))
+    for root in reversed(roots):  # first on sys.path, even when already on it further down
+        while str(root) in sys.path:
+            sys.path.remove(str(root))
+        sys.path.insert(0, str(root))
     top = module_name.split(".")[0]
     mod = sys.modules.get(top)
     if mod is not None:

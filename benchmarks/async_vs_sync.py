@@ -1,12 +1,23 @@
-"""Async (η = 2) vs synchronous (η = 0) on the real quickstart, same seed, fixed steps.
+"""Async vs synchronous on the real quickstart, same seed: with instant tools, or with slow ones.
 
-Runs ``examples/quickstart.toml`` twice through ``run_training`` — the real embedded
-engine, calc environment, trainer and live weight push — once with
-``buffer.max_staleness = 0`` (exactly synchronous on-policy) and once with η = 2.  The
-SFT warm start is shared (cached).  Prints RL wall time, trainer idle share, staleness
-and the final held-out eval reward for both, and the speed-up ratio.  Last line: JSON.
+Runs ``examples/quickstart.toml`` through ``run_training`` — the real embedded engine, calc
+environment, trainer and live weight push — with ``buffer.max_staleness = 0`` (exactly
+synchronous on-policy) and with η = 2.  The SFT warm start is shared (cached).
+
+Default (instant tools): a fixed number of steps each; prints RL wall time, trainer idle
+share, staleness and held-out reward; ``speedup`` = η=0 wall time / η=2 wall time.
+
+``--tool-latency``: every calculator call first waits a heavy-tailed delay (lognormal,
+median ``--latency-median`` s, p99 ``--latency-p99`` s, the calc env's
+``tool_latency_*`` arguments), as real tools do.  Three runs on the same wall-time budget —
+η = 0, η = 2 and adaptive η — each evaluating on the held-out tasks every
+``--eval-every`` steps; ``speedup`` = η=0's seconds to ``--target`` held-out reward / the
+best async run's (when η=0 never gets there, its whole budget stands in: a lower bound,
+marked ``speedup_is_lower_bound``).  The ledger's counts show what each run dropped as
+stale.  Last line: JSON.
 
     python benchmarks/async_vs_sync.py [--steps 30] [extra dotted overrides ...]
+    python benchmarks/async_vs_sync.py --tool-latency [--seconds 200] [--target 0.6]
 """
 
 from __future__ import annotations
@@ -16,51 +27,127 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from agentrl.config import load_config
 from agentrl.metrics import read_jsonl
 from agentrl.recipes.rl import train as run_training
 
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.toml"
+CALC_DIR = ROOT / "environments" / "calc"  # this checkout's env, whichever copy is installed
 
-def one(eta: int, steps: int, extra: list[str], root: Path) -> dict:
-    run_dir = root / f"eta{eta}"
-    overrides = [f"--run.dir={run_dir}", f"--buffer.max_staleness={eta}", f"--trainer.steps={steps}",
-                 f"--eval.every={steps}", "--trainer.checkpoint_every=0", *extra]
-    run_training(load_config(["examples/quickstart.toml"], overrides), progress=False)
+
+def one(name: str, overrides: list[str], root: Path) -> dict[str, Any]:
+    """One quickstart run with ``overrides``; the numbers the comparison needs."""
+    run_dir = root / name
+    run_training(load_config([str(QUICKSTART)], [f"--run.dir={run_dir}", "--trainer.checkpoint_every=0", *overrides]),
+                 progress=False)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     last = rows[-1]
+    evals = [(r["time/rl_wall_s"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
     return {
-        "eta": eta,
+        "run": name,
         "rl_wall_s": last["time/rl_wall_s"],
-        "steps": len(rows),
+        "steps": last["version"],
         "final_eval_reward": last.get("eval/reward_mean"),
         "start_eval_reward": rows[0].get("eval/reward_mean"),
+        "eval_curve": [(round(t, 1), r) for t, r in evals],
         "trainer_idle_frac": sum(r["train/idle_frac"] for r in rows) / len(rows),
         "staleness_mean": sum(r["buffer/staleness_mean"] for r in rows) / len(rows),
-        "episodes_stale": last["ledger/stale"],
+        "max_staleness_last": last["buffer/max_staleness"],
+        "ledger": {k[len("ledger/"):]: v for k, v in last.items()
+                   if k.startswith("ledger/") and isinstance(v, int | float)},
+        "groups_cancelled_stale": last.get("rollout/groups_cancelled_stale", 0),
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--keep", action="store_true", help="keep the run dirs")
-    args, extra = p.parse_known_args()
-    root = Path(tempfile.mkdtemp(prefix="agentrl-avs-"))
-    try:
-        sync, asyn = one(0, args.steps, extra, root), one(2, args.steps, extra, root)
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+def seconds_to(run: dict[str, Any], target: float) -> float | None:
+    """RL seconds until the first held-out evaluation at or above ``target`` (None: never)."""
+    return next((t for t, r in run["eval_curve"] if r >= target), None)
+
+
+def fixed_steps(args: argparse.Namespace, extra: list[str], root: Path) -> None:
+    steps = [f"--trainer.steps={args.steps}", f"--eval.every={args.steps}"]
+    sync = one("eta0", ["--buffer.max_staleness=0", *steps, *extra], root)
+    asyn = one("eta2", ["--buffer.max_staleness=2", *steps, *extra], root)
     ratio = sync["rl_wall_s"] / asyn["rl_wall_s"]
     print(f"quickstart, {args.steps} steps, seed from the config; RL wall time excludes SFT/engine start")
     print(f"{'':>6} {'wall_s':>8} {'idle':>6} {'stale':>6} {'eval start':>10} {'eval end':>9}")
     for r in (sync, asyn):
-        print(f"eta={r['eta']:<2} {r['rl_wall_s']:>8.1f} {r['trainer_idle_frac']:>6.2f} {r['staleness_mean']:>6.2f} "
+        print(f"{r['run']:<6} {r['rl_wall_s']:>8.1f} {r['trainer_idle_frac']:>6.2f} {r['staleness_mean']:>6.2f} "
               f"{r['start_eval_reward']:>10.3f} {r['final_eval_reward']:>9.3f}")
     print(f"speed-up eta=2 vs eta=0: {ratio:.2f}x")
     print(json.dumps({"benchmark": "async_vs_sync", "steps": args.steps, "sync": sync, "async": asyn,
                       "speedup": ratio}))
+
+
+def slow_tools(args: argparse.Namespace, extra: list[str], root: Path) -> None:
+    # one warm start for all three, trained and cached on instant tools (its early-stop
+    # evaluations need not wait on slow ones)
+    import torch
+
+    from agentrl.recipes.rl import torch_threads
+    from agentrl.recipes.sft import warm_start
+
+    cfg = load_config([str(QUICKSTART)], [f"--env.name={CALC_DIR}", *extra])
+    torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does before its warm start
+    warm = warm_start(cfg, progress=False)
+    latency = {"tool_latency_median_s": args.latency_median, "tool_latency_p99_s": args.latency_p99}
+    common = [f"--env.name={CALC_DIR}", *(f"--env.args.{k}={v}" for k, v in latency.items()),
+              f"--model.path={warm}", "--sft.enabled=false", f"--run.max_wall_s={args.seconds}",
+              "--trainer.steps=100000", f"--eval.every={args.eval_every}", *extra]
+    runs = [
+        one("eta0", ["--buffer.max_staleness=0", *common], root),
+        one("eta2", ["--buffer.max_staleness=2", *common], root),
+        one("adaptive", ["--buffer.adaptive=true", "--buffer.max_staleness=1", "--buffer.max_staleness_cap=4",
+                         *common], root),
+    ]
+    sync, rest = runs[0], runs[1:]
+    t_sync = seconds_to(sync, args.target)
+    times = {r["run"]: seconds_to(r, args.target) for r in rest}
+    reached = [t for t in times.values() if t is not None]
+    best = min(reached) if reached else None
+    lower_bound = t_sync is None
+    speedup = ((t_sync if t_sync is not None else sync["rl_wall_s"]) / best) if best else None
+    print(f"quickstart with slow tools: lognormal latency, median {args.latency_median} s, p99 {args.latency_p99} s; "
+          f"{args.seconds:.0f} s per run; target held-out reward {args.target}")
+    print(f"{'run':<9} {'steps':>5} {'idle':>5} {'stale':>5} {'eta end':>7} {'eval start':>10} {'eval end':>8} "
+          f"{'s to target':>11}  ledger")
+    for r in runs:
+        t = seconds_to(r, args.target)
+        led = ", ".join(f"{k}={int(v)}" for k, v in r["ledger"].items() if k != "in_flight")
+        print(f"{r['run']:<9} {r['steps']:>5} {r['trainer_idle_frac']:>5.2f} {r['staleness_mean']:>5.2f} "
+              f"{r['max_staleness_last']:>7} {r['start_eval_reward']:>10.3f} {r['final_eval_reward']:>8.3f} "
+              f"{'never' if t is None else f'{t:.0f}':>11}  {led}")
+    for r in runs:
+        print(f"{r['run']}: held-out curve (RL s, reward) {r['eval_curve']}")
+    if speedup is None:
+        print("no async run reached the target: no speed-up to report (raise --seconds or lower --target)")
+    else:
+        print(f"speed-up to {args.target} held-out, best async vs eta=0: {'>=' if lower_bound else ''}{speedup:.2f}x")
+    print(json.dumps({"benchmark": "async_vs_sync", "tool_latency": latency, "target": args.target,
+                      "seconds_per_run": args.seconds, "seconds_to_target": {"eta0": t_sync, **times},
+                      "runs": runs, "speedup": speedup, "speedup_is_lower_bound": lower_bound}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=30, help="instant tools: steps per run")
+    p.add_argument("--tool-latency", action="store_true", help="slow, heavy-tailed tools; time to --target")
+    p.add_argument("--latency-median", type=float, default=0.2, help="tool delay median, seconds")
+    p.add_argument("--latency-p99", type=float, default=4.0, help="tool delay 99th percentile, seconds")
+    p.add_argument("--seconds", type=float, default=200.0, help="slow tools: wall-time budget per run")
+    p.add_argument("--target", type=float, default=0.6, help="slow tools: held-out reward to reach")
+    p.add_argument("--eval-every", type=int, default=5, help="slow tools: held-out evaluation every N steps")
+    p.add_argument("--keep", action="store_true", help="keep the run dirs")
+    args, extra = p.parse_known_args()
+    root = Path(tempfile.mkdtemp(prefix="agentrl-avs-"))
+    try:
+        (slow_tools if args.tool_latency else fixed_steps)(args, extra, root)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,18 @@ def test_path_loads_uninstalled_package_with_pyproject_defaults(tmp_path):
     assert env.greeting == "yo" and len(env.dataset()) == 3
 
 
+def test_two_copies_of_one_module_each_load_from_their_own_directory(tmp_path):
+    """A worktree and an editable install hold the same module name: a path loads its own copy."""
+    body = "from agentrl.envs import SingleTurnEnv\nfrom agentrl.rubrics import Rubric\n" \
+           "def load_environment(greeting=''):\n" \
+           "    return SingleTurnEnv(dataset=[{!r}], rubric=Rubric([lambda completion: 1.0]))\n"
+    one = write_env_package(tmp_path / "one", body=body.format("one"), args="")
+    two = write_env_package(tmp_path / "two", body=body.format("two"), args="")
+    assert load_environment(str(one)).dataset()[0].prompt[-1].content == "one"
+    assert load_environment(str(two)).dataset()[0].prompt[-1].content == "two"
+    assert load_environment(str(one)).dataset()[0].prompt[-1].content == "one"  # both on sys.path now
+
+
 def test_bad_kwargs_and_bad_factory_are_one_line_errors(tmp_path):
     pkg = write_env_package(tmp_path / "toy")
     with pytest.raises(AgentrlError, match="rejected its arguments"):

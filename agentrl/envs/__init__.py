@@ -1,7 +1,7 @@
 """What an environment author imports: the contract, its shapes, tool use, and the checker.
 
 ``Environment`` (the hooks, ``envs/base.py``), ``SingleTurnEnv`` and ``MultiTurnEnv``,
-``ToolEnv`` (Python functions as tools), ``SandboxEnv`` (``bash``/``python`` tools in a
+``ToolEnv`` (Python functions as tools; ``with_latency`` makes one slow on purpose), ``SandboxEnv`` (``bash``/``python`` tools in a
 per-episode sandbox), ``GymEnv`` (a gymnasium environment played in text) and
 ``as_gymnasium`` (the other way round); ``check_environment`` is the executable contract
 ``agentrl env test`` runs.  The episode loop itself is the framework's
@@ -12,6 +12,7 @@ from typing import Any
 
 from agentrl.envs.base import Environment, State, as_task
 from agentrl.envs.check import ScriptedClient, check_environment
+from agentrl.envs.latency import ToolLatency, with_latency
 from agentrl.envs.multiturn import MultiTurnEnv, SingleTurnEnv
 from agentrl.envs.tool_env import Tool, ToolEnv
 from agentrl.errors import EpisodeError, ToolError
@@ -28,9 +29,11 @@ __all__ = [
     "Tool",
     "ToolEnv",
     "ToolError",
+    "ToolLatency",
     "as_gymnasium",
     "as_task",
     "check_environment",
+    "with_latency",
 ]
 
 

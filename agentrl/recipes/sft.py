@@ -166,7 +166,7 @@ def warm_start(cfg: Config, *, progress: bool = True) -> Path:
     # 4) train
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    evaluator = _GreedyEvaluator(base, env, cfg) if cfg.sft.target_reward is not None else None
+    evaluator = GreedyEvaluator(base, env, cfg) if cfg.sft.target_reward is not None else None
     try:
         train_sft(base, env, cfg.sft, seed=cfg.run.seed, out_dir=tmp, device=cfg.trainer.device,
                   progress=progress, evaluator=evaluator, data=data)
@@ -207,9 +207,10 @@ def demonstration_data(env: Any, base: Path, sft: SFTConfig, seed: int) -> list[
 
 def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path, device: str = "auto",
               progress: bool = True, evaluator: Any = None,
-              data: list[tuple[list[int], list[int]]] | None = None) -> Path:
+              data: list[tuple[list[int], list[int]]] | None = None, max_wall_s: float | None = None) -> Path:
     """SFT loop over ``data`` (default: :func:`demonstration_data`); with an ``evaluator`` it
-    stops once greedy reward ≥ ``sft.target_reward``."""
+    stops once greedy reward ≥ ``sft.target_reward``, with ``max_wall_s`` once that many
+    seconds have passed (continued SFT on a time budget)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -259,6 +260,8 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
                 bar.note(f"sft step {step + 1}: greedy held-out reward {reward:.3f} (target {sft.target_reward})")
                 if reward >= sft.target_reward:
                     break
+            if max_wall_s is not None and time.perf_counter() - t0 >= max_wall_s:
+                break
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
@@ -267,7 +270,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     return out_dir
 
 
-class _GreedyEvaluator:
+class GreedyEvaluator:
     """Greedy held-out reward of the model being fine-tuned, on an embedded engine.
 
     The engine starts once on the base weights; each evaluation pushes the current SFT

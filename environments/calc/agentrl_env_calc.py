@@ -7,7 +7,7 @@ import operator
 import random
 import re
 
-from agentrl.envs import ToolEnv
+from agentrl.envs import ToolEnv, ToolLatency, with_latency
 from agentrl.rubrics import Rubric
 from agentrl.types import Message, Task, ToolCall
 
@@ -71,7 +71,12 @@ def _question(a: int, op: str, b: int) -> str:
 
 
 class CalcEnv(ToolEnv):
-    """``What is a∘b?`` → call ``calculator`` → answer. Reward: numeric match."""
+    """``What is a∘b?`` → call ``calculator`` → answer. Reward: numeric match.
+
+    ``tool_latency_median_s`` > 0 makes the calculator slow on purpose, like a real remote
+    tool: every call first waits a lognormal delay with that median and a 99th percentile of
+    ``tool_latency_p99_s`` (capped at ``tool_latency_max_s``; see :class:`ToolLatency`).
+    """
 
     name = "calc"
     version = "0.1.0"
@@ -88,14 +93,19 @@ class CalcEnv(ToolEnv):
         show_tools: bool = False,
         system_prompt: str | None = None,
         max_turns: int = 3,
+        tool_latency_median_s: float = 0.0,
+        tool_latency_p99_s: float = 4.0,
+        tool_latency_max_s: float = 20.0,
         **kwargs,
     ) -> None:
         if max_operand < 1 or not ops or set(ops) - set(_APPLY):
             raise ValueError(f"need max_operand >= 1 and ops drawn from '+-*', got {max_operand}, {ops!r}")
         self.max_operand, self.ops = max_operand, ops
         train, held = self._split(num_train, num_eval, seed)
+        self.latency = ToolLatency(tool_latency_median_s, tool_latency_p99_s, tool_latency_max_s, seed=seed)
+        kwargs.setdefault("tool_timeout_s", max(30.0, tool_latency_max_s + 10.0))
         super().__init__(
-            tools=[calculator],
+            tools=[with_latency(calculator, self.latency) if tool_latency_median_s > 0 else calculator],
             dataset=train,
             eval_dataset=held,
             rubric=Rubric([correct_answer, used_calculator], weights=[1.0, 0.0]),

@@ -93,3 +93,55 @@ async def test_contract_checklist_passes():
     report = await check_environment(load_environment(num_train=100))
     assert report.ok, report.failures()
     assert {r.name for r in report.results} >= {"dataset", "eval_dataset", "demonstrations", "cleanup", "endpoint_failure"}
+
+
+def test_tool_latency_is_lognormal_with_the_asked_median_and_p99():
+    from agentrl.envs import ToolLatency
+
+    lat = ToolLatency(0.2, 4.0, max_s=1e9, seed=3)
+    draws = sorted(lat.sample() for _ in range(40_000))
+    median, p99 = draws[len(draws) // 2], draws[int(0.99 * len(draws))]
+    assert median == pytest.approx(0.2, rel=0.05) and p99 == pytest.approx(4.0, rel=0.15)
+    capped = ToolLatency(0.2, 4.0, max_s=1.0)
+    assert max(capped.sample() for _ in range(5000)) == 1.0
+    assert ToolLatency(0.0, 0.0).sample() == 0.0
+    for bad in [(-1.0, 1.0), (1.0, 0.5)]:
+        with pytest.raises(ValueError):
+            ToolLatency(*bad)
+
+
+async def test_slow_calculator_waits_and_keeps_its_schema():
+    import time
+
+    fast = load_environment(num_train=20)
+    slow = load_environment(num_train=20, tool_latency_median_s=0.05, tool_latency_p99_s=0.05)
+    assert slow.tool_schemas() == fast.tool_schemas() or slow.tool_schemas() is None
+    assert slow.tools["calculator"].schema == fast.tools["calculator"].schema
+    task = slow.dataset()[0]
+    t0 = time.perf_counter()
+    traj = await slow.rollout(ScriptedClient(solver), task, SamplingParams(max_tokens=100))
+    waited = time.perf_counter() - t0
+    await slow.rubric.score_group([traj])
+    assert traj.reward == 1.0 and waited >= 0.05
+
+
+async def test_slow_tools_overlap_across_episodes():
+    """The delay is an asyncio sleep: 20 episodes that each wait ~0.2 s finish in far less than 20 × 0.2 s."""
+    import asyncio
+    import time
+
+    env = load_environment(num_train=20, tool_latency_median_s=0.2, tool_latency_p99_s=0.2)
+    t0 = time.perf_counter()
+    trajs = await asyncio.gather(*[env.rollout(ScriptedClient(solver), t, SamplingParams(max_tokens=100))
+                                   for t in env.dataset()[:20]])
+    assert all(t.error is None for t in trajs) and time.perf_counter() - t0 < 2.0
+
+
+def test_bad_tool_latency_is_a_one_line_error():
+    from pathlib import Path
+
+    from agentrl.errors import AgentrlError
+    from agentrl.plugins import load_environment as load
+
+    with pytest.raises(AgentrlError, match=r"p99_s \(0.1\) must be >= median_s"):
+        load(str(Path(__file__).parent), tool_latency_median_s=1.0, tool_latency_p99_s=0.1)

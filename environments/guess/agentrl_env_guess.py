@@ -20,6 +20,7 @@ RULES = (
     "guesses as you can. After each guess I tell you whether my number is higher or lower. "
     "Reply with one guess per turn, like <guess>{example}</guess>."
 )
+TERSE_RULES = "Guess my number from {low} to {high}."  # terse=True: ~5x fewer tokens per episode
 
 
 def parse_guess(text: str) -> int | None:
@@ -48,20 +49,39 @@ def turn_penalty(state: State) -> float:
 
 def binary_search_policy(transcript: str) -> str:
     """Optimal bisection from the rules and feedback in a transcript (demonstrations, tests)."""
-    bounds = re.search(r"between (-?\d+) and (-?\d+)", transcript)
+    bounds = re.search(r"(?:between|from) (-?\d+) (?:and|to) (-?\d+)", transcript)
     lo, hi = (int(bounds.group(1)), int(bounds.group(2))) if bounds else (1, 100)
-    for word, n in re.findall(r"my number is (higher|lower) than (-?\d+)", transcript):
-        if word == "higher":
+    for word, n in re.findall(r"(higher|lower) than (-?\d+)", transcript, re.IGNORECASE):
+        if word.lower() == "higher":
             lo = max(lo, int(n) + 1)
         else:
             hi = min(hi, int(n) - 1)
     return f"<guess>{(lo + hi) // 2}</guess>"
 
 
-def _feedback(secret: int, guess: int, low: int, high: int) -> str:
-    note = "" if low <= guess <= high else f" (remember: it is between {low} and {high})"
+def _feedback(secret: int, guess: int, low: int, high: int, interval: tuple[int, int] | None = None,
+              terse: bool = False) -> str:
     word = "higher" if secret > guess else "lower"
-    return f"No, my number is {word} than {guess}{note}."
+    if terse:  # "Higher than 23: 24 to 54."
+        return f"{word.title()} than {guess}" + (f": {interval[0]} to {interval[1]}." if interval else ".")
+    note = "" if low <= guess <= high else f" (remember: it is between {low} and {high})"
+    hint = f" It is between {interval[0]} and {interval[1]}." if interval else ""
+    return f"No, my number is {word} than {guess}{note}.{hint}"
+
+
+def narrow(interval: tuple[int, int], secret: int, guess: int) -> tuple[int, int]:
+    """The numbers still possible after ``guess`` and its higher/lower answer."""
+    lo, hi = interval
+    return (max(lo, guess + 1), hi) if secret > guess else (lo, min(hi, guess - 1))
+
+
+# Demonstration strategies: the next guess from the numbers still possible.  All are legal
+# (every guess is still possible); only bisection always fits the default turn budget.
+DEMO_STRATEGIES = {
+    "bisect": lambda lo, hi, rng: (lo + hi) // 2,
+    "random": lambda lo, hi, rng: rng.randint(lo, hi),  # uniform over the numbers still possible
+    "linear": lambda lo, hi, rng: lo,  # count up from the lowest possible number
+}
 
 
 class GuessEnv(MultiTurnEnv):
@@ -74,9 +94,18 @@ class GuessEnv(MultiTurnEnv):
     (default: the bisection bound for the widest range + 1).  Metrics: ``turn_penalty`` (see
     :func:`turn_penalty`; give it a weight to reward speed), ``guesses``, ``invalid_replies``
     (no number in the reply: feedback, and the turn is spent), ``out_of_range``.
+
+    ``demo_strategy`` picks how :meth:`demonstrations` play: ``"bisect"`` (optimal),
+    ``"random"`` (a uniform guess among the numbers still possible) or ``"linear"`` (the
+    lowest number still possible): legal but inefficient teachers, for showing RL going
+    beyond imitation.  ``show_interval`` adds the numbers still possible to each feedback
+    ("It is between 38 and 63."), so the state of the game is in the last message.
+    ``terse`` shortens what the game says (``Guess my number from 17 to 54.``,
+    ``Higher than 23: 24 to 54.``) and makes demonstrations reply with the bare number:
+    about a third of the tokens, for tiny models on a CPU.
     """
 
-    version = "0.1.0"
+    version = "0.2.0"
 
     def __init__(
         self,
@@ -89,10 +118,18 @@ class GuessEnv(MultiTurnEnv):
         seed: int = 0,
         max_turns: int | None = None,
         turn_penalty_weight: float = 0.0,
+        demo_strategy: str = "bisect",
+        show_interval: bool = False,
+        terse: bool = False,
     ) -> None:
         if high - low + 1 < max(min_width, 5):
             raise ValueError(f"need high - low + 1 >= max(min_width, 5), got low={low}, high={high}, min_width={min_width}")
+        if demo_strategy not in DEMO_STRATEGIES:
+            raise ValueError(f"demo_strategy must be one of {sorted(DEMO_STRATEGIES)}, got {demo_strategy!r}")
+        if max_turns is not None and max_turns < 1:
+            raise ValueError(f"max_turns (the turn budget) must be >= 1, got {max_turns}")
         self.low, self.high, self.min_width, self.seed = low, high, min_width, seed
+        self.demo_strategy, self.show_interval, self.terse = demo_strategy, show_interval, terse
         bound = math.ceil(math.log2(high - low + 1))  # bisection always finishes within this
         rubric = Rubric([solved, turn_penalty], [1.0, float(turn_penalty_weight)])
         super().__init__(rubric=rubric, max_turns=max_turns or bound + 1, name="guess")
@@ -112,10 +149,14 @@ class GuessEnv(MultiTurnEnv):
             held_out = zlib.crc32(f"{lo},{hi},{secret}".encode()) % 5 == 0
             if held_out != (split == "eval"):
                 continue
-            rules = RULES.format(low=lo, high=hi, example=(lo + hi) // 2)
+            if self.terse:
+                prompt = [Message("user", TERSE_RULES.format(low=lo, high=hi))]
+            else:
+                rules = RULES.format(low=lo, high=hi, example=(lo + hi) // 2)
+                prompt = [Message("system", rules), Message("user", "Make your first guess.")]
             tasks.append(
                 Task(
-                    prompt=[Message("system", rules), Message("user", "Make your first guess.")],
+                    prompt=prompt,
                     answer=secret,
                     info={"low": lo, "high": hi},
                     id=f"guess-{split}-{self.seed}-{len(tasks)}",
@@ -124,7 +165,8 @@ class GuessEnv(MultiTurnEnv):
         return tasks
 
     async def setup(self, task: Task) -> State:
-        state = State(task, guesses=0, solved=False, max_guesses=self.max_turns)
+        state = State(task, guesses=0, solved=False, max_guesses=self.max_turns,
+                      interval=(task.info["low"], task.info["high"]))
         state.metrics.update(guesses=0.0, invalid_replies=0.0, out_of_range=0.0)
         return state
 
@@ -133,6 +175,8 @@ class GuessEnv(MultiTurnEnv):
         guess = parse_guess(assistant_msg.content)
         if guess is None:
             state.count("invalid_replies")
+            if self.terse:
+                return [Message("user", "Reply with a number.")]
             return [Message("user", f"I could not find a number in your reply. Answer like <guess>{(low + high) // 2}</guess>.")]
         state["guesses"] += 1
         state.count("guesses")
@@ -140,10 +184,14 @@ class GuessEnv(MultiTurnEnv):
         if guess == secret:
             state["solved"] = True
             state.done = True
+            if self.terse:
+                return [Message("user", "Correct!")]
             return [Message("user", f"Correct! The number is {secret}. You found it in {state['guesses']} guesses.")]
         if not low <= guess <= high:
             state.count("out_of_range")
-        return [Message("user", _feedback(secret, guess, low, high))]
+        state["interval"] = narrow(state["interval"], secret, guess)
+        hint = state["interval"] if self.show_interval else None
+        return [Message("user", _feedback(secret, guess, low, high, hint, self.terse))]
 
     def reference_policy(self):
         """Bisection: finds the number within the turn budget."""
@@ -152,18 +200,24 @@ class GuessEnv(MultiTurnEnv):
         )
 
     def demonstrations(self, n: int, seed: int = 0) -> list[list[Message]]:
-        """Bisection games on training tasks (always solved within the turn budget)."""
+        """Games on training tasks played by ``demo_strategy`` until found or out of turns
+        (bisection always finds it within the budget; the others often do not)."""
+        strategy = DEMO_STRATEGIES[self.demo_strategy]
+        rng = random.Random(f"guess-demos-{self.demo_strategy}-{seed}")
         demos = []
-        for task in self._train[seed : seed + n]:
+        for i in range(n):
+            task = self._train[(seed + i) % len(self._train)]
             messages = list(task.prompt)
             secret, low, high = int(task.answer), task.info["low"], task.info["high"]
+            interval = (low, high)
             for _ in range(self.max_turns):
-                reply = binary_search_policy("\n".join(m.content for m in messages))
-                messages.append(Message("assistant", reply))
-                guess = parse_guess(reply)
+                guess = strategy(*interval, rng)
+                messages.append(Message("assistant", str(guess) if self.terse else f"<guess>{guess}</guess>"))
                 if guess == secret:
                     break
-                messages.append(Message("user", _feedback(secret, guess, low, high)))
+                interval = narrow(interval, secret, guess)
+                hint = interval if self.show_interval else None
+                messages.append(Message("user", _feedback(secret, guess, low, high, hint, self.terse)))
             demos.append(messages)
         return demos
 

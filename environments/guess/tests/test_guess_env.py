@@ -1,7 +1,9 @@
 """guess env: contract checker, feedback correctness, bisection always wins, bad replies are data."""
 
+from pathlib import Path
+
 import pytest
-from agentrl_env_guess import GuessEnv, binary_search_policy, parse_guess
+from agentrl_env_guess import GuessEnv, binary_search_policy, narrow, parse_guess
 from gymnasium.utils.env_checker import check_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,8 +39,9 @@ def test_parse_guess_never_raises(text):
 
 
 async def test_passes_the_contract_checker():
-    env = load_environment("guess", num_train=50, num_eval=20)
-    assert isinstance(env, GuessEnv)
+    # by directory: this checkout's package, whichever copy of it is installed
+    env = load_environment(str(Path(__file__).parents[1]), num_train=50, num_eval=20, terse=True, show_interval=True)
+    assert isinstance(env, GuessEnv) and env.version == "0.2.0"
     report = await check_environment(env, num_episodes=4)
     assert report.ok, report.failures()
 
@@ -108,3 +111,64 @@ def test_as_gymnasium_plays_guess():
         transcript += "\n" + obs
     assert reward == 1.0 and info["metrics"]["solved"] == 1.0
     genv.close()
+
+
+def _assistant_guesses(convo):
+    return [parse_guess(m.content) for m in convo if m.role == "assistant"]
+
+
+@pytest.mark.parametrize("strategy", ["bisect", "random", "linear"])
+def test_demonstrations_are_legal_games_of_their_strategy(strategy):
+    env = GuessEnv(high=63, min_width=32, max_turns=6, num_train=300, num_eval=10, demo_strategy=strategy)
+    demos = env.demonstrations(300, seed=1)
+    solved = 0
+    tasks = [env.dataset()[(1 + i) % 300] for i in range(300)]
+    for task, convo in zip(tasks, demos, strict=True):
+        lo, hi = task.info["low"], task.info["high"]
+        guesses = _assistant_guesses(convo)
+        assert 1 <= len(guesses) <= env.max_turns
+        for g in guesses:  # every guess is a number still possible
+            assert lo <= g <= hi
+            lo, hi = narrow((lo, hi), task.answer, g)
+        if strategy == "bisect":
+            assert guesses[0] == (task.info["low"] + task.info["high"]) // 2
+        if strategy == "linear":
+            assert guesses == list(range(task.info["low"], task.info["low"] + len(guesses)))
+        solved += guesses[-1] == task.answer
+    rate = solved / len(demos)
+    assert {"bisect": rate == 1.0, "random": 0.4 < rate < 0.85, "linear": rate < 0.3}[strategy], rate
+
+
+def test_random_demonstrations_are_seeded():
+    env = GuessEnv(num_train=50, num_eval=10, demo_strategy="random")
+    assert env.demonstrations(20, seed=3) == env.demonstrations(20, seed=3)
+    assert env.demonstrations(20, seed=3) != env.demonstrations(20, seed=4)
+
+
+async def test_show_interval_states_the_numbers_still_possible():
+    env = GuessEnv(high=63, min_width=63, num_train=5, num_eval=5, show_interval=True)
+    task = next(iter(env.dataset()))
+    state = await env.setup(task)
+    secret = task.answer
+    lo_reply = (await env.step(state, Message("assistant", f"<guess>{secret - 1}</guess>")))[0].content
+    assert lo_reply.endswith(f"It is between {secret} and 63.")
+    hi_reply = (await env.step(state, Message("assistant", f"<guess>{secret + 2}</guess>")))[0].content
+    assert hi_reply.endswith(f"It is between {secret} and {secret + 1}.")
+    plain = GuessEnv(high=63, min_width=63, num_train=5, num_eval=5)
+    state = await plain.setup(task)
+    assert "between" not in (await plain.step(state, Message("assistant", f"<guess>{secret - 1}</guess>")))[0].content
+
+
+async def test_turn_budget_is_the_episode_length_and_bisection_meets_it():
+    env = GuessEnv(high=63, min_width=32, max_turns=6, num_train=60, num_eval=5, show_interval=True)
+    trajs = [await env.rollout(ScriptedClient(binary_search_policy), t, SAMPLING) for t in env.dataset()]
+    assert all(t.stop_reason == "done" and len(t.turns) <= 6 for t in trajs)
+    losing = [await env.rollout(ScriptedClient(lambda p: "<guess>0</guess>"), t, SAMPLING) for t in env.dataset()[:3]]
+    assert all(len(t.turns) == 6 and t.stop_reason == "max_turns" for t in losing)
+
+
+def test_bad_strategy_or_budget_is_rejected():
+    with pytest.raises(ValueError, match="demo_strategy"):
+        GuessEnv(demo_strategy="psychic")
+    with pytest.raises(ValueError, match="max_turns"):
+        GuessEnv(max_turns=0)

@@ -1,0 +1,217 @@
+"""agentrl vs TRL's GRPOTrainer: seconds to the same held-out reward, same task and warm start.
+
+Both sides start from the quickstart's SFT warm start (cached) and train on the calc
+environment's 2-turn episode (call the calculator, then answer) with the same reward
+(``correct_answer``), the same tool (``calculator``), group size 8, 64 completions per
+step, lr 2e-4, AdamW betas (0.9, 0.99), 10 warm-up steps, grad clip 1, temperature 0.6:
+
+- **TRL**: ``GRPOTrainer`` with ``tools=[calculator]`` — its own generation and its own
+  tool-calling loop (one tool round, like ``rollout.max_turns = 2``), on CPU (``--trl-threads``).
+  The tiny model's chat template renders tool calls the way Qwen's does, so TRL's own Qwen
+  response template parses them; the tool schema is left out of the prompt, as the calc
+  env leaves it out (checked: TRL's prompt tokens equal agentrl's).
+- **agentrl**: ``agentrl run examples/quickstart.toml`` (async, η = 1, embedded engine).
+
+Held-out reward is measured by one evaluator (agentrl's greedy evaluation of the same
+200 held-out tasks on an embedded engine).  agentrl evaluates in the background every
+``eval.every`` steps and its clock keeps running; TRL is evaluated from a callback every
+``--eval-every-s`` seconds with its clock stopped.  ``speedup_vs_trl`` = TRL's seconds to
+``--target`` / agentrl's (a run that never gets there stands in with its whole budget:
+the ratio is then a bound, marked).  Last line: JSON.
+
+    python benchmarks/vs_trl.py [--seconds 240] [--target 0.6] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from agentrl.config import Config, load_config
+from agentrl.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.toml"
+CALC_DIR = ROOT / "environments" / "calc"  # this checkout's env, whichever copy is installed
+
+
+def first_at(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Seconds of the first (seconds, reward) point at or above ``target`` (None: never)."""
+    return next((t for t, r in curve if r >= target), None)
+
+
+# ----------------------------------------------------------------------------- agentrl
+
+
+def run_agentrl(cfg: Config, seconds: float, run_dir: Path) -> dict[str, Any]:
+    """``agentrl run`` for ``seconds``; held-out curve as (seconds when those weights existed, reward)."""
+    from agentrl.recipes.rl import train
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.dir, cfg.run.max_wall_s = str(run_dir), seconds
+    cfg.trainer.steps, cfg.trainer.checkpoint_every = 100_000, 0
+    train(cfg, progress=False)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    at_version = {0: 0.0, **{r["version"]: r["time/rl_wall_s"] for r in rows}}
+    curve = [(round(at_version[r["eval/version"]], 1), r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
+    return {"curve": curve, "steps": rows[-1]["version"], "wall_s": rows[-1]["time/rl_wall_s"]}
+
+
+# ----------------------------------------------------------------------------- TRL
+
+
+def trl_tokenizer(model: Path, calculator: Any) -> Any:
+    """The warm start's tokenizer for TRL: tool calls parsed by TRL's Qwen response template,
+    no tool schema in the prompt (as the calc env renders it)."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_template
+
+    tok = AutoTokenizer.from_pretrained(model)
+    plain = tok.apply_chat_template([{"role": "user", "content": "What is 1+2?"}], add_generation_prompt=True)
+    tok.chat_template = tok.chat_template.replace("has_system or tools", "has_system").replace(
+        "{%- if tools -%}", "{%- if false -%}")
+    with_tools = tok.apply_chat_template([{"role": "user", "content": "What is 1+2?"}], tools=[calculator],
+                                         add_generation_prompt=True)
+    if with_tools != plain:
+        raise SystemExit("vs_trl: the tiny chat template changed; TRL's prompts would differ from agentrl's")
+    tok.response_template = qwen3_template
+    return tok
+
+
+class _Clock:
+    """TRL's training seconds, with evaluation time taken out; held-out curve; the budget."""
+
+    def __init__(self, seconds: float, every_s: float, score: Any) -> None:
+        self.seconds, self.every_s, self.score = seconds, every_s, score
+        self.t0 = time.perf_counter()
+        self.paused = 0.0
+        self.next_eval = 0.0
+        self.curve: list[tuple[float, float]] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0 - self.paused
+
+    def evaluate(self, model: Any, step: int) -> None:
+        t, t_eval = self.now(), time.perf_counter()
+        self.curve.append((round(t, 1), self.score(model, step)))
+        self.paused += time.perf_counter() - t_eval
+        self.next_eval = t + self.every_s
+
+
+def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: float, threads: int) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the calc task for ``seconds`` (evaluation time excluded)."""
+    import torch
+    from agentrl_env_calc import calculator, correct_answer
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentrl.plugins import load_environment
+    from agentrl.recipes.sft import GreedyEvaluator
+
+    torch.set_num_threads(threads)
+    env = load_environment(cfg.env.name, **cfg.env.args)
+    rows = [{"prompt": [{"role": m.role, "content": m.content} for m in t.prompt], "answer": t.answer}
+            for t in env.dataset()]
+
+    def reward(completions: list[list[dict]], answer: list[Any], **_: Any) -> list[float]:
+        return [correct_answer(c[-1]["content"] if c else "", a) for c, a in zip(completions, answer, strict=True)]
+
+    ro, tc = cfg.rollout, cfg.trainer
+    args = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, seed=cfg.run.seed, max_steps=100_000, learning_rate=tc.lr,
+        adam_beta1=tc.betas[0], adam_beta2=tc.betas[1], weight_decay=0.0, warmup_steps=tc.warmup_steps,
+        lr_scheduler_type="constant_with_warmup", max_grad_norm=tc.grad_clip,
+        num_generations=ro.group_size, per_device_train_batch_size=ro.group_size * tc.batch_groups,
+        temperature=ro.temperature, max_completion_length=2 * ro.max_tokens + 16, max_tool_calling_iterations=1,
+        beta=0.0, logging_steps=10, save_strategy="no", report_to="none", disable_tqdm=True,
+    )
+    held_out = cfg.model_copy(deep=True)
+    held_out.sft.eval_tasks = cfg.eval.num_tasks  # the evaluator takes its task count from [sft]
+    evaluator = GreedyEvaluator(warm, env, held_out)
+    clock = _Clock(seconds, every_s, evaluator.score)
+
+    class Budget(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
+            if clock.now() >= clock.next_eval or clock.now() >= seconds:
+                clock.evaluate(model, state.global_step)
+            control.should_training_stop = clock.now() >= seconds
+
+    model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=trl_tokenizer(warm, calculator), tools=[calculator], callbacks=[Budget()])
+    try:
+        clock.evaluate(model, 0)  # the warm start, on the same evaluator
+        clock.t0, clock.paused = time.perf_counter(), 0.0
+        clock.next_eval = every_s
+        trainer.train()
+    finally:
+        evaluator.close()
+    return {"curve": clock.curve, "steps": trainer.state.global_step, "wall_s": clock.now()}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=240.0, help="training seconds per side")
+    p.add_argument("--target", type=float, default=0.6, help="held-out reward to reach")
+    p.add_argument("--eval-every-s", type=float, default=25.0, help="TRL: evaluate every N training seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trl-threads", type=int, default=0,
+                   help="torch threads for TRL (0 = agentrl's trainer's; on a shared 2-core machine 2 ran slower than 1)")
+    p.add_argument("--keep", action="store_true", help="keep the run dirs")
+    args, extra = p.parse_known_args()
+    cfg = load_config([str(QUICKSTART)], [f"--env.name={CALC_DIR}", f"--run.seed={args.seed}", *extra])
+    import torch
+
+    from agentrl.recipes.rl import torch_threads
+    from agentrl.recipes.sft import warm_start
+
+    torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does before its warm start
+    warm = warm_start(cfg, progress=False)
+    root = Path(tempfile.mkdtemp(prefix="agentrl-vstrl-"))
+    try:
+        ours = run_agentrl(cfg, args.seconds, root / "agentrl")
+        trl = run_trl(cfg, warm, args.seconds, root / "trl", args.eval_every_s, args.trl_threads or torch_threads(cfg))
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    report(args, ours, trl)
+
+
+def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any]) -> None:
+    import trl as trl_pkg
+
+    t_ours, t_trl = first_at(ours["curve"], args.target), first_at(trl["curve"], args.target)
+    bound = None
+    if t_ours is not None and t_trl is not None:
+        speedup = t_trl / max(t_ours, 1e-9)
+    elif t_ours is not None:
+        speedup, bound = trl["wall_s"] / max(t_ours, 1e-9), "lower"  # TRL never got there
+    elif t_trl is not None:
+        speedup, bound = t_trl / ours["wall_s"], "upper"  # agentrl never got there
+    else:
+        speedup = None
+    print(f"calc quickstart task, seed {args.seed}, {args.seconds:.0f} s each; TRL {trl_pkg.__version__} GRPOTrainer "
+          f"(its tool loop) vs agentrl run; target held-out {args.target}")
+    for name, r in (("agentrl", ours), ("TRL", trl)):
+        t = first_at(r["curve"], args.target)
+        print(f"{name:<8} {r['steps']:>4} steps  s to target: {'never' if t is None else f'{t:.0f}':>5}  "
+              f"final {r['curve'][-1][1]:.3f}  best {max(v for _, v in r['curve']):.3f}  curve {r['curve']}")
+    if speedup is not None:
+        print(f"speed-up vs TRL to {args.target}: {speedup:.2f}x" + (f" ({bound} bound)" if bound else ""))
+    print(json.dumps({"benchmark": "vs_trl", "trl_version": trl_pkg.__version__, "seed": args.seed,
+                      "target": args.target, "seconds": args.seconds, "agentrl": ours, "trl": trl,
+                      "seconds_to_target": {"agentrl": t_ours, "trl": t_trl}, "speedup_vs_trl": speedup,
+                      "speedup_bound": bound}))
+
+
+if __name__ == "__main__":
+    main()
