@@ -219,7 +219,7 @@ class RunConfig(Section):
     name: str = Field("run", description="Run name (used for the run directory).")
     dir: str | None = Field(None, description="Run directory (default: runs/<name>).")
     seed: int = Field(0, description="Seed for data order, sampling and init.")
-    max_wall_s: float = Field(0.0, ge=0, description="Stop after this many seconds (0 = no limit).")
+    max_wall_s: float = Field(0.0, ge=0, description="Stop the RL loop after this many seconds, counted after the warm start (0 = no limit); the last step still evaluates.")
 
 
 class MetricsConfig(Section):
