@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from testkit import serve_app
 from threaded_app import ThreadedApp
 
 from agentrl.errors import EndpointError, EndpointProbeError
@@ -187,11 +188,8 @@ async def test_training_says_which_capabilities_the_endpoint_lacks():
 
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+    runner, port = await serve_app(app)
+    url = f"http://127.0.0.1:{port}/v1"
     try:
         async with PolicyClient(url, "m", tokenizer=Tok()) as pc:
             with pytest.raises(EndpointProbeError, match="training needs the sampled token ids"):

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from aiohttp import web
+from testkit import serve_app
 
 from agentrl.errors import EndpointError, EndpointProbeError, MalformedResponse
 from agentrl.inference import PolicyClient
@@ -43,11 +44,8 @@ class Server:
 
         app.router.add_post("/v1/completions", completions)
         app.router.add_get("/v1/models", models)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+        self.runner, port = await serve_app(app)
+        self.url = f"http://127.0.0.1:{port}/v1"
         return self
 
     async def __aexit__(self, *exc):

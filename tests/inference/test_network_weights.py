@@ -16,7 +16,7 @@ import zlib
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from testkit import perturbed_state
 
 from agentrl.errors import RequestError, WeightSyncError
 from agentrl.inference import start_embedded_engine
@@ -57,15 +57,6 @@ def test_receiver_checks_every_chunk_and_the_transfer():
 # ----------------------------------------------------------------------------- real engines over HTTP
 
 
-def _perturbed(model_dir, seed: int) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=g))
-    return {k: v.clone() for k, v in model.state_dict().items()}, model.eval()
-
-
 async def _greedy_and_version(http: httpx.AsyncClient, eng, prompt: list[int]) -> tuple[list[int], int]:
     body = {"model": eng.model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0,
             "return_token_ids": True, "ignore_eos": True}
@@ -104,7 +95,7 @@ def test_http_push_reaches_each_engine_on_its_own(tmp_path):
                                     bucket_mb=0.0625, timeout=4.0)
             assert isinstance(sync, HttpWeightSync) and not sync.local
             async with httpx.AsyncClient(timeout=30) as http:
-                state, ref = _perturbed(model, seed=1)
+                state, ref = perturbed_state(model, seed=1)
                 await sync.push(state, version=1)
                 assert [r.ok for r in sync.results] == [True, True, False]
                 assert "timed out" in sync.behind[url_root(hung_url)]
@@ -114,13 +105,13 @@ def test_http_push_reaches_each_engine_on_its_own(tmp_path):
                     assert await _greedy_and_version(http, eng, prompt) == (expect, 1)
                 # engine b goes down: the push still reaches a, and b rejoins on the next one
                 engines[1].stop()
-                state2, ref2 = _perturbed(model, seed=2)
+                state2, ref2 = perturbed_state(model, seed=2)
                 await sync.push(state2, version=2)
                 assert url_root(engines[1].base_url) in sync.behind
                 assert await _greedy_and_version(http, engines[0], prompt) == (_reference_greedy(ref2, prompt), 2)
                 await asyncio.to_thread(engines[1].restart)
                 assert (await _greedy_and_version(http, engines[1], prompt))[1] == 0  # back on the base weights
-                state3, ref3 = _perturbed(model, seed=3)
+                state3, ref3 = perturbed_state(model, seed=3)
                 await sync.push(state3, version=3)
                 assert url_root(engines[1].base_url) not in sync.behind
                 expect3 = _reference_greedy(ref3, prompt)

@@ -7,6 +7,7 @@ import asyncio
 from collections import defaultdict
 
 from aiohttp import web
+from testkit import serve_app
 
 from agentrl.envs.base import Environment
 from agentrl.inference import PolicyClient
@@ -41,11 +42,8 @@ class Engine:
         app = web.Application()
         app.router.add_post("/tokenize", tokenize)
         app.router.add_post("/v1/completions", completions)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+        self.runner, port = await serve_app(app)
+        self.url = f"http://127.0.0.1:{port}/v1"
         return self
 
     async def __aexit__(self, *exc: object) -> None:

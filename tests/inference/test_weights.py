@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from testkit import perturbed_state
 
 from agentrl.inference import start_embedded_engine
 from agentrl.weights import WeightSync, WeightSyncError, make_weight_sync
@@ -19,15 +19,6 @@ def wengine(model_dir):
     """An engine of its own: these tests change its weights."""
     with start_embedded_engine(model_dir, max_batch_size=8, max_model_len=256, device="cpu") as eng:
         yield eng
-
-
-def perturbed_state(model_dir, seed: int) -> dict[str, torch.Tensor]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=g))
-    return {k: v.clone() for k, v in model.state_dict().items()}, model.eval()
 
 
 async def greedy(ac, eng, prompt, n_tokens):
