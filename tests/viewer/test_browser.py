@@ -29,7 +29,9 @@ def _a_trained_episode_with_tools(run_dir) -> dict:
 def test_curves_render(real_run, page, tmp_path):
     with ViewerServer(real_run) as srv:
         page.goto(srv.url)
-        page.wait_for_selector("svg.chart path.series")
+        # "attached", not "visible": a flat series (constant reward) has a zero-height box,
+        # which playwright counts as invisible
+        page.wait_for_selector("svg.chart path.series", state="attached")
         page.wait_for_function("document.querySelector('#status').textContent.includes('finished')")
         drawn = _chart_paths(page)
         assert set(drawn) == {c["id"] for c in CHARTS}
