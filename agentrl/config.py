@@ -256,10 +256,10 @@ class Config(Section):
                 f"trainer.push_every = {self.trainer.push_every} > buffer.max_staleness + 1 = {eta + 1}: every "
                 "group would be too stale to train; lower push_every or raise max_staleness"
             )
-        if self.cluster.trainer_actor:
+        if self.cluster.trainer_actor and self.cluster.backend != "ray":
             raise ValueError(
-                "cluster.trainer_actor is not implemented yet: with backend = \"ray\" the trainer runs in the "
-                "driver; leave it unset"
+                "cluster.trainer_actor = true needs cluster.backend = \"ray\" (local mode trains in the "
+                "driver); set backend = \"ray\" or remove it"
             )
         if self.cluster.rollout_workers and self.cluster.backend != "ray":
             raise ValueError(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check: the embedded engine and the trainer on CUDA, the Ray backend with a GPU engine,
+# GPU check: the embedded engine and the trainer on CUDA, the Ray backend with a GPU engine and trainer actor,
 # and vLLM when it is installed.  Each check runs on its own; the script prints one line per
 # check (ok / FAILED / skipped, with the reason) and a JSON line last.  Exit 1 if any ran and failed.
 #
@@ -43,10 +43,11 @@ RUN=(--model.path="$WORK/tiny" --sft.enabled=false --env.name=calc --trainer.ste
      --eval.every=0 --trainer.checkpoint_every=0 --inference.device=cuda --trainer.device=cuda)
 check rl_cuda 600 bash -c "$PY -m agentrl.cli run ${RUN[*]} --run.dir=$WORK/rl_cuda && test \$(wc -l < $WORK/rl_cuda/metrics.jsonl) -eq 3"
 
-# 3) the same run on the Ray backend, 1 GPU engine actor, weights over HTTP chunks
+# 3) the same run on the Ray backend, 1 GPU engine actor and the trainer as a GPU actor (half a
+#    GPU each), weights over HTTP chunks pushed from the trainer actor
 check ray_cuda 600 bash -c "$PY -m agentrl.cli run ${RUN[*]} --run.dir=$WORK/ray_cuda --cluster.backend=ray \
-  --cluster.num_inference=1 --cluster.engine_gpus=0.5 --inference.weight_transport=http \
-  && test \$(wc -l < $WORK/ray_cuda/metrics.jsonl) -eq 3"
+  --cluster.num_inference=1 --cluster.engine_gpus=0.5 --cluster.trainer_actor=true --cluster.trainer_gpus=0.5 \
+  --inference.weight_transport=http && test \$(wc -l < $WORK/ray_cuda/metrics.jsonl) -eq 3"
 
 # 4) engine and trainer agree on CUDA: at step 0 the sampler's and the trainer's weights are equal,
 #    so the mismatch KL between μ (engine logprobs) and π_θ (trainer logprobs) must be ~0

@@ -110,12 +110,13 @@ def test_tool_parser_is_checked_with_every_other_error():
     assert Config().inference.tool_parser == "auto"
 
 
-def test_ray_roles_not_built_yet_are_refused_not_ignored():
+def test_ray_roles_need_the_ray_backend():
     from agentrl.config import load_config
     from agentrl.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="trainer_actor is not implemented yet"):
+    with pytest.raises(ConfigError, match='trainer_actor = true needs cluster.backend = "ray"'):
         load_config([], ["--cluster.trainer_actor=true"])
+    assert load_config([], ["--cluster.trainer_actor=true", "--cluster.backend=ray"]).cluster.trainer_actor
     with pytest.raises(ConfigError, match='rollout_workers = 2 needs cluster.backend = "ray"'):
         load_config([], ["--cluster.rollout_workers=2"])
     cfg = load_config([], ["--cluster.rollout_workers=2", "--cluster.backend=ray"])

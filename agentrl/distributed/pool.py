@@ -14,8 +14,10 @@ buffer actor and starts the workers; it returns a :class:`WorkerPool` that ``rl_
 
 A worker actor that dies is restarted by Ray (``cluster.max_restarts``); :meth:`WorkerPool.run`
 starts its loop again and the actor re-queues the dead instance's groups.  A worker that stops
-for any other reason ends the run with its error.  Not covered yet: a restarted *engine* that
-comes back at a new address is rebound in the driver's client only, not in the workers' clients.
+for any other reason ends the run with its error.  Engines: the driver's supervisor tells the
+buffer actor (:meth:`WorkerPool.set_engines`) when an engine is down (no worker gets a lease
+until it is back) and where a restarted engine now serves; every worker's client follows it
+at its next reply from the actor.
 """
 
 from __future__ import annotations
@@ -163,6 +165,10 @@ class WorkerPool:
                 if loop.time() > deadline or not isinstance(e, ray.exceptions.ActorUnavailableError):
                     raise RuntimeError(f"rollout worker w{i} died and was not restarted: {e}") from None
                 await asyncio.sleep(0.2)
+
+    async def set_engines(self, urls: list[str], down: bool) -> None:
+        """The engines' current addresses, and whether one is down (from the driver's supervisor)."""
+        await self.actor.set_engines.remote(list(urls), down)
 
     def stop(self) -> None:
         self._stopping = True

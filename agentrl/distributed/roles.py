@@ -53,9 +53,12 @@ class BufferActorImpl:
         self.incarnation: dict[str, int] = {}  # bumped at (re)start and at close: older leases are refused
         self.leases_by_worker: dict[str, int] = {}  # slots leased to each worker (for the fairness check)
         self.rollouts: list[dict[str, Any]] = []  # finished episodes since the driver last drained them
+        self.engines: list[str] | None = None  # the engines' current addresses (the driver's supervisor sets them)
+        self.engines_down = False  # an engine is down: no new leases until it is back
 
     def _status(self) -> dict[str, Any]:
-        return {"version": self.buffer.version, "oldest_trainable": self.buffer.oldest_trainable_version()}
+        return {"version": self.buffer.version, "oldest_trainable": self.buffer.oldest_trainable_version(),
+                "engines": self.engines, "engines_down": self.engines_down}  # fmt: skip
 
     def _free(self) -> int:
         return self.buffer.capacity() - sum(len(t) for t in self.leases.values())
@@ -72,7 +75,7 @@ class BufferActorImpl:
         it asks (or asked within ``2 * LEASE_POLL_S``: its leaser asks again at once), so a dead
         or saturated worker reserves nothing and the others may use every slot."""
         free = self._free()
-        if free <= 0:
+        if free <= 0 or self.engines_down:  # the local manager's admit gate, for every worker at once
             return 0
         now = time.monotonic()
         wanting = {w for w in self.incarnation if w in self.asking or now - self.last_ask.get(w, -1e9) < 2 * LEASE_POLL_S}
@@ -162,6 +165,12 @@ class BufferActorImpl:
         self.buffer.notify()
         return len(lost), self.incarnation[worker]
 
+    async def set_engines(self, urls: list[str], down: bool) -> None:
+        """The driver's supervisor: the engines' addresses now, and whether one is down (a
+        restarted engine may come back elsewhere; every worker's client follows at its next reply)."""
+        self.engines, self.engines_down = list(urls), down
+        self.buffer.notify()
+
     async def workers(self) -> list[str]:
         """The workers that reported in."""
         return sorted(self.incarnation)
@@ -241,10 +250,13 @@ class LeasedBuffer:
     ``capacity()`` is the number of leases held; ``next()`` hands out a leased task;
     the manager's state changes go to the actor through one ordered outbox."""
 
-    def __init__(self, actor: Any, worker: str, room: Callable[[], int], incarnation: int = 1) -> None:
+    def __init__(self, actor: Any, worker: str, room: Callable[[], int], incarnation: int = 1,
+                 on_engines: Callable[[list[str]], None] | None = None) -> None:  # fmt: skip
         """``room()``: how many more groups the worker could start now (its in-flight share);
-        ``incarnation``: what :meth:`BufferActorImpl.worker_started` returned."""
+        ``incarnation``: what :meth:`BufferActorImpl.worker_started` returned; ``on_engines(urls)``:
+        the engines' addresses changed (the worker's client follows)."""
         self.actor, self.worker, self.room, self.incarnation = actor, worker, room, incarnation
+        self.on_engines, self.engines, self.engines_down = on_engines, None, False
         self.tasks: list[Task] = []
         self.leased = self.started = 0  # leases received, groups started (this instance)
         self.version, self._oldest_trainable = 0, -(10**9)
@@ -281,6 +293,11 @@ class LeasedBuffer:
 
     def _seen(self, status: dict[str, Any]) -> None:
         self.version, self._oldest_trainable = status["version"], status["oldest_trainable"]
+        self.engines_down = status["engines_down"]
+        if status["engines"] is not None and status["engines"] != self.engines:
+            self.engines = status["engines"]
+            if self.on_engines is not None:
+                self.on_engines(self.engines)
 
     async def _leaser(self) -> None:
         while True:
@@ -322,6 +339,10 @@ class LeasedBuffer:
 
     def capacity(self) -> int:
         return len(self.tasks)
+
+    def engines_up(self) -> bool:
+        """The manager's admit gate: a leased task waits while an engine is down."""
+        return not self.engines_down
 
     def oldest_trainable_version(self) -> int:
         return self._oldest_trainable
@@ -394,8 +415,9 @@ class RolloutWorkerImpl:
             active = self.manager.active_episodes if self.manager is not None else 0
             return max(0, (cap - active) // g) if active else max(1, cap // g)
 
-        leased = self.leased = LeasedBuffer(self.actor, self.worker, room, incarnation)
-        self.manager = RolloutManager(env, client, leased, leased, sampling, **self.opts)  # type: ignore[arg-type]
+        leased = self.leased = LeasedBuffer(self.actor, self.worker, room, incarnation, on_engines=getattr(client, "rebase", None))
+        self.manager = RolloutManager(env, client, leased, leased, sampling, admit=leased.engines_up,  # type: ignore[arg-type]
+                                      **self.opts)  # fmt: skip
         leased.start()
         manager, failed = asyncio.create_task(self.manager.run()), asyncio.create_task(leased.failed.wait())
         try:

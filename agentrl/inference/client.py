@@ -208,6 +208,14 @@ class PolicyClient:
     def base_urls(self) -> list[str]:
         return [e.root + "/v1" for e in self.endpoints]
 
+    def rebase(self, base_urls: list[str]) -> list[int]:
+        """Follow engines that came back at new addresses (``base_urls`` in the order given at
+        start); pins and load counts stay.  Returns the indices that moved."""
+        moved = [i for i, (e, u) in enumerate(zip(self.endpoints, base_urls, strict=True)) if e.root != url_root(u)]
+        for i in moved:
+            self.endpoints[i].rebase(base_urls[i])
+        return moved
+
     # ------------------------------------------------------------------ routing
 
     def _pick(self, exclude: Endpoint | None = None) -> Endpoint:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ class Engines:
     sync: Any  # agentrl.weights.WeightSync
     on_vllm: bool
     make_sync: Any = None  # policy -> WeightSync for its current addresses (rebuilt after a restart)
+    sync_args: dict[str, Any] = field(default_factory=dict)  # make_weight_sync's settings (a trainer actor's own sync)
     retired_syncs: list[Any] = field(default_factory=list)
 
     async def close(self) -> None:
@@ -46,10 +48,7 @@ class Engines:
     def rebind(self) -> list[int]:
         """Engines that came back at a new address (a restarted Ray actor): the client's endpoint
         follows it (its pins and load stay) and the weight sync is rebuilt for the new addresses."""
-        changed = [i for i, (ep, url) in enumerate(zip(self.client.endpoints, self.policy.base_urls, strict=True))
-                   if ep.root + "/v1" != url.rstrip("/")]
-        for i in changed:
-            self.client.endpoints[i].rebase(self.policy.base_urls[i])
+        changed = self.client.rebase(list(self.policy.base_urls))
         if changed and self.make_sync is not None:
             old, self.sync = self.sync, self.make_sync(self.policy)
             self.retired_syncs.append(old)  # closed with the engines (a push may be using it now)
@@ -94,11 +93,11 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
                              env=thread_env, tool_parser=ic.tool_parser)
     on_vllm = bool(ic.base_url) and ic.engine == "vllm"
 
+    sync_args = {"transport": ic.weight_transport, "engine": "vllm" if on_vllm else "embedded",
+                 "bucket_mb": ic.weight_bucket_mb, "timeout": ic.weight_push_timeout_s}  # fmt: skip
+
     def make_sync(pol: Any) -> Any:
-        return make_weight_sync(
-            list(pol.base_urls), ic.weight_transport, engine="vllm" if on_vllm else "embedded",
-            local_urls=local_engine_urls(pol), bucket_mb=ic.weight_bucket_mb, timeout=ic.weight_push_timeout_s,
-        )
+        return make_weight_sync(list(pol.base_urls), local_urls=local_engine_urls(pol), **sync_args)
 
     try:
         sync = make_sync(policy)
@@ -112,7 +111,7 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
         tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
         requests_per_s=cfg.rollout.requests_per_s, cache_salt=on_vllm, tool_parser=ic.tool_parser,
     )
-    return Engines(policy, client, sync, on_vllm, make_sync)
+    return Engines(policy, client, sync, on_vllm, make_sync, sync_args)
 
 
 def local_engine_urls(policy: Any) -> list[str]:
@@ -135,13 +134,22 @@ class WeightPusher:
         self.adapters = trainer.lora and not engines.on_vllm and lora_push == "adapters"
 
     async def push(self, version: int) -> float:
-        if self.adapters:
+        remote = getattr(self.trainer, "push_weights", None)
+        if remote is not None:  # a trainer actor pushes from its own process, to the engines' current addresses
+            seconds = await remote(version, self.engines.policy, self.engines.sync_args, self.adapters)
+        elif self.adapters:
             tensors = await asyncio.to_thread(self.trainer.adapter_tensors)
             seconds = await self.engines.sync.push(tensors, version, lora=True)
         else:
             seconds = await self.engines.sync.push(await asyncio.to_thread(self.trainer.named_tensors), version)
         self.engines.tag_version(version)
         return seconds
+
+    @property
+    def last_stats(self) -> dict[str, float]:
+        """The last push's numbers (``bytes``, ...), from whichever process pushed."""
+        remote = getattr(self.trainer, "last_push", None)
+        return remote if remote is not None else getattr(self.engines.sync, "last_stats", {})
 
 
 class Supervisor:
@@ -152,10 +160,21 @@ class Supervisor:
     restarts hold one lock, so a push never races a restart.
     """
 
-    def __init__(self, engines: Engines, pusher: WeightPusher, buffer: StalenessBuffer, live: LiveProgress):
+    def __init__(self, engines: Engines, pusher: WeightPusher, buffer: StalenessBuffer, live: LiveProgress,
+                 on_change: Callable[[list[str], bool], Awaitable[None]] | None = None):  # fmt: skip
+        """``on_change(urls, down)``: told when an engine goes down or comes back (maybe at a new
+        address): rollout workers in other processes hold admission and follow the address."""
         self.engines, self.pusher, self.buffer, self.live = engines, pusher, buffer, live
         self.lock = asyncio.Lock()
         self.restarts = 0
+        self.on_change = on_change
+        self._told: tuple[tuple[str, ...], bool] | None = None
+
+    async def _tell(self) -> None:
+        now = (tuple(self.engines.policy.base_urls), bool(self._dead()))
+        if self.on_change is not None and now != self._told:
+            await self.on_change(list(now[0]), now[1])
+            self._told = now
 
     def _dead(self) -> list[Any]:
         dead = getattr(self.engines.policy, "dead", None)
@@ -170,6 +189,7 @@ class Supervisor:
         while True:
             await asyncio.sleep(every_s)
             await self._refresh()
+            await self._tell()
             if self._dead():
                 await self.revive()
 
@@ -184,6 +204,7 @@ class Supervisor:
                 self.restarts += 1
             self.engines.rebind()  # a restarted actor may serve from a new address
             await self.pusher.push(self.buffer.version)  # the restarted engine is back on the base weights
+            await self._tell()  # workers: the new address, admission open again
 
     async def push(self, version: int) -> float:
         """Push, waiting out (and repairing) an engine that died under it."""

@@ -82,6 +82,7 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
     # 4) engines, client, weight sync
     live.note("starting the inference engine(s) ..." if not cfg.inference.base_url else "connecting ...")
     engines = await asyncio.to_thread(open_engines, cfg, start_model, threads)
+    state: RLState | None = None
     try:
         # the endpoint serves the model, and reports μ on the basis the trainer mirrors (before any work)
         await engines.client.probe(token_path=True, training=True)
@@ -92,6 +93,8 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
         await _train_loop(cfg, run_dir, env, eval_tasks, engines, state, live, t_start, start_model)
     finally:
         live.close()
+        if state is not None and hasattr(state.trainer, "close"):  # a trainer actor (before Ray may stop)
+            await asyncio.to_thread(state.trainer.close)
         await engines.close()
 
 
@@ -120,10 +123,26 @@ def make_buffer(bc: BufferConfig, batch_groups: int, std_normalize: bool = False
 def build_state(
     cfg: Config, start_model: Path, train_tasks: list[Task], run_dir: Path, resume: bool, live: LiveProgress
 ) -> RLState:
-    from agentrl.trainer.checkpoint import latest_checkpoint, load_checkpoint
     from agentrl.trainer.trainer import Trainer
 
-    trainer = Trainer(start_model, cfg.trainer, cfg.rollout.sampling(), seed=cfg.run.seed)
+    if cfg.cluster.trainer_actor:  # its own Ray actor; the same calls reach it (agentrl.distributed.trainer_actor)
+        from agentrl.distributed.trainer_actor import start_trainer_actor
+
+        live.note("starting the trainer actor ...")
+        trainer = start_trainer_actor(cfg, start_model, run_dir, torch_threads(cfg))
+    else:
+        trainer = Trainer(start_model, cfg.trainer, cfg.rollout.sampling(), seed=cfg.run.seed)
+    try:
+        return _restore(cfg, trainer, train_tasks, run_dir, resume, live)
+    except BaseException:
+        if hasattr(trainer, "close"):
+            trainer.close()
+        raise
+
+
+def _restore(cfg: Config, trainer: Any, train_tasks: list[Task], run_dir: Path, resume: bool, live: LiveProgress) -> RLState:
+    from agentrl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+
     buffer = make_buffer(cfg.buffer, cfg.trainer.batch_groups, cfg.trainer.loss.std_normalize)
     state = RLState(trainer, buffer, TaskSampler(train_tasks, seed=cfg.run.seed))
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -291,7 +310,7 @@ class StepLog:
 
     manager: RolloutManager
     buffer: StalenessBuffer
-    sync: Any
+    sync: Any  # what pushed the weights: its last_stats
     t_start: float
     t_loop: float = field(default_factory=time.perf_counter)
     finished_rewards: list[float] = field(default_factory=list)  # every episode finished since the last step
@@ -347,7 +366,7 @@ async def _train_loop(
     trainer, buffer, sampler = state.trainer, state.buffer, state.sampler
     logs = {name: JSONLLogger(run_dir / f"{name}.jsonl") for name in ("ledger", "rollouts", "eval_rollouts")}
     logs["metrics"] = open_metrics_logger(run_dir, cfg.metrics, cfg.model_dump(mode="json"))  # + TensorBoard/W&B
-    steplog = StepLog(None, buffer, engines.sync, t_start)  # type: ignore[arg-type]
+    steplog = StepLog(None, buffer, None, t_start)  # type: ignore[arg-type]
 
     def on_trajectory(t: Any) -> None:
         steplog.saw(t)
@@ -373,7 +392,7 @@ async def _train_loop(
             logs["eval_rollouts"].log({"eval_version": version, **t.to_dict()})
 
     held_out = HeldOut(manager, eval_tasks, cfg.eval, ro.max_tokens, record=record_eval)
-    pusher = WeightPusher(trainer, engines, lora_push=cfg.trainer.lora_push)
+    pusher = steplog.sync = WeightPusher(trainer, engines, lora_push=cfg.trainer.lora_push)
     engines.tag_version(state.start_step)
     if state.start_step > 0:  # the engine starts from the warm-start weights: bring it to the checkpoint
         await pusher.push(state.start_step)
@@ -384,7 +403,8 @@ async def _train_loop(
     stop = {"now": False}
     steplog.t_loop = steplog.last_t = time.perf_counter()
 
-    supervisor = Supervisor(engines, pusher, buffer, live)
+    on_change = manager.set_engines if cfg.cluster.rollout_workers else None  # workers follow the engines
+    supervisor = Supervisor(engines, pusher, buffer, live, on_change=on_change)  # type: ignore[attr-defined]
     watcher = asyncio.create_task(supervisor.watch())
 
     async def push(version: int) -> float:
@@ -455,7 +475,8 @@ async def checkpoint(
 
     logs = {name: (run_dir / f"{name}.jsonl").stat().st_size for name in LOGS if (run_dir / f"{name}.jsonl").exists()}
     state = {"step": version, "buffer": buffer.state_dict(), "sampler": sampler.state_dict(), "logs": logs}
-    await asyncio.to_thread(save_checkpoint, run_dir, version, trainer.state_dict(), state, keep)
+    trainer_state = await asyncio.to_thread(trainer.state_dict)  # a trainer actor's comes through Ray
+    await asyncio.to_thread(save_checkpoint, run_dir, version, trainer_state, state, keep)
 
 
 # ----------------------------------------------------------------------------- 7) finish

@@ -1,0 +1,191 @@
+"""``cluster.trainer_actor = true``: the trainer in its own Ray actor (``trainer_cpus`` / ``trainer_gpus``).
+
+The recipe keeps its shape: :class:`RemoteTrainer` answers what the recipe calls on a
+:class:`~agentrl.trainer.Trainer` (``step``, ``state_dict``, ``load_state_dict``,
+``merged_model``, ``lora``) by calling the actor, which holds the one real Trainer.
+
+Weights never pass through the driver: :meth:`RemoteTrainer.push_weights` asks the actor to
+push, and the actor builds its own WeightSync to the engines' *current* addresses (rebuilt
+when a restarted engine comes back elsewhere); engines on the actor's node keep shared
+memory under ``weight_transport = "http"``.  Checkpoints and the final model do come to the
+driver (its run dir), through Ray's object store, so no filesystem is shared either way.
+
+Death: the actor is never restarted (its optimizer state would be gone and a fresh actor
+would silently train from the start model); the run ends with :class:`TrainerDied`, which
+names the checkpoint to ``--resume`` from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from agentrl.errors import AgentrlError
+from agentrl.types import Group, SamplingParams
+
+
+class TrainerDied(AgentrlError):
+    """The trainer actor died; the message names the checkpoint to resume from (exit 1)."""
+
+    exit_code = 1
+
+
+class TrainerActorImpl:
+    """The Trainer, in its own process on whatever node Ray placed it (an async actor: the
+    heavy calls run in a worker thread so ``info`` still answers during a step)."""
+
+    def __init__(self, model_dir: str, cfg: Any, sampling: SamplingParams, seed: int, threads: int) -> None:
+        import torch
+
+        from agentrl.trainer.trainer import Trainer
+
+        torch.set_num_threads(threads)
+        self.trainer = Trainer(Path(model_dir), cfg, sampling, seed=seed)
+        self.sync: Any = None
+        self.sync_key: tuple[Any, ...] = ()
+
+    async def info(self) -> dict[str, Any]:
+        return {"lora": self.trainer.lora, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    async def step(self, groups: list[Group]) -> dict[str, float]:
+        return await asyncio.to_thread(self.trainer.step, groups)
+
+    async def state_dict(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.trainer.state_dict)
+
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        await asyncio.to_thread(self.trainer.load_state_dict, state)
+
+    async def model_files(self) -> dict[str, bytes]:
+        """The current weights as an HF model dir, file name → bytes (LoRA merged)."""
+
+        def save() -> dict[str, bytes]:
+            with tempfile.TemporaryDirectory(prefix="agentrl-trainer-") as tmp:
+                self.trainer.merged_model().save_pretrained(tmp, safe_serialization=True)
+                return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+
+        return await asyncio.to_thread(save)
+
+    async def push(self, version: int, urls: list[str], local_urls: list[str], sync_args: dict[str, Any],
+                   adapters: bool) -> tuple[float, dict[str, float]]:  # fmt: skip
+        """Push the current weights (or LoRA factors) to ``urls``; returns (seconds, the sync's stats)."""
+        from agentrl.weights import make_weight_sync
+
+        key = (tuple(urls), tuple(local_urls), tuple(sorted(sync_args.items())))
+        if key != self.sync_key:  # first push, or an engine came back at a new address
+            if self.sync is not None:
+                await self.sync.close()
+            self.sync, self.sync_key = make_weight_sync(list(urls), local_urls=list(local_urls), **sync_args), key
+        tensors = await asyncio.to_thread(self.trainer.adapter_tensors if adapters else self.trainer.named_tensors)
+        seconds = await (self.sync.push(tensors, version, lora=True) if adapters else self.sync.push(tensors, version))
+        return seconds, dict(getattr(self.sync, "last_stats", {}))
+
+    async def close(self) -> None:
+        if self.sync is not None:
+            await self.sync.close()
+
+
+class _ModelFiles:
+    """What ``merged_model()`` returns for a remote trainer: ``save_pretrained`` writes its files."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+
+    def save_pretrained(self, out: str | Path, **_: Any) -> None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, data in self.files.items():
+            (out / name).write_bytes(data)
+
+
+class RemoteTrainer:
+    """The driver's handle on the trainer actor: the Trainer methods the recipe calls (blocking,
+    like the local Trainer's; the recipe runs them off the event loop), plus :meth:`push_weights`."""
+
+    def __init__(self, actor: Any, run_dir: Path, started_ray: bool = False) -> None:
+        self.actor, self.run_dir, self.started_ray = actor, run_dir, started_ray
+        info = self._get(actor.info.remote(), "start")
+        self.lora, self.node_id = info["lora"], info["node_id"]
+        self.last_push: dict[str, float] = {}
+
+    def _get(self, ref: Any, what: str) -> Any:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            from agentrl.trainer.checkpoint import latest_checkpoint
+
+            ckpt = latest_checkpoint(self.run_dir)
+            hint = (f"resume from {ckpt} with `agentrl run --resume` (same config)" if ckpt is not None
+                    else "no checkpoint was written yet (set trainer.checkpoint_every); start the run again")
+            raise TrainerDied(f"the trainer actor died during {what}: {_first_line(e)}; {hint}") from None
+        except ray.exceptions.RayTaskError as e:  # the actor raised: re-raise the actor's own exception
+            raise e.cause if isinstance(e.cause, Exception) else e from None
+
+    def step(self, groups: list[Group]) -> dict[str, float]:
+        return self._get(self.actor.step.remote(groups), "an optimizer step")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._get(self.actor.state_dict.remote(), "a checkpoint")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._get(self.actor.load_state_dict.remote(state), "the checkpoint restore")
+
+    def merged_model(self) -> _ModelFiles:
+        return _ModelFiles(self._get(self.actor.model_files.remote(), "the final model export"))
+
+    async def push_weights(self, version: int, policy: Any, sync_args: dict[str, Any], adapters: bool) -> float:
+        """The actor pushes to ``policy``'s current engines (those on its node over shared memory)."""
+        urls = list(policy.base_urls)
+        if hasattr(policy, "local_urls"):
+            local = list(policy.local_urls(self.node_id))
+        else:
+            from urllib.parse import urlparse
+
+            local = [u for u in urls if urlparse(u).hostname in ("127.0.0.1", "localhost", "::1")]
+        ref = self.actor.push.remote(version, urls, local, sync_args, adapters)
+        seconds, self.last_push = await asyncio.to_thread(self._get, ref, "a weight push")  # may raise WeightSyncError
+        return seconds
+
+    def close(self) -> None:
+        try:
+            ray.get(self.actor.close.remote(), timeout=30)
+        except Exception:  # already dead: nothing to close
+            pass
+        ray.kill(self.actor, no_restart=True)
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def start_trainer_actor(
+    cfg: Any, model_dir: Path, run_dir: Path, threads: int, *, name: str | None = None
+) -> RemoteTrainer:
+    """Place the trainer actor (``cluster.trainer_cpus`` / ``trainer_gpus``) and wait for it to load."""
+    from agentrl.distributed.ray_backend import ensure_ray
+
+    cc = cfg.cluster
+    started = ensure_ray(cc.ray_address)
+    opts: dict[str, Any] = {"num_cpus": cc.trainer_cpus, "max_restarts": 0, "max_concurrency": 8}
+    if cc.trainer_gpus:
+        opts["num_gpus"] = cc.trainer_gpus
+    opts["name"] = name or trainer_actor_name()
+    actor = ray.remote(TrainerActorImpl).options(**opts).remote(
+        str(model_dir), cfg.trainer, cfg.rollout.sampling(), cfg.run.seed, threads
+    )
+    return RemoteTrainer(actor, run_dir, started)
+
+
+def trainer_actor_name(driver_pid: int | None = None) -> str:
+    """The Ray actor name of the trainer started by the driver process ``driver_pid``."""
+    return f"agentrl-trainer-{driver_pid or os.getpid()}"
+
+
+__all__ = ["RemoteTrainer", "TrainerActorImpl", "TrainerDied", "start_trainer_actor", "trainer_actor_name"]
