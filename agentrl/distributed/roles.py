@@ -165,6 +165,10 @@ class BufferActorImpl:
         self.buffer.notify()
         return len(lost), self.incarnation[worker]
 
+    async def status(self) -> dict[str, Any]:
+        """Version, staleness bound and engines, for a worker that has nothing to ask for."""
+        return self._status()
+
     async def set_engines(self, urls: list[str], down: bool) -> None:
         """The driver's supervisor: the engines' addresses now, and whether one is down (a
         restarted engine may come back elsewhere; every worker's client follows at its next reply)."""
@@ -265,7 +269,8 @@ class LeasedBuffer:
         self.errors: list[str] = []
         self.failed = asyncio.Event()  # set when a background loop died or the actor refused a call
         self.confirmed: dict[str, list[str]] = {}  # groups the actor started, not settled yet: their episodes
-        self._settling: set[str] = set()  # groups whose settling call is queued        self._loops: list[asyncio.Task] = []
+        self._settling: set[str] = set()  # groups whose settling call is queued
+        self._loops: list[asyncio.Task] = []
 
     def start(self) -> None:
         self._loops = [asyncio.create_task(self._guard(self._leaser())), asyncio.create_task(self._guard(self._sender()))]
@@ -302,6 +307,10 @@ class LeasedBuffer:
     async def _leaser(self) -> None:
         while True:
             want = self.room() - len(self.tasks)
+            if want <= 0 and self.engines_down:  # nothing to ask for, but hear when the engine is back
+                await asyncio.sleep(LEASE_POLL_S)
+                self._seen(await self.actor.status.remote())
+                continue
             if want <= 0:
                 self._changed.clear()
                 with contextlib.suppress(TimeoutError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,8 @@ class TrainerActorImpl:
         return await asyncio.to_thread(self.trainer.step, groups)
 
     async def state_dict(self) -> dict[str, Any]:
-        return await asyncio.to_thread(self.trainer.state_dict)
+        """On the CPU: the driver (maybe a CPU-only head node) unpickles and saves it."""
+        return await asyncio.to_thread(lambda: _to_cpu(self.trainer.state_dict()))
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         await asyncio.to_thread(self.trainer.load_state_dict, state)
@@ -90,6 +92,18 @@ class TrainerActorImpl:
             await self.sync.close()
 
 
+def _to_cpu(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
 class _ModelFiles:
     """What ``merged_model()`` returns for a remote trainer: ``save_pretrained`` writes its files."""
 
@@ -107,26 +121,37 @@ class RemoteTrainer:
     """The driver's handle on the trainer actor: the Trainer methods the recipe calls (blocking,
     like the local Trainer's; the recipe runs them off the event loop), plus :meth:`push_weights`."""
 
-    def __init__(self, actor: Any, run_dir: Path, started_ray: bool = False) -> None:
-        self.actor, self.run_dir, self.started_ray = actor, run_dir, started_ray
-        info = self._get(actor.info.remote(), "start")
+    def __init__(self, actor: Any, run_dir: Path, started_ray: bool = False, *, resources: str = "",
+                 startup_timeout: float = 600.0) -> None:  # fmt: skip
+        self.actor, self.run_dir, self.started_ray, self.resources = actor, run_dir, started_ray, resources
+        info = self._get(actor.info.remote(), "start", timeout=startup_timeout)
         self.lora, self.node_id = info["lora"], info["node_id"]
         self.last_push: dict[str, float] = {}
 
-    def _get(self, ref: Any, what: str) -> Any:
+    def _get(self, ref: Any, what: str, timeout: float | None = None) -> Any:
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise AgentrlError(f"the trainer actor was not placed within {timeout:g}s: does the cluster have "
+                               f"{self.resources} free? (cluster.trainer_cpus / trainer_gpus)") from None  # fmt: skip
         except ray.exceptions.RayActorError as e:
+            if getattr(e, "actor_init_failed", False):  # the Trainer itself failed to build: not a crash to resume
+                raise AgentrlError(f"the trainer actor could not start: {_cause(e)}") from None
             from agentrl.trainer.checkpoint import latest_checkpoint
 
             ckpt = latest_checkpoint(self.run_dir)
             hint = (f"resume from {ckpt} with `agentrl run --resume` (same config)" if ckpt is not None
                     else "no checkpoint was written yet (set trainer.checkpoint_every); start the run again")
-            raise TrainerDied(f"the trainer actor died during {what}: {_first_line(e)}; {hint}") from None
+            raise TrainerDied(f"the trainer actor died during {what} ({_cause(e)}); {hint}") from None
         except ray.exceptions.RayTaskError as e:  # the actor raised: re-raise the actor's own exception
-            raise e.cause if isinstance(e.cause, Exception) else e from None
+            if isinstance(e.cause, Exception):
+                raise e.cause from e  # the chain keeps the actor-side traceback
+            raise
 
     def step(self, groups: list[Group]) -> dict[str, float]:
+        for g in groups:
+            for t in g.trajectories:
+                t.__dict__.pop("state", None)  # env state (sandboxes, sockets) stays here; the loss never reads it
         return self._get(self.actor.step.remote(groups), "an optimizer step")
 
     def state_dict(self) -> dict[str, Any]:
@@ -152,6 +177,8 @@ class RemoteTrainer:
         return seconds
 
     def close(self) -> None:
+        if not ray.is_initialized():  # Ray already stopped (and any call would start a new one)
+            return
         try:
             ray.get(self.actor.close.remote(), timeout=30)
         except Exception:  # already dead: nothing to close
@@ -161,8 +188,13 @@ class RemoteTrainer:
             ray.shutdown()
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+def _cause(e: BaseException) -> str:
+    """Ray's death message in one line: its generic first line dropped when more follows, no colours."""
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines() if ln.strip()]
+    if len(lines) > 1 and lines[0].startswith("The actor died"):
+        lines = lines[1:]
+    text = " ".join(lines) or type(e).__name__
+    return text if len(text) <= 400 else text[:200] + " ... " + text[-190:]
 
 
 def start_trainer_actor(
@@ -180,7 +212,13 @@ def start_trainer_actor(
     actor = ray.remote(TrainerActorImpl).options(**opts).remote(
         str(model_dir), cfg.trainer, cfg.rollout.sampling(), cfg.run.seed, threads
     )
-    return RemoteTrainer(actor, run_dir, started)
+    try:
+        return RemoteTrainer(actor, run_dir, started, resources=f"{cc.trainer_cpus:g} CPUs, {cc.trainer_gpus:g} GPUs")
+    except BaseException:
+        ray.kill(actor, no_restart=True)
+        if started:
+            ray.shutdown()
+        raise
 
 
 def trainer_actor_name(driver_pid: int | None = None) -> str:

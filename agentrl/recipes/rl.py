@@ -93,9 +93,11 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
         await _train_loop(cfg, run_dir, env, eval_tasks, engines, state, live, t_start, start_model)
     finally:
         live.close()
-        if state is not None and hasattr(state.trainer, "close"):  # a trainer actor (before Ray may stop)
-            await asyncio.to_thread(state.trainer.close)
-        await engines.close()
+        try:
+            if state is not None and hasattr(state.trainer, "close"):  # a trainer actor (before Ray may stop)
+                await asyncio.to_thread(state.trainer.close)
+        finally:
+            await engines.close()
 
 
 # ----------------------------------------------------------------------------- 5) state
@@ -129,7 +131,9 @@ def build_state(
         from agentrl.distributed.trainer_actor import start_trainer_actor
 
         live.note("starting the trainer actor ...")
-        trainer = start_trainer_actor(cfg, start_model, run_dir, torch_threads(cfg))
+        # its threads follow its own reservation, not the driver's cores
+        threads = cfg.trainer.num_threads or max(1, int(cfg.cluster.trainer_cpus))
+        trainer = start_trainer_actor(cfg, start_model, run_dir, threads)
     else:
         trainer = Trainer(start_model, cfg.trainer, cfg.rollout.sampling(), seed=cfg.run.seed)
     try:
@@ -196,6 +200,7 @@ async def rl_loop(
     on_step: Callable[[StepReport], Awaitable[None]] | None = None,
     push_every: int = 1,
     should_stop: Callable[[], bool] = lambda: False,
+    guards: tuple[asyncio.Task, ...] = (),
 ) -> int:
     """The async scheduler: rollouts keep flowing while the trainer steps.
 
@@ -212,6 +217,9 @@ async def rl_loop(
     A step whose every optimizer update had a non-finite gradient is skipped whole: no
     version, no push, its episodes' fate is ``skipped``.
 
+    ``guards``: background tasks the run depends on (the engine supervisor): one that ends
+    while the trainer waits for data ends the loop with its exception.
+
     Runs steps ``start_step .. steps-1``; returns the number of the next step.
     """
     runner = asyncio.create_task(manager.run())
@@ -220,11 +228,12 @@ async def rl_loop(
         while step < steps and not should_stop():
             t0 = time.perf_counter()
             take = asyncio.create_task(buffer.take())
-            done, _ = await asyncio.wait({take, runner}, return_when=asyncio.FIRST_COMPLETED)
-            if take not in done:  # the rollout manager died: surface its exception
+            done, _ = await asyncio.wait({take, runner, *guards}, return_when=asyncio.FIRST_COMPLETED)
+            if take not in done:  # the rollout manager or a guard died: surface its exception
                 take.cancel()
-                runner.result()
-                raise RuntimeError("rollout manager stopped unexpectedly")
+                for task in done:
+                    task.result()
+                raise RuntimeError("rollout manager or engine supervisor stopped unexpectedly")
             batch = take.result()
             t1 = time.perf_counter()
             stats = await train(batch)
@@ -441,7 +450,7 @@ async def _train_loop(
             await rl_loop(
                 buffer, manager, start_step=state.start_step, steps=cfg.trainer.steps,
                 train=lambda batch: asyncio.to_thread(trainer.step, batch.groups), push=push, on_step=on_step,
-                push_every=cfg.trainer.push_every, should_stop=lambda: stop["now"],
+                push_every=cfg.trainer.push_every, should_stop=lambda: stop["now"], guards=(watcher,),
             )
         except BufferStalled as e:
             raise TrainingStalled(

@@ -41,6 +41,68 @@ def _after_step(run_dir, n: int, timeout_s: float = 300) -> None:
     raise AssertionError(f"the run did not reach step {n} within {timeout_s:g}s")
 
 
+def _groups():
+    """One scored group with made-up μ; every trajectory carries env state that cannot be pickled."""
+    from agentrl.types import Group, Message, Task, TokenSequence, Trajectory
+
+    def traj(prompt, completion, reward):
+        s = TokenSequence()
+        s.extend_forced(prompt)
+        s.extend_sampled(completion, [-1.0] * len(completion), [0] * len(completion))
+        t = Trajectory(task=Task(prompt=[Message("user", "q")]), sequences=[s], reward=reward)
+        t.state = threading.Lock()  # what an env keeps there: sandboxes, sockets
+        return t
+
+    g = Group(task=Task(prompt=[Message("user", "q")]),
+              trajectories=[traj([1, 5, 6], [40, 41, 42], 1.0), traj([1, 5, 6], [50, 51, 52], 0.0),
+                            traj([1, 5], [40, 41], 1.0), traj([1, 5, 6, 7], [50], 0.0)])  # fmt: skip
+    g.assign_advantages()
+    return [g]
+
+
+def test_remote_trainer_steps_saves_and_restores_like_the_local_trainer(tmp_path):
+    """RemoteTrainer against the local Trainer on the same groups.  Catches: env state shipped to
+    the actor (the unpicklable lock fails the step), a step that differs from the local one, a
+    checkpoint left on the trainer's device, a restore into a fresh actor that drops the weights
+    or the optimizer moments (the next step diverges), a final model that is not the weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.distributed.trainer_actor import start_trainer_actor
+    from agentrl.trainer.trainer import Trainer
+
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    cfg = load_config([], [f"--model.path={model}", "--cluster.backend=ray", "--cluster.trainer_actor=true",
+                           "--cluster.trainer_cpus=0.5", "--trainer.lr=5e-3", "--trainer.loss.name=ppo"])  # fmt: skip
+    local = Trainer(model, cfg.trainer, cfg.rollout.sampling(), seed=cfg.run.seed)
+    ray.init(include_dashboard=False, log_to_driver=False)  # the test's: neither trainer owns it
+    remote = start_trainer_actor(cfg, model, tmp_path, 1, name="agentrl-test-trainer-a")
+    fresh = None
+    try:
+        got, want = remote.step(_groups()), local.step(_groups())
+        assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6) for k in want)
+        state = remote.state_dict()
+        assert all(v.device.type == "cpu" for v in state["model"].values())
+        for k, v in local.state_dict()["model"].items():
+            torch.testing.assert_close(state["model"][k], v, rtol=1e-4, atol=1e-6)
+        fresh = start_trainer_actor(cfg, model, tmp_path, 1, name="agentrl-test-trainer-b")
+        fresh.load_state_dict(state)
+        a, b = remote.step(_groups()), fresh.step(_groups())  # the second step uses Adam's moments
+        assert a == b
+        after_a, after_b = remote.state_dict()["model"], fresh.state_dict()["model"]
+        assert all(torch.equal(after_a[k], after_b[k]) for k in after_a)
+        assert any(not torch.equal(after_a[k], state["model"][k]) for k in after_a)  # the step moved them
+        remote.merged_model().save_pretrained(tmp_path / "final")
+        saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict()
+        assert all(torch.equal(saved[k], after_a[k]) for k in saved)
+    finally:
+        remote.close()
+        if fresh is not None:
+            fresh.close()
+        ray.shutdown()
+
+
 def test_trainer_actor_rollout_workers_and_a_killed_engine(tmp_path):
     """The issue's combined run.  Catches: the trainer still in the driver (no actor, or the same
     pid), weights pushed from nowhere (engines stay at version 0), workers' clients left on a
