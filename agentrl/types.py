@@ -333,6 +333,13 @@ class Group:
     def oldest_version(self) -> int | None:
         return oldest_version(v for t in self.trajectories if (v := t.oldest_version()) is not None)
 
+    def drop_env_state(self) -> Group:
+        """Before the group leaves this process: the env state its episodes keep (``traj.state``:
+        sandboxes, sockets) stays behind; nothing downstream of scoring reads it."""
+        for t in self.trajectories:
+            t.__dict__.pop("state", None)
+        return self
+
     def assign_advantages(self, std_normalize: bool = False, eps: float = 1e-6) -> None:
         """GRPO-style: each episode's reward minus the group mean (÷ the group std if asked).
 

@@ -260,7 +260,7 @@ class LeasedBuffer:
         ``incarnation``: what :meth:`BufferActorImpl.worker_started` returned; ``on_engines(urls)``:
         the engines' addresses changed (the worker's client follows)."""
         self.actor, self.worker, self.room, self.incarnation = actor, worker, room, incarnation
-        self.on_engines, self.engines, self.engines_down = on_engines, None, False
+        self.on_engines, self.engines_down = on_engines, False
         self.tasks: list[Task] = []
         self.leased = self.started = 0  # leases received, groups started (this instance)
         self.version, self._oldest_trainable = 0, -(10**9)
@@ -299,10 +299,8 @@ class LeasedBuffer:
     def _seen(self, status: dict[str, Any]) -> None:
         self.version, self._oldest_trainable = status["version"], status["oldest_trainable"]
         self.engines_down = status["engines_down"]
-        if status["engines"] is not None and status["engines"] != self.engines:
-            self.engines = status["engines"]
-            if self.on_engines is not None:
-                self.on_engines(self.engines)
+        if status["engines"] is not None and self.on_engines is not None:
+            self.on_engines(status["engines"])  # PolicyClient.rebase: moves only what changed
 
     async def _leaser(self) -> None:
         while True:
@@ -361,8 +359,7 @@ class LeasedBuffer:
         self._outbox.put_nowait(("start_group", (group_id, task, list(episode_ids))))
 
     def put(self, group: Group) -> None:
-        for t in group.trajectories:
-            t.__dict__.pop("state", None)  # env state stays here (sockets, sandboxes)
+        group.drop_env_state()
         self._settle(group.id)
         self._outbox.put_nowait(("put", (group,)))
 

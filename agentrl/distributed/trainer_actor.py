@@ -149,10 +149,7 @@ class RemoteTrainer:
             raise
 
     def step(self, groups: list[Group]) -> dict[str, float]:
-        for g in groups:
-            for t in g.trajectories:
-                t.__dict__.pop("state", None)  # env state (sandboxes, sockets) stays here; the loss never reads it
-        return self._get(self.actor.step.remote(groups), "an optimizer step")
+        return self._get(self.actor.step.remote([g.drop_env_state() for g in groups]), "an optimizer step")
 
     def state_dict(self) -> dict[str, Any]:
         return self._get(self.actor.state_dict.remote(), "a checkpoint")
@@ -163,16 +160,10 @@ class RemoteTrainer:
     def merged_model(self) -> _ModelFiles:
         return _ModelFiles(self._get(self.actor.model_files.remote(), "the final model export"))
 
-    async def push_weights(self, version: int, policy: Any, sync_args: dict[str, Any], adapters: bool) -> float:
-        """The actor pushes to ``policy``'s current engines (those on its node over shared memory)."""
-        urls = list(policy.base_urls)
-        if hasattr(policy, "local_urls"):
-            local = list(policy.local_urls(self.node_id))
-        else:
-            from urllib.parse import urlparse
-
-            local = [u for u in urls if urlparse(u).hostname in ("127.0.0.1", "localhost", "::1")]
-        ref = self.actor.push.remote(version, urls, local, sync_args, adapters)
+    async def push_weights(self, version: int, urls: list[str], local_urls: list[str], sync_args: dict[str, Any],
+                           adapters: bool) -> float:  # fmt: skip
+        """The actor pushes to ``urls`` (``local_urls``: those on its node, over shared memory)."""
+        ref = self.actor.push.remote(version, urls, local_urls, sync_args, adapters)
         seconds, self.last_push = await asyncio.to_thread(self._get, ref, "a weight push")  # may raise WeightSyncError
         return seconds
 

@@ -114,13 +114,14 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
     return Engines(policy, client, sync, on_vllm, make_sync, sync_args)
 
 
-def local_engine_urls(policy: Any) -> list[str]:
+def local_engine_urls(policy: Any, node_id: str | None = None) -> list[str]:
     """Engines on the trainer's host (they keep shared memory under ``weight_transport = "http"``):
-    what a Ray pool says by node, else the loopback addresses."""
+    what a Ray pool says by node (``node_id``: the trainer's, default this process's), else the
+    loopback addresses."""
     from urllib.parse import urlparse
 
     if hasattr(policy, "local_urls"):
-        return list(policy.local_urls())
+        return list(policy.local_urls(node_id))
     return [u for u in policy.base_urls if urlparse(u).hostname in ("127.0.0.1", "localhost", "::1")]
 
 
@@ -136,7 +137,9 @@ class WeightPusher:
     async def push(self, version: int) -> float:
         remote = getattr(self.trainer, "push_weights", None)
         if remote is not None:  # a trainer actor pushes from its own process, to the engines' current addresses
-            seconds = await remote(version, self.engines.policy, self.engines.sync_args, self.adapters)
+            policy = self.engines.policy
+            seconds = await remote(version, list(policy.base_urls), local_engine_urls(policy, self.trainer.node_id),
+                                   self.engines.sync_args, self.adapters)  # fmt: skip
         elif self.adapters:
             tensors = await asyncio.to_thread(self.trainer.adapter_tensors)
             seconds = await self.engines.sync.push(tensors, version, lora=True)

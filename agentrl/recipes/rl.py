@@ -319,7 +319,7 @@ class StepLog:
 
     manager: RolloutManager
     buffer: StalenessBuffer
-    sync: Any  # what pushed the weights: its last_stats
+    pusher: Any  # WeightPusher: the last push's stats
     t_start: float
     t_loop: float = field(default_factory=time.perf_counter)
     finished_rewards: list[float] = field(default_factory=list)  # every episode finished since the last step
@@ -356,7 +356,7 @@ class StepLog:
             "buffer/max_staleness_next": buffer.max_staleness,
             "buffer/ready": buffer.ready_groups,
             "weights/push_s": rep.push_s,
-            "weights/push_mb": getattr(self.sync, "last_stats", {}).get("bytes", 0.0) / 2**20,
+            "weights/push_mb": self.pusher.last_stats.get("bytes", 0.0) / 2**20,
             **buffer.ledger.as_metrics(),
             "time/wall_s": now - self.t_start,
             "time/rl_wall_s": now - self.t_loop,
@@ -375,7 +375,8 @@ async def _train_loop(
     trainer, buffer, sampler = state.trainer, state.buffer, state.sampler
     logs = {name: JSONLLogger(run_dir / f"{name}.jsonl") for name in ("ledger", "rollouts", "eval_rollouts")}
     logs["metrics"] = open_metrics_logger(run_dir, cfg.metrics, cfg.model_dump(mode="json"))  # + TensorBoard/W&B
-    steplog = StepLog(None, buffer, None, t_start)  # type: ignore[arg-type]
+    pusher = WeightPusher(trainer, engines, lora_push=cfg.trainer.lora_push)
+    steplog = StepLog(None, buffer, pusher, t_start)  # type: ignore[arg-type]
 
     def on_trajectory(t: Any) -> None:
         steplog.saw(t)
@@ -401,7 +402,6 @@ async def _train_loop(
             logs["eval_rollouts"].log({"eval_version": version, **t.to_dict()})
 
     held_out = HeldOut(manager, eval_tasks, cfg.eval, ro.max_tokens, record=record_eval)
-    pusher = steplog.sync = WeightPusher(trainer, engines, lora_push=cfg.trainer.lora_push)
     engines.tag_version(state.start_step)
     if state.start_step > 0:  # the engine starts from the warm-start weights: bring it to the checkpoint
         await pusher.push(state.start_step)
