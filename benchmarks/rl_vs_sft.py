@@ -2,12 +2,13 @@
 
 The task (``examples/beyond_sft.toml``): the guessing game on ranges 24–31 wide with a
 budget of 5 guesses (bisection always wins), demonstrations played by a *legal but
-inefficient* teacher (a uniform guess among the numbers still possible, which runs out of
-guesses in ~41% of games); the reward adds a turn penalty.  Imitation can at best match
-that teacher; only a better strategy (guesses nearer the middle, i.e. towards bisection)
-meets the budget more often, and only RL is paid for finding it.  Success = ``solved``.
+inefficient* teacher that counts up from the lowest possible number and bisects only 30%
+of its moves (it wins ~36% of games; counting up alone wins ~19%); the reward adds a turn
+penalty.  The good move is in the demonstrations, but the most likely move is the slow
+one, and that is what imitation converges to under greedy decoding; only RL is paid for
+choosing the move that wins.  Success = ``solved``.
 
-    1. warm start   the config's SFT on the random teacher's demonstrations (cached)
+    1. warm start   the config's SFT on the teacher's demonstrations (cached)
     2. RL           ``agentrl run`` on the warm start for ``--rl-seconds`` of wall time
     3. SFT          continued SFT from the same warm start on the same demonstrations, for
                     the RL run's whole wall time (engine start included: SFT gets every

@@ -75,12 +75,16 @@ def narrow(interval: tuple[int, int], secret: int, guess: int) -> tuple[int, int
     return (max(lo, guess + 1), hi) if secret > guess else (lo, min(hi, guess - 1))
 
 
-# Demonstration strategies: the next guess from the numbers still possible.  All are legal
-# (every guess is still possible); only bisection always fits the default turn budget.
+# Demonstration strategies: the next guess from the numbers still possible and the mixing
+# fraction (used by "mixed" only).  All are legal (every guess is still possible); only
+# bisection always fits the default turn budget.
 DEMO_STRATEGIES = {
-    "bisect": lambda lo, hi, rng: (lo + hi) // 2,
-    "random": lambda lo, hi, rng: rng.randint(lo, hi),  # uniform over the numbers still possible
-    "linear": lambda lo, hi, rng: lo,  # count up from the lowest possible number
+    "bisect": lambda lo, hi, rng, frac: (lo + hi) // 2,
+    "random": lambda lo, hi, rng, frac: rng.randint(lo, hi),  # uniform over the numbers still possible
+    "linear": lambda lo, hi, rng, frac: lo,  # count up from the lowest possible number
+    # mostly counting up, bisecting a minority of moves: the good move is in the data, but
+    # the most likely move (what imitation converges to) is the slow one
+    "mixed": lambda lo, hi, rng, frac: (lo + hi) // 2 if rng.random() < frac else lo,
 }
 
 
@@ -96,9 +100,10 @@ class GuessEnv(MultiTurnEnv):
     (no number in the reply: feedback, and the turn is spent), ``out_of_range``.
 
     ``demo_strategy`` picks how :meth:`demonstrations` play: ``"bisect"`` (optimal),
-    ``"random"`` (a uniform guess among the numbers still possible) or ``"linear"`` (the
-    lowest number still possible): legal but inefficient teachers, for showing RL going
-    beyond imitation.  ``show_interval`` adds the numbers still possible to each feedback
+    ``"random"`` (a uniform guess among the numbers still possible), ``"linear"`` (the
+    lowest number still possible) or ``"mixed"`` (each guess bisects with probability
+    ``demo_bisect_frac``, otherwise counts up): legal but inefficient teachers, for showing
+    RL going beyond imitation.  ``show_interval`` adds the numbers still possible to each feedback
     ("It is between 38 and 63."), so the state of the game is in the last message.
     ``terse`` shortens what the game says (``Guess my number from 17 to 54.``,
     ``Higher than 23: 24 to 54.``) and makes demonstrations reply with the bare number:
@@ -119,6 +124,7 @@ class GuessEnv(MultiTurnEnv):
         max_turns: int | None = None,
         turn_penalty_weight: float = 0.0,
         demo_strategy: str = "bisect",
+        demo_bisect_frac: float = 0.3,
         show_interval: bool = False,
         terse: bool = False,
     ) -> None:
@@ -126,10 +132,13 @@ class GuessEnv(MultiTurnEnv):
             raise ValueError(f"need high - low + 1 >= max(min_width, 5), got low={low}, high={high}, min_width={min_width}")
         if demo_strategy not in DEMO_STRATEGIES:
             raise ValueError(f"demo_strategy must be one of {sorted(DEMO_STRATEGIES)}, got {demo_strategy!r}")
+        if not 0.0 <= demo_bisect_frac <= 1.0:
+            raise ValueError(f"demo_bisect_frac must be in [0, 1], got {demo_bisect_frac}")
         if max_turns is not None and max_turns < 1:
             raise ValueError(f"max_turns (the turn budget) must be >= 1, got {max_turns}")
         self.low, self.high, self.min_width, self.seed = low, high, min_width, seed
-        self.demo_strategy, self.show_interval, self.terse = demo_strategy, show_interval, terse
+        self.demo_strategy, self.demo_bisect_frac = demo_strategy, demo_bisect_frac
+        self.show_interval, self.terse = show_interval, terse
         bound = math.ceil(math.log2(high - low + 1))  # bisection always finishes within this
         rubric = Rubric([solved, turn_penalty], [1.0, float(turn_penalty_weight)])
         super().__init__(rubric=rubric, max_turns=max_turns or bound + 1, name="guess")
@@ -203,7 +212,8 @@ class GuessEnv(MultiTurnEnv):
         """Games on training tasks played by ``demo_strategy`` until found or out of turns
         (bisection always finds it within the budget; the others often do not)."""
         strategy = DEMO_STRATEGIES[self.demo_strategy]
-        rng = random.Random(f"guess-demos-{self.demo_strategy}-{seed}")
+        mix = f"-{self.demo_bisect_frac}" if self.demo_strategy == "mixed" else ""
+        rng = random.Random(f"guess-demos-{self.demo_strategy}{mix}-{seed}")
         demos = []
         for i in range(n):
             task = self._train[(seed + i) % len(self._train)]
@@ -211,7 +221,7 @@ class GuessEnv(MultiTurnEnv):
             secret, low, high = int(task.answer), task.info["low"], task.info["high"]
             interval = (low, high)
             for _ in range(self.max_turns):
-                guess = strategy(*interval, rng)
+                guess = strategy(*interval, rng, self.demo_bisect_frac)
                 messages.append(Message("assistant", str(guess) if self.terse else f"<guess>{guess}</guess>"))
                 if guess == secret:
                     break

@@ -139,6 +139,27 @@ def test_demonstrations_are_legal_games_of_their_strategy(strategy):
     assert {"bisect": rate == 1.0, "random": 0.4 < rate < 0.85, "linear": rate < 0.3}[strategy], rate
 
 
+def test_mixed_demonstrations_bisect_a_fraction_of_moves_and_count_up_otherwise():
+    env = GuessEnv(low=1, high=31, min_width=24, max_turns=5, num_train=400, num_eval=10, demo_strategy="mixed",
+                   demo_bisect_frac=0.3)
+    demos = env.demonstrations(400, seed=0)
+    mid = low = 0
+    for task, convo in zip(env.dataset(), demos, strict=True):
+        lo, hi = task.info["low"], task.info["high"]
+        for g in _assistant_guesses(convo):
+            if g == (lo + hi) // 2:  # bisection (the two coincide only on 1-2 numbers left)
+                mid += 1
+            else:
+                assert g == lo, (g, lo, hi)
+                low += 1
+            lo, hi = narrow((lo, hi), task.answer, g)
+    assert 0.25 < mid / (mid + low) < 0.36, mid / (mid + low)
+    solved = sum(_assistant_guesses(c)[-1] == t.answer for t, c in zip(env.dataset(), demos, strict=True))
+    assert 0.25 < solved / 400 < 0.46  # ~0.36: between counting up (~0.19) and bisection (1.0)
+    with pytest.raises(ValueError, match="demo_bisect_frac"):
+        GuessEnv(demo_strategy="mixed", demo_bisect_frac=1.5)
+
+
 def test_random_demonstrations_are_seeded():
     env = GuessEnv(num_train=50, num_eval=10, demo_strategy="random")
     assert env.demonstrations(20, seed=3) == env.demonstrations(20, seed=3)
