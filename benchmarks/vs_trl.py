@@ -19,14 +19,17 @@ Held-out reward is measured by one evaluator (agentrl's greedy evaluation of the
 ``--target`` / agentrl's (a run that never gets there stands in with its whole budget:
 the ratio is then a bound, marked).  Last line: JSON.
 
+    pip install -e '.[bench]'    # TRL and datasets (the baseline; not agentrl dependencies)
     python benchmarks/vs_trl.py [--seconds 240] [--target 0.6] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -168,6 +171,10 @@ def main() -> None:
                    help="torch threads for TRL (0 = agentrl's trainer's; on a shared 2-core machine 2 ran slower than 1)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs")
     args, extra = p.parse_known_args()
+    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    if missing:  # say so before agentrl's side spends its minutes
+        print(f"vs_trl.py: the baseline needs {' and '.join(missing)}: pip install -e '.[bench]'", file=sys.stderr)
+        sys.exit(2)
     cfg = load_config([str(QUICKSTART)], [f"--env.name={CALC_DIR}", f"--run.seed={args.seed}", *extra])
     import torch
 
