@@ -6,6 +6,7 @@ import ast
 import operator
 import random
 import re
+import warnings
 
 from agentrl.envs import ToolEnv, ToolLatency, with_latency
 from agentrl.rubrics import Rubric
@@ -42,8 +43,10 @@ def calculator(expression: str) -> str:
     if len(expression) > 200:
         raise ValueError("expression too long")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError as e:
+        with warnings.catch_warnings():  # "2abc" is the model's mistake: an error reply, not a warning on our stderr
+            warnings.simplefilter("error", SyntaxWarning)
+            tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, SyntaxWarning) as e:
         raise ValueError(f"cannot parse {expression!r}") from e
     value = _eval(tree)
     if isinstance(value, float) and value.is_integer():

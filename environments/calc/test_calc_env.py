@@ -33,6 +33,16 @@ def test_calculator_is_safe_and_exact():
             calculator(bad)
 
 
+def test_a_malformed_number_is_an_error_reply_not_a_warning_on_stderr():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="cannot parse"):
+            calculator("1if 1 else 2")  # Python parses this, with a SyntaxWarning
+    assert not caught, [str(w.message) for w in caught]
+
+
 def test_reward_is_numeric_match_on_last_number():
     assert correct_answer("84", 84) == 1.0 and correct_answer("The answer is -14.", -14) == 1.0
     assert correct_answer("84.0", 84) == 1.0 and correct_answer("1,102", 1102) == 1.0
