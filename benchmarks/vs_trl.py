@@ -133,6 +133,9 @@ def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: flo
         num_generations=ro.group_size, per_device_train_batch_size=ro.group_size * tc.batch_groups,
         temperature=ro.temperature, max_completion_length=2 * ro.max_tokens + 16, max_tool_calling_iterations=1,
         beta=0.0, logging_steps=10, save_strategy="no", report_to="none", disable_tqdm=True,
+        # GRPOConfig turns activation (gradient) checkpointing on by default; agentrl's trainer does not
+        # recompute activations, and for a tiny model it only costs TRL time
+        activation_checkpointing=False,
     )
     held_out = cfg.model_copy(deep=True)
     held_out.sft.eval_tasks = cfg.eval.num_tasks  # the evaluator takes its task count from [sft]
