@@ -6,6 +6,7 @@ import ast
 import operator
 import random
 import re
+import threading
 import warnings
 
 from agentrl.envs import ToolEnv, ToolLatency, with_latency
@@ -16,6 +17,7 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_PARSE_LOCK = threading.Lock()  # sync tools run in threads (asyncio.to_thread)
 
 
 def _eval(node: ast.AST) -> float | int:
@@ -43,7 +45,10 @@ def calculator(expression: str) -> str:
     if len(expression) > 200:
         raise ValueError("expression too long")
     try:
-        with warnings.catch_warnings():  # "2abc" is the model's mistake: an error reply, not a warning on our stderr
+        # "1if 1 else 2" is the model's mistake: an error reply, not a SyntaxWarning on our stderr.
+        # catch_warnings swaps process-wide filters; the lock keeps two tool threads from
+        # interleaving save/restore, which could leave "error" installed for the whole process
+        with _PARSE_LOCK, warnings.catch_warnings():
             warnings.simplefilter("error", SyntaxWarning)
             tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, SyntaxWarning) as e:
