@@ -113,7 +113,7 @@ def slow_tools(args: argparse.Namespace, extra: list[str], root: Path) -> None:
     print(f"{'run':<9} {'steps':>5} {'idle':>5} {'stale':>5} {'eta end':>7} {'eval start':>10} {'eval end':>8} "
           f"{'s to target':>11}  ledger")
     for r in runs:
-        t = seconds_to(r, args.target)
+        t = times[r["run"]]
         led = ", ".join(f"{k}={int(v)}" for k, v in r["ledger"].items() if k != "in_flight")
         print(f"{r['run']:<9} {r['steps']:>5} {r['trainer_idle_frac']:>5.2f} {r['staleness_mean']:>5.2f} "
               f"{r['max_staleness_last']:>7} {r['start_eval_reward']:>10.3f} {r['final_eval_reward']:>8.3f} "
