@@ -148,6 +148,10 @@ class TrainerConfig(Section):
     steps: int = Field(100, ge=0, description="Optimizer steps (each one a weight version).")
     batch_groups: int = Field(16, ge=1, description="Groups per optimizer step.")
     micro_batch_tokens: int = Field(8192, ge=16, description="Tokens per packed micro-batch.")
+    share_prompt: bool = Field(
+        True, description="Run a group's shared prompt through the model once per micro-batch, not once per "
+        "episode (full-attention sdpa/eager models; others take the plain path)."
+    )
     minibatches: int = Field(1, ge=1, description="Optimizer updates per batch (the groups split evenly).")
     epochs: int = Field(1, ge=1, description="Passes over the batch; updates per step = epochs × minibatches.")
     lr: float = Field(2e-4, gt=0, description="AdamW learning rate.")

@@ -36,6 +36,7 @@ import torch
 from agentrl.trainer.checkpoint import rng_state, set_rng_state
 from agentrl.trainer.logprobs import head_of, token_logprobs_from_hidden
 from agentrl.trainer.losses import LossSpec, add_stats, policy_loss, summarize, token_weights
+from agentrl.trainer.packing import attention_mask, pack, packable
 from agentrl.types import Group, SamplingParams
 
 if TYPE_CHECKING:
@@ -97,6 +98,9 @@ class Trainer:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.pad_id = model.config.pad_token_id or 0
         self.vocab_size = model.config.vocab_size
+        self.model_config = model.config
+        # a group's prompt runs once per micro-batch (agentrl.trainer.packing) where the attention allows it
+        self.share_prompt = cfg.share_prompt and packable(model.config)
         self.lora = cfg.lora_rank > 0
         if self.lora:
             from peft import LoraConfig, get_peft_model
@@ -225,10 +229,16 @@ class Trainer:
         Only the loss positions' hidden states reach the LM head, in chunks (no [B, T, V] tensor).
         """
         decoder, logits_fn = head_of(self.model)
-        hidden = decoder(input_ids=x["ids"], attention_mask=x["attn"]).last_hidden_state[:, :-1]
         sel = x["mask"] > 0
+        if self.share_prompt:
+            pk = pack([(r.ids, r.mask) for r in mb], self.pad_id, self.device)
+            mask = attention_mask(pk, self.model_config, next(self.model.parameters()).dtype)
+            hidden = decoder(input_ids=pk.ids, position_ids=pk.positions, attention_mask=mask).last_hidden_state
+            hidden = hidden.reshape(-1, hidden.shape[-1])[pk.hidden_at]
+        else:
+            hidden = decoder(input_ids=x["ids"], attention_mask=x["attn"]).last_hidden_state[:, :-1][sel]
         return token_logprobs_from_hidden(
-            hidden[sel], logits_fn, x["ids"][:, 1:][sel], x["support"][sel], self.sampling.temperature,
+            hidden, logits_fn, x["ids"][:, 1:][sel], x["support"][sel], self.sampling.temperature,
             vocab=self.vocab_size,
         )
 

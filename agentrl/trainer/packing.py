@@ -1,0 +1,142 @@
+"""Shared-prompt packing: a group's prompt goes through the model once, not once per episode.
+
+A group's ``G`` episodes start from the same prompt, so the plain forward computes the same
+prompt activations ``G`` times (and backpropagates through each copy).  Here the rows of a
+micro-batch whose tokens before their first sampled token are identical become one *pack*:
+
+    [prompt | continuation 1 | continuation 2 | ...]      one row of the forward
+
+Each continuation keeps its own positions (it starts where the prompt ends) and a mask lets
+it see the prompt and its own earlier tokens, never another continuation's.  Every hidden
+state is then the one the plain forward computes for that token in its own row, so log π_θ,
+and its gradient (summed over the continuations that share the prompt), are the plain
+path's up to float rounding: ``tests/rl/test_packing.py`` checks both against the model's own
+full-sequence forward.
+
+A pack grows only while its length stays within ``span × `` its longest member (and within
+``max_tokens``): the attention of a pack of length ``N`` costs ``N²``, so packing long
+continuations behind a short prompt would trade fewer linear-layer tokens for much more
+attention.  Rows that share nothing stay one row each (a pack of one is the plain row).
+
+Only full causal attention can be packed this way (a sliding window counts positions that
+the pack does not keep contiguous); :func:`packable` says whether a model qualifies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Packed:
+    """One micro-batch as packs: what the decoder takes, and where each loss token's hidden state is."""
+
+    ids: Tensor  # [P, N]
+    positions: Tensor  # [P, N]
+    visible: Tensor  # [P, 1, N, N] bool: query row sees key column
+    hidden_at: Tensor  # [M] flat index into [P * N] of the state that predicts each loss token
+    tokens: int  # P * N: tokens the forward processes (for metrics and benchmarks)
+
+
+def packable(config: Any) -> bool:
+    """Whether the model's attention is plain causal over positions (sdpa or eager, no window)."""
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return False
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return kinds == {"full_attention"}
+
+
+def first_loss_position(mask: Sequence[int]) -> int:
+    """Index of the first sampled token (position 0 is never a loss position)."""
+    return next((t for t in range(1, len(mask)) if mask[t]), len(mask))
+
+
+def plan(rows: Sequence[tuple[Sequence[int], Sequence[int]]], span: float = 4.0,
+         max_tokens: int = 4096) -> list[tuple[int, list[int]]]:
+    """Packs as (shared prefix length, row indices) for rows of (ids, loss mask).
+
+    Rows whose ids before their first loss token are identical share that prefix; a pack takes
+    them in order while ``prefix + Σ continuation ≤ min(span × longest member, max_tokens)``.
+    """
+    buckets: dict[tuple[int, ...], list[int]] = {}
+    for i, (ids, mask) in enumerate(rows):
+        buckets.setdefault(tuple(ids[: first_loss_position(mask)]), []).append(i)
+    packs: list[tuple[int, list[int]]] = []
+    for prefix, members in buckets.items():
+        p = len(prefix)
+        if p == 0:  # nothing shared: every row is its own pack
+            packs.extend((0, [i]) for i in members)
+            continue
+        cur: list[int] = []
+        length = longest = p
+        for i in members:
+            n = len(rows[i][0])
+            cap = min(span * max(longest, n), max(max_tokens, n))
+            if cur and length + n - p > cap:
+                packs.append((p, cur))
+                cur, length, longest = [], p, p
+            cur.append(i)
+            length, longest = length + n - p, max(longest, n)
+        packs.append((p, cur))
+    return packs
+
+
+def pack(rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: torch.device | str = "cpu",
+         span: float = 4.0, max_tokens: int = 4096) -> Packed:
+    """The decoder inputs for ``rows`` of (ids, loss mask) packed by :func:`plan`.
+
+    ``hidden_at`` lists the loss tokens in row order, each row's in position order: the order
+    of ``mask[:, 1:] > 0`` on the plain right-padded ``[B, T]`` batch.
+    """
+    packs = plan(rows, span, max_tokens)
+    lengths = [p + sum(len(rows[i][0]) - p for i in members) for p, members in packs]
+    n_cols = max(lengths)
+    ids = torch.full((len(packs), n_cols), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(packs), n_cols), dtype=torch.long)
+    segment = torch.full((len(packs), n_cols), -1, dtype=torch.long)  # -1 pad, 0 prefix, k continuation k
+    where: dict[int, tuple[int, int, int]] = {}  # row -> (pack, prefix length, column of its continuation)
+    for k, (p, members) in enumerate(packs):
+        first = rows[members[0]][0]
+        ids[k, :p] = torch.tensor(list(first[:p]), dtype=torch.long)
+        positions[k, :p] = torch.arange(p)
+        segment[k, :p] = 0
+        col = p
+        for s, i in enumerate(members, start=1):
+            rest = list(rows[i][0][p:])
+            ids[k, col: col + len(rest)] = torch.tensor(rest, dtype=torch.long)
+            positions[k, col: col + len(rest)] = torch.arange(p, p + len(rest))
+            segment[k, col: col + len(rest)] = s
+            where[i] = (k, p, col)
+            col += len(rest)
+    cols = torch.arange(n_cols)
+    q_seg, k_seg = segment[:, :, None], segment[:, None, :]
+    causal = cols[None, None, :] <= cols[None, :, None]
+    visible = causal & (q_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
+    visible |= torch.eye(n_cols, dtype=torch.bool)[None] & (q_seg < 0)  # a pad sees itself: no all-masked row
+    hidden_at: list[int] = []
+    for i, (_, mask) in enumerate(rows):
+        k, p, col = where[i]
+        for t in range(1, len(mask)):
+            if mask[t]:  # the state at position t - 1 predicts token t
+                hidden_at.append(k * n_cols + (t - 1 if t - 1 < p else col + t - 1 - p))
+    return Packed(ids.to(device), positions.to(device), visible[:, None].to(device),
+                  torch.tensor(hidden_at, dtype=torch.long, device=device), len(packs) * n_cols)
+
+
+def attention_mask(packed: Packed, config: Any, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:
+    """The 4-D mask in the form the model takes: boolean for sdpa, additive for eager; a dict
+    keyed by layer kind for models that take one mask per kind."""
+    if getattr(config, "_attn_implementation", None) == "sdpa":
+        mask = packed.visible
+    else:
+        zero = torch.zeros((), dtype=dtype, device=packed.visible.device)
+        mask = torch.where(packed.visible, zero, torch.finfo(dtype).min)
+    kinds = getattr(config, "layer_types", None)
+    return {kind: mask for kind in set(kinds)} if kinds else mask
