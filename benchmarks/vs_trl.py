@@ -13,9 +13,12 @@ step, lr 2e-4, AdamW betas (0.9, 0.99), 10 warm-up steps, grad clip 1, temperatu
 - **agentrl**: ``agentrl run examples/quickstart.toml`` (async, η = 1, embedded engine).
 
 Held-out reward is measured by one evaluator (agentrl's greedy evaluation of the same
-200 held-out tasks on an embedded engine).  agentrl evaluates in the background every
-``eval.every`` steps and its clock keeps running; TRL is evaluated from a callback every
-``--eval-every-s`` seconds with its clock stopped.  ``speedup_vs_trl`` = TRL's seconds to
+200 held-out tasks on an embedded engine), and neither side's clock runs while it does: TRL
+is evaluated from a callback every ``--eval-every-s`` training seconds with its clock
+stopped; agentrl runs with no in-run evaluation, saves a checkpoint every
+``--snapshot-every`` versions (its clock keeps running through the saves), and each
+checkpoint is evaluated after the run, at the RL seconds when those weights existed.
+``speedup_vs_trl`` = TRL's seconds to
 ``--target`` / agentrl's (a run that never gets there stands in with its whole budget:
 the ratio is then a bound, marked).  Last line: JSON.
 
@@ -51,18 +54,30 @@ def first_at(curve: list[tuple[float, float]], target: float) -> float | None:
 # ----------------------------------------------------------------------------- agentrl
 
 
-def run_agentrl(cfg: Config, seconds: float, run_dir: Path) -> dict[str, Any]:
-    """``agentrl run`` for ``seconds``; held-out curve as (seconds when those weights existed, reward)."""
+def run_agentrl(cfg: Config, seconds: float, run_dir: Path, snapshot_every: int, evaluator: Any,
+                warm_reward: float) -> dict[str, Any]:
+    """``agentrl run`` for ``seconds`` with no in-run evaluation; then its held-out curve as
+    (RL seconds when those weights existed, reward), one point per saved checkpoint."""
+    from transformers import AutoModelForCausalLM
+
     from agentrl.recipes.rl import train
+    from agentrl.trainer.checkpoint import checkpoint_step, complete_checkpoints, load_checkpoint
 
     cfg = cfg.model_copy(deep=True)
     cfg.run.dir, cfg.run.max_wall_s = str(run_dir), seconds
-    cfg.trainer.steps, cfg.trainer.checkpoint_every = 100_000, 0
+    cfg.trainer.steps, cfg.trainer.checkpoint_every, cfg.trainer.keep_checkpoints = 100_000, snapshot_every, 0
+    cfg.eval.every = 0  # evaluated below, off the clock, as TRL is
     train(cfg, progress=False)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     at_version = {0: 0.0, **{r["version"]: r["time/rl_wall_s"] for r in rows}}
-    curve = [(round(at_version[r["eval/version"]], 1), r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
-    return {"curve": curve, "steps": rows[-1]["version"], "wall_s": rows[-1]["time/rl_wall_s"]}
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")  # the architecture; weights per checkpoint
+    curve = [(0.0, warm_reward)]
+    for ckpt in complete_checkpoints(run_dir):
+        version = checkpoint_step(ckpt)
+        model.load_state_dict(load_checkpoint(ckpt)[0]["model"])
+        curve.append((round(at_version[version], 1), evaluator.score(model, version)))
+    return {"curve": curve, "steps": rows[-1]["version"], "wall_s": rows[-1]["time/rl_wall_s"],
+            "snapshot_every": snapshot_every}
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -106,7 +121,8 @@ class _Clock:
         self.next_eval = t + self.every_s
 
 
-def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: float, threads: int) -> dict[str, Any]:
+def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: float, threads: int, evaluator: Any,
+            warm_reward: float) -> dict[str, Any]:
     """TRL's GRPOTrainer on the calc task for ``seconds`` (evaluation time excluded)."""
     import torch
     from agentrl_env_calc import calculator, correct_answer
@@ -115,7 +131,6 @@ def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: flo
     from trl import GRPOConfig, GRPOTrainer
 
     from agentrl.plugins import load_environment
-    from agentrl.recipes.sft import GreedyEvaluator
 
     torch.set_num_threads(threads)
     env = load_environment(cfg.env.name, **cfg.env.args)
@@ -137,9 +152,6 @@ def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: flo
         # recompute activations, and for a tiny model it only costs TRL time
         activation_checkpointing=False,
     )
-    held_out = cfg.model_copy(deep=True)
-    held_out.sft.eval_tasks = cfg.eval.num_tasks  # the evaluator takes its task count from [sft]
-    evaluator = GreedyEvaluator(warm, env, held_out)
     clock = _Clock(seconds, every_s, evaluator.score)
 
     class Budget(TrainerCallback):
@@ -151,13 +163,10 @@ def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: flo
     model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=trl_tokenizer(warm, calculator), tools=[calculator], callbacks=[Budget()])
-    try:
-        clock.evaluate(model, 0)  # the warm start, on the same evaluator
-        clock.t0, clock.paused = time.perf_counter(), 0.0
-        clock.next_eval = every_s
-        trainer.train()
-    finally:
-        evaluator.close()
+    clock.curve.append((0.0, warm_reward))  # the warm start, on the same evaluator
+    clock.t0, clock.paused = time.perf_counter(), 0.0
+    clock.next_eval = every_s
+    trainer.train()
     return {"curve": clock.curve, "steps": trainer.state.global_step, "wall_s": clock.now()}
 
 
@@ -169,6 +178,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=240.0, help="training seconds per side")
     p.add_argument("--target", type=float, default=0.6, help="held-out reward to reach")
     p.add_argument("--eval-every-s", type=float, default=25.0, help="TRL: evaluate every N training seconds")
+    p.add_argument("--snapshot-every", type=int, default=10,
+                   help="agentrl: save (and afterwards evaluate) the weights every N versions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trl-threads", type=int, default=0,
                    help="torch threads for TRL (0 = agentrl's trainer's; on a shared 2-core machine 2 ran slower than 1)")
@@ -180,17 +191,25 @@ def main() -> None:
         sys.exit(2)
     cfg = load_config([str(QUICKSTART)], [f"--env.name={CALC_DIR}", f"--run.seed={args.seed}", *extra])
     import torch
+    from transformers import AutoModelForCausalLM
 
+    from agentrl.plugins import load_environment
     from agentrl.recipes.rl import torch_threads
-    from agentrl.recipes.sft import warm_start
+    from agentrl.recipes.sft import GreedyEvaluator, warm_start
 
     torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does before its warm start
     warm = warm_start(cfg, progress=False)
+    held_out = cfg.model_copy(deep=True)
+    held_out.sft.eval_tasks = cfg.eval.num_tasks  # the evaluator takes its task count from [sft]
+    evaluator = GreedyEvaluator(warm, load_environment(cfg.env.name, **cfg.env.args), held_out)
     root = Path(tempfile.mkdtemp(prefix="agentrl-vstrl-"))
     try:
-        ours = run_agentrl(cfg, args.seconds, root / "agentrl")
-        trl = run_trl(cfg, warm, args.seconds, root / "trl", args.eval_every_s, args.trl_threads or torch_threads(cfg))
+        warm_reward = evaluator.score(AutoModelForCausalLM.from_pretrained(warm), 0)
+        ours = run_agentrl(cfg, args.seconds, root / "agentrl", args.snapshot_every, evaluator, warm_reward)
+        trl = run_trl(cfg, warm, args.seconds, root / "trl", args.eval_every_s, args.trl_threads or torch_threads(cfg),
+                      evaluator, warm_reward)
     finally:
+        evaluator.close()
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     report(args, ours, trl)
