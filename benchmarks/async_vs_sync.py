@@ -10,14 +10,18 @@ share, staleness and held-out reward; ``speedup`` = η=0 wall time / η=2 wall t
 ``--tool-latency``: every calculator call first waits a heavy-tailed delay (lognormal,
 median ``--latency-median`` s, p99 ``--latency-p99`` s, the calc env's
 ``tool_latency_*`` arguments), as real tools do.  Three runs — η = 0 for
-``--sync-seconds``, η = 2 and adaptive η for ``--seconds`` each — evaluate on the held-out
-tasks as they go; ``speedup`` = η=0's seconds to ``--target`` held-out reward / the best
-async run's.  When η=0 never gets there, its whole budget stands in and the ratio is a
-lower bound (``speedup_is_lower_bound``).  η=0 evaluates every ``--sync-eval-every``
-steps and the async runs every ``--eval-every``, so that all three evaluate about equally
-often in wall time.  A noisy held-out curve crosses a threshold sooner when it is sampled
-more often, and that would favour whichever run evaluates most.  The ledger's counts show
-what each run dropped as stale.  Last line: JSON.
+``--sync-seconds``, η = 2 and adaptive η for ``--seconds`` each — save a checkpoint every
+few versions and evaluate nothing while they run; afterwards one greedy evaluator scores
+every checkpoint on the held-out tasks (``benchmarks/heldout.py``), so evaluation costs no
+run any time.  (In-run, an evaluation holds back η=0's next push, and with it all of its
+rollouts, far longer than an async run's.)  η=0 saves every ``--sync-snapshot-every``
+versions and the async runs every ``--snapshot-every``, so that all three are scored about
+equally often in wall time: a noisy curve crosses a threshold sooner when it is sampled more
+often.  ``speedup`` = η=0's seconds to ``--target`` held-out reward / the best async run's;
+when η=0 never gets there, its whole budget stands in and the ratio is a lower bound
+(``speedup_is_lower_bound``).  ``speedup_held`` is the same ratio when the target must hold
+for two scored checkpoints in a row.  The ledger's counts show what each run dropped as
+stale.  Last line: JSON.
 
     python benchmarks/async_vs_sync.py [--steps 30] [extra dotted overrides ...]
     python benchmarks/async_vs_sync.py --tool-latency [--seconds 240] [--sync-seconds 420] [--target 0.6]
@@ -32,6 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from heldout import checkpoint_curve, evaluator, first_at, snapshot_overrides
+
 from agentrl.config import load_config
 from agentrl.metrics import read_jsonl
 from agentrl.recipes.rl import train as run_training
@@ -41,21 +47,26 @@ QUICKSTART = ROOT / "examples" / "quickstart.toml"
 CALC_DIR = ROOT / "environments" / "calc"  # this checkout's env, whichever copy is installed
 
 
-def one(name: str, overrides: list[str], root: Path) -> dict[str, Any]:
-    """One quickstart run with ``overrides``; the numbers the comparison needs."""
+def one(name: str, overrides: list[str], root: Path, scored: tuple[Any, float] | None = None) -> dict[str, Any]:
+    """One quickstart run with ``overrides``; the numbers the comparison needs.  ``scored``
+    (evaluator, warm-start reward): the held-out curve comes from the run's checkpoints,
+    scored after it (the overrides must include :func:`heldout.snapshot_overrides`)."""
     run_dir = root / name
-    run_training(load_config([str(QUICKSTART)], [f"--run.dir={run_dir}", "--trainer.checkpoint_every=0", *overrides]),
-                 progress=False)
+    ckpt = [] if scored else ["--trainer.checkpoint_every=0"]
+    run_training(load_config([str(QUICKSTART)], [f"--run.dir={run_dir}", *ckpt, *overrides]), progress=False)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     last = rows[-1]
-    evals = [(r["time/rl_wall_s"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
+    if scored:
+        curve = checkpoint_curve(run_dir, scored[0].score, scored[1])
+    else:
+        curve = [(round(r["time/rl_wall_s"], 1), r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
     return {
         "run": name,
         "rl_wall_s": last["time/rl_wall_s"],
         "steps": last["version"],
-        "final_eval_reward": last.get("eval/reward_mean"),
-        "start_eval_reward": rows[0].get("eval/reward_mean"),
-        "eval_curve": [(round(t, 1), r) for t, r in evals],
+        "final_eval_reward": curve[-1][1] if curve else None,
+        "start_eval_reward": curve[0][1] if curve else None,
+        "eval_curve": curve,
         "trainer_idle_frac": sum(r["train/idle_frac"] for r in rows) / len(rows),
         "staleness_mean": sum(r["buffer/staleness_mean"] for r in rows) / len(rows),
         "max_staleness_last": last["buffer/max_staleness"],
@@ -63,11 +74,6 @@ def one(name: str, overrides: list[str], root: Path) -> dict[str, Any]:
                    if k.startswith("ledger/") and isinstance(v, int | float)},
         "groups_cancelled_stale": last.get("rollout/groups_cancelled_stale", 0),
     }
-
-
-def seconds_to(run: dict[str, Any], target: float) -> float | None:
-    """RL seconds until the first held-out evaluation at or above ``target`` (None: never)."""
-    return next((t for t, r in run["eval_curve"] if r >= target), None)
 
 
 def fixed_steps(args: argparse.Namespace, extra: list[str], root: Path) -> None:
@@ -89,6 +95,7 @@ def slow_tools(args: argparse.Namespace, extra: list[str], root: Path) -> None:
     # one warm start for all three, trained and cached on instant tools (its early-stop
     # evaluations need not wait on slow ones)
     import torch
+    from transformers import AutoModelForCausalLM
 
     from agentrl.recipes.rl import torch_threads
     from agentrl.recipes.sft import warm_start
@@ -99,15 +106,21 @@ def slow_tools(args: argparse.Namespace, extra: list[str], root: Path) -> None:
     latency = {"tool_latency_median_s": args.latency_median, "tool_latency_p99_s": args.latency_p99}
     common = [f"--env.name={CALC_DIR}", *(f"--env.args.{k}={v}" for k, v in latency.items()),
               f"--model.path={warm}", "--sft.enabled=false", "--trainer.steps=100000", *extra]
-    sync_budget = [f"--run.max_wall_s={args.sync_seconds}", f"--eval.every={args.sync_eval_every}"]
-    budget = [f"--run.max_wall_s={args.seconds}", f"--eval.every={args.eval_every}"]
-    runs = [
-        one("eta0", ["--buffer.max_staleness=0", *sync_budget, *common], root),
-        one("eta2", ["--buffer.max_staleness=2", *budget, *common], root),
-        one("adaptive", ["--buffer.adaptive=true", "--buffer.max_staleness=1", "--buffer.max_staleness_cap=4",
-                         *budget, *common], root),
-    ]
+    sync_budget = [f"--run.max_wall_s={args.sync_seconds}", *snapshot_overrides(args.sync_snapshot_every)]
+    budget = [f"--run.max_wall_s={args.seconds}", *snapshot_overrides(args.snapshot_every)]
+    judge = evaluator(cfg, warm)
+    try:
+        scored = (judge, judge.score(AutoModelForCausalLM.from_pretrained(warm), 0))
+        runs = [
+            one("eta0", ["--buffer.max_staleness=0", *sync_budget, *common], root, scored),
+            one("eta2", ["--buffer.max_staleness=2", *budget, *common], root, scored),
+            one("adaptive", ["--buffer.adaptive=true", "--buffer.max_staleness=1", "--buffer.max_staleness_cap=4",
+                             *budget, *common], root, scored),
+        ]
+    finally:
+        judge.close()
     speedup, lower_bound, times = speedup_to(runs, args.target)
+    held, held_bound, _ = speedup_to(runs, args.target, hold=2)
     print(f"quickstart with slow tools: lognormal latency, median {args.latency_median} s, p99 {args.latency_p99} s; "
           f"eta=0 {args.sync_seconds:.0f} s, async {args.seconds:.0f} s per run; target held-out reward {args.target}")
     print(f"{'run':<9} {'steps':>5} {'idle':>5} {'stale':>5} {'eta end':>7} {'eval start':>10} {'eval end':>8} "
@@ -128,16 +141,22 @@ def slow_tools(args: argparse.Namespace, extra: list[str], root: Path) -> None:
             print(f"speed-up to {target:.2f}: no async run got there (raise --seconds or lower --target)")
         else:
             print(f"speed-up to {target:.2f} held-out, best async vs eta=0: {'>=' if bound else ''}{ratio:.2f}x")
+    if held is not None:
+        print(f"speed-up to {args.target:.2f} held for two scored checkpoints in a row: {'>=' if held_bound else ''}"
+              f"{held:.2f}x")
     print(json.dumps({"benchmark": "async_vs_sync", "tool_latency": latency, "target": args.target,
                       "seconds_per_run": {"eta0": args.sync_seconds, "async": args.seconds},
                       "seconds_to_target": times, "runs": runs, "speedup_by_target": by_target,
+                      "speedup_held": held, "speedup_held_is_lower_bound": held_bound,
                       "speedup": speedup, "speedup_is_lower_bound": lower_bound}))
 
 
-def speedup_to(runs: list[dict[str, Any]], target: float) -> tuple[float | None, bool, dict[str, float | None]]:
+def speedup_to(runs: list[dict[str, Any]], target: float,
+               hold: int = 1) -> tuple[float | None, bool, dict[str, float | None]]:
     """(η=0's seconds to ``target`` / the best async run's, whether that is a lower bound because
-    η=0 never got there and its whole budget stands in, every run's seconds to ``target``)."""
-    times = {r["run"]: seconds_to(r, target) for r in runs}
+    η=0 never got there and its whole budget stands in, every run's seconds to ``target``);
+    ``hold``: the target must hold for that many scored points in a row (:func:`heldout.first_at`)."""
+    times = {r["run"]: first_at(r["eval_curve"], target, hold) for r in runs}
     sync = runs[0]
     reached = [times[r["run"]] for r in runs[1:] if times[r["run"]] is not None]
     if not reached:
@@ -156,9 +175,10 @@ def main() -> None:
     p.add_argument("--sync-seconds", type=float, default=420.0,
                    help="slow tools: wall-time budget of the eta=0 run (slower per step: give it room to get there)")
     p.add_argument("--target", type=float, default=0.6, help="slow tools: held-out reward to reach")
-    p.add_argument("--eval-every", type=int, default=5, help="slow tools: async runs evaluate every N steps")
-    p.add_argument("--sync-eval-every", type=int, default=2,
-                   help="slow tools: eta=0 evaluates every N steps (~3x slower steps: about as often in wall time)")
+    p.add_argument("--snapshot-every", type=int, default=5,
+                   help="slow tools: async runs save (and are afterwards scored) every N versions")
+    p.add_argument("--sync-snapshot-every", type=int, default=2,
+                   help="slow tools: eta=0 saves every N versions (~3x slower steps: about as often in wall time)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs")
     args, extra = p.parse_known_args()
     root = Path(tempfile.mkdtemp(prefix="agentrl-avs-"))
