@@ -13,10 +13,12 @@ and its gradient (summed over the continuations that share the prompt), are the 
 path's up to float rounding: ``tests/rl/test_packing.py`` checks both against the model's own
 full-sequence forward.
 
-A pack grows only while its length stays within ``span × `` its longest member (and within
-``max_tokens``): the attention of a pack of length ``N`` costs ``N²``, so packing long
-continuations behind a short prompt would trade fewer linear-layer tokens for much more
-attention.  Rows that share nothing stay one row each (a pack of one is the plain row).
+A pack takes another member only when that is cheaper than a row of its own.  Per layer a
+sequence of ``n`` tokens costs about ``24·n·d²`` in its linear layers and ``4·n²·d`` in
+attention (``d`` the hidden size; a packed mask is dense), so cost(n) ∝ ``n + n² / (6·d)``:
+a long prompt with short continuations packs; long continuations behind a short prompt do
+not, since their attention over one long row would cost more than the prompt saves.  Rows
+that share nothing stay one row each (a pack of one is the plain row).
 
 Only full causal attention can be packed this way (a sliding window counts positions that
 the pack does not keep contiguous); :func:`packable` says whether a model qualifies.
@@ -58,12 +60,18 @@ def first_loss_position(mask: Sequence[int]) -> int:
     return next((t for t in range(1, len(mask)) if mask[t]), len(mask))
 
 
-def plan(rows: Sequence[tuple[Sequence[int], Sequence[int]]], span: float = 4.0,
-         max_tokens: int = 4096) -> list[tuple[int, list[int]]]:
+def cost(n: int, hidden: int) -> float:
+    """Relative forward cost of one row of ``n`` tokens (module docstring)."""
+    return n + n * n / (6 * hidden)
+
+
+def plan(rows: Sequence[tuple[Sequence[int], Sequence[int]]], hidden: int,
+         max_tokens: int = 8192) -> list[tuple[int, list[int]]]:
     """Packs as (shared prefix length, row indices) for rows of (ids, loss mask).
 
     Rows whose ids before their first loss token are identical share that prefix; a pack takes
-    them in order while ``prefix + Σ continuation ≤ min(span × longest member, max_tokens)``.
+    them in order while each one adds less :func:`cost` than its own row would, and the pack
+    stays within ``max_tokens``.
     """
     buckets: dict[tuple[int, ...], list[int]] = {}
     for i, (ids, mask) in enumerate(rows):
@@ -75,27 +83,27 @@ def plan(rows: Sequence[tuple[Sequence[int], Sequence[int]]], span: float = 4.0,
             packs.extend((0, [i]) for i in members)
             continue
         cur: list[int] = []
-        length = longest = p
+        length = p
         for i in members:
             n = len(rows[i][0])
-            cap = min(span * max(longest, n), max(max_tokens, n))
-            if cur and length + n - p > cap:
+            grown = length + n - p
+            if cur and (cost(grown, hidden) - cost(length, hidden) > cost(n, hidden) or grown > max_tokens):
                 packs.append((p, cur))
-                cur, length, longest = [], p, p
+                cur, length = [], p
             cur.append(i)
-            length, longest = length + n - p, max(longest, n)
+            length += n - p
         packs.append((p, cur))
     return packs
 
 
-def pack(rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, device: torch.device | str = "cpu",
-         span: float = 4.0, max_tokens: int = 4096) -> Packed:
+def pack(rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, hidden: int,
+         device: torch.device | str = "cpu", max_tokens: int = 8192) -> Packed:
     """The decoder inputs for ``rows`` of (ids, loss mask) packed by :func:`plan`.
 
     ``hidden_at`` lists the loss tokens in row order, each row's in position order: the order
     of ``mask[:, 1:] > 0`` on the plain right-padded ``[B, T]`` batch.
     """
-    packs = plan(rows, span, max_tokens)
+    packs = plan(rows, hidden, max_tokens)
     lengths = [p + sum(len(rows[i][0]) - p for i in members) for p, members in packs]
     n_cols = max(lengths)
     ids = torch.full((len(packs), n_cols), pad_id, dtype=torch.long)

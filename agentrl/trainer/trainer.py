@@ -231,7 +231,7 @@ class Trainer:
         decoder, logits_fn = head_of(self.model)
         sel = x["mask"] > 0
         if self.share_prompt:
-            pk = pack([(r.ids, r.mask) for r in mb], self.pad_id, self.device)
+            pk = pack([(r.ids, r.mask) for r in mb], self.pad_id, self.model_config.hidden_size, self.device)
             mask = attention_mask(pk, self.model_config, next(self.model.parameters()).dtype)
             hidden = decoder(input_ids=pk.ids, position_ids=pk.positions, attention_mask=mask).last_hidden_state
             hidden = hidden.reshape(-1, hidden.shape[-1])[pk.hidden_at]

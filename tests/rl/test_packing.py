@@ -49,7 +49,7 @@ def _reference(model, rows, coef):
 
 def _packed(model, rows, coef):
     decoder, logits_fn = head_of(model)
-    pk = pack(rows, pad_id=0)
+    pk = pack(rows, pad_id=0, hidden=model.config.hidden_size)
     hidden = decoder(input_ids=pk.ids, position_ids=pk.positions,
                      attention_mask=attention_mask(pk, model.config, torch.float32)).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])[pk.hidden_at]
@@ -76,15 +76,19 @@ def test_packed_logprobs_and_gradients_equal_one_full_forward_per_sequence(attn)
         torch.testing.assert_close(grad[name], g, atol=2e-6, rtol=1e-4, msg=name)
 
 
-def test_a_pack_stops_growing_at_span_times_its_longest_member():
+def test_a_pack_takes_a_member_only_when_that_is_cheaper_than_its_own_row():
     prompt = [1, 2, 3, 4]
     rows = [(prompt + [10 + i] * 20, [0] * 4 + [1] * 20) for i in range(3)]
-    # longest member 24 tokens, span 2: 4 + 20 + 20 = 44 fits in 48, a third continuation does not
-    assert plan(rows, span=2.0) == [(4, [0, 1]), (4, [2])]
-    assert plan(rows, span=4.0) == [(4, [0, 1, 2])]
-    assert plan(rows, span=4.0, max_tokens=30) == [(4, [0]), (4, [1]), (4, [2])]
+    # wide model: attention is cheap next to the linear layers, so the prompt is worth sharing
+    assert plan(rows, hidden=100) == [(4, [0, 1, 2])]
+    assert plan(rows, hidden=100, max_tokens=50) == [(4, [0, 1]), (4, [2])]
+    # narrow model: one long row's attention costs more than a 4-token prompt saves
+    assert plan(rows, hidden=1) == [(4, [0]), (4, [1]), (4, [2])]
+    long_prompt = [(list(range(1, 41)) + [50 + i] * 4, [0] * 40 + [1] * 4) for i in range(3)]
+    assert plan(long_prompt, hidden=1) == [(40, [0, 1, 2])]
     # rows share what comes before their first sampled token (position 0 is never sampled)
-    assert plan([([5, 6, 7], [0, 1, 1]), ([5, 6, 8], [0, 1, 1]), ([9, 9], [1, 1])]) == [(1, [0, 1]), (1, [2])]
+    assert plan([([5, 6, 7], [0, 1, 1]), ([5, 6, 8], [0, 1, 1]), ([9, 9], [1, 1])], hidden=64) == [
+        (1, [0, 1]), (1, [2])]
 
 
 def test_only_full_causal_sdpa_or_eager_attention_is_packed():
