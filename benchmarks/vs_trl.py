@@ -17,10 +17,11 @@ Held-out reward is measured by one evaluator (agentrl's greedy evaluation of the
 is evaluated from a callback every ``--eval-every-s`` training seconds with its clock
 stopped; agentrl runs with no in-run evaluation, saves a checkpoint every
 ``--snapshot-every`` versions (its clock keeps running through the saves), and each
-checkpoint is evaluated after the run, at the RL seconds when those weights existed.
-``speedup_vs_trl`` = TRL's seconds to
-``--target`` / agentrl's (a run that never gets there stands in with its whole budget:
-the ratio is then a bound, marked).  Last line: JSON.
+checkpoint is evaluated after the run, at the RL seconds when those weights existed
+(``benchmarks/heldout.py``).  ``speedup_vs_trl`` = TRL's seconds to ``--target`` / agentrl's
+(a run that never gets there stands in with its whole budget: the ratio is then a bound,
+marked); ``speedup_held`` is the same ratio when the target must hold for two evaluations in
+a row.  Last line: JSON.
 
     pip install -e '.[bench]'    # TRL and datasets (the baseline; not agentrl dependencies)
     python benchmarks/vs_trl.py [--seconds 240] [--target 0.6] [--seed 0]
@@ -38,6 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from heldout import checkpoint_curve, first_at
+from heldout import evaluator as held_out_evaluator
+
 from agentrl.config import Config, load_config
 from agentrl.metrics import read_jsonl
 
@@ -46,43 +50,23 @@ QUICKSTART = ROOT / "examples" / "quickstart.toml"
 CALC_DIR = ROOT / "environments" / "calc"  # this checkout's env, whichever copy is installed
 
 
-def first_at(curve: list[tuple[float, float]], target: float, hold: int = 1) -> float | None:
-    """Seconds of the first (seconds, reward) point at or above ``target`` that starts ``hold``
-    such points in a row (None: never).  ``hold=2`` ignores a lone lucky evaluation."""
-    for i, (t, _) in enumerate(curve):
-        run = curve[i: i + hold]
-        if len(run) == hold and all(r >= target for _, r in run):
-            return t
-    return None
-
-
 # ----------------------------------------------------------------------------- agentrl
 
 
 def run_agentrl(cfg: Config, seconds: float, run_dir: Path, snapshot_every: int, evaluator: Any,
                 warm_reward: float) -> dict[str, Any]:
-    """``agentrl run`` for ``seconds`` with no in-run evaluation; then its held-out curve as
-    (RL seconds when those weights existed, reward), one point per saved checkpoint."""
-    from transformers import AutoModelForCausalLM
-
+    """``agentrl run`` for ``seconds`` with no in-run evaluation; then its held-out curve, one
+    point per checkpoint scored after the run (``benchmarks/heldout.py``)."""
     from agentrl.recipes.rl import train
-    from agentrl.trainer.checkpoint import checkpoint_step, complete_checkpoints, load_checkpoint
 
     cfg = cfg.model_copy(deep=True)
     cfg.run.dir, cfg.run.max_wall_s = str(run_dir), seconds
     cfg.trainer.steps, cfg.trainer.checkpoint_every, cfg.trainer.keep_checkpoints = 100_000, snapshot_every, 0
-    cfg.eval.every = 0  # evaluated below, off the clock, as TRL is
+    cfg.eval.every = 0  # scored below, off the clock, as TRL is
     train(cfg, progress=False)
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    at_version = {0: 0.0, **{r["version"]: r["time/rl_wall_s"] for r in rows}}
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")  # the architecture; weights per checkpoint
-    curve = [(0.0, warm_reward)]
-    for ckpt in complete_checkpoints(run_dir):
-        version = checkpoint_step(ckpt)
-        model.load_state_dict(load_checkpoint(ckpt)[0]["model"])
-        curve.append((round(at_version[version], 1), evaluator.score(model, version)))
-    return {"curve": curve, "steps": rows[-1]["version"], "wall_s": rows[-1]["time/rl_wall_s"],
-            "snapshot_every": snapshot_every}
+    return {"curve": checkpoint_curve(run_dir, evaluator.score, warm_reward), "steps": rows[-1]["version"],
+            "wall_s": rows[-1]["time/rl_wall_s"], "snapshot_every": snapshot_every}
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -199,15 +183,12 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agentrl.plugins import load_environment
     from agentrl.recipes.rl import torch_threads
-    from agentrl.recipes.sft import GreedyEvaluator, warm_start
+    from agentrl.recipes.sft import warm_start
 
     torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does before its warm start
     warm = warm_start(cfg, progress=False)
-    held_out = cfg.model_copy(deep=True)
-    held_out.sft.eval_tasks = cfg.eval.num_tasks  # the evaluator takes its task count from [sft]
-    evaluator = GreedyEvaluator(warm, load_environment(cfg.env.name, **cfg.env.args), held_out)
+    evaluator = held_out_evaluator(cfg, warm)
     root = Path(tempfile.mkdtemp(prefix="agentrl-vstrl-"))
     try:
         warm_reward = evaluator.score(AutoModelForCausalLM.from_pretrained(warm), 0)
