@@ -96,14 +96,13 @@ def plan(rows: Sequence[tuple[Sequence[int], Sequence[int]]], hidden: int,
     return packs
 
 
-def pack(rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, hidden: int,
-         device: torch.device | str = "cpu", max_tokens: int = 8192) -> Packed:
-    """The decoder inputs for ``rows`` of (ids, loss mask) packed by :func:`plan`.
+def pack(rows: Sequence[tuple[Sequence[int], Sequence[int]]], packs: list[tuple[int, list[int]]], pad_id: int,
+         device: torch.device | str = "cpu") -> Packed:
+    """The decoder inputs for ``rows`` of (ids, loss mask) packed as :func:`plan` says.
 
     ``hidden_at`` lists the loss tokens in row order, each row's in position order: the order
     of ``mask[:, 1:] > 0`` on the plain right-padded ``[B, T]`` batch.
     """
-    packs = plan(rows, hidden, max_tokens)
     lengths = [p + sum(len(rows[i][0]) - p for i in members) for p, members in packs]
     n_cols = max(lengths)
     ids = torch.full((len(packs), n_cols), pad_id, dtype=torch.long)

@@ -36,7 +36,7 @@ import torch
 from agentrl.trainer.checkpoint import rng_state, set_rng_state
 from agentrl.trainer.logprobs import head_of, token_logprobs_from_hidden
 from agentrl.trainer.losses import LossSpec, add_stats, policy_loss, summarize, token_weights
-from agentrl.trainer.packing import attention_mask, pack, packable
+from agentrl.trainer.packing import attention_mask, pack, packable, plan
 from agentrl.types import Group, SamplingParams
 
 if TYPE_CHECKING:
@@ -230,8 +230,10 @@ class Trainer:
         """
         decoder, logits_fn = head_of(self.model)
         sel = x["mask"] > 0
-        if self.share_prompt:
-            pk = pack([(r.ids, r.mask) for r in mb], self.pad_id, self.model_config.hidden_size, self.device)
+        rows = [(r.ids, r.mask) for r in mb]
+        packs = plan(rows, self.model_config.hidden_size) if self.share_prompt else []
+        if 0 < len(packs) < len(mb):  # some rows share a prompt: one forward over the packs
+            pk = pack(rows, packs, self.pad_id, self.device)
             mask = attention_mask(pk, self.model_config, next(self.model.parameters()).dtype)
             hidden = decoder(input_ids=pk.ids, position_ids=pk.positions, attention_mask=mask).last_hidden_state
             hidden = hidden.reshape(-1, hidden.shape[-1])[pk.hidden_at]

@@ -49,7 +49,7 @@ def _reference(model, rows, coef):
 
 def _packed(model, rows, coef):
     decoder, logits_fn = head_of(model)
-    pk = pack(rows, pad_id=0, hidden=model.config.hidden_size)
+    pk = pack(rows, plan(rows, model.config.hidden_size), pad_id=0)
     hidden = decoder(input_ids=pk.ids, position_ids=pk.positions,
                      attention_mask=attention_mask(pk, model.config, torch.float32)).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])[pk.hidden_at]
@@ -124,6 +124,10 @@ def test_a_trainer_step_is_the_same_with_and_without_prompt_sharing(tmp_path, mo
                     trajectories=[_traj(prompt + [g], [40 + k, 41, 42 + g], float(k % 2)) for k in range(4)])
         grp.assign_advantages()
         groups.append(grp)
+    import agentrl.trainer.trainer as trainer_module
+
+    packed = []
+    monkeypatch.setattr(trainer_module, "pack", lambda *a, **k: packed.append(1) or pack(*a, **k))
     stats, grads = [], []
     for share in (True, False):
         tr = Trainer(tiny, TrainerConfig.model_validate(
@@ -133,6 +137,7 @@ def test_a_trainer_step_is_the_same_with_and_without_prompt_sharing(tmp_path, mo
         monkeypatch.setattr(tr.optimizer, "zero_grad", lambda set_to_none=True: None)
         stats.append(tr.step(groups))
         grads.append({n: p.grad.clone() for n, p in tr.model.named_parameters()})
+    assert packed  # the shared path really ran (each group's four episodes share a prompt)
     assert stats[0]["loss"] == pytest.approx(stats[1]["loss"], rel=1e-4, abs=1e-7)
     assert stats[0]["grad_norm"] == pytest.approx(stats[1]["grad_norm"], rel=1e-4)
     assert stats[0]["entropy"] == pytest.approx(stats[1]["entropy"], rel=1e-4)
