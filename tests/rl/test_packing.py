@@ -13,12 +13,18 @@ from agentrl.trainer.trainer import Trainer
 from agentrl.types import Group, Message, Task, TokenSequence, Trajectory
 
 
-def _model(attn: str = "sdpa", **kw) -> LlamaForCausalLM:
+def _model(attn: str = "sdpa", family: str = "llama", **kw):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **kw)
+    size = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **kw)
+    if family == "qwen3":  # a config with per-layer kinds: the model takes a dict of masks
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg, cls = Qwen3Config(head_dim=8, **size), Qwen3ForCausalLM
+    else:
+        cfg, cls = LlamaConfig(**size), LlamaForCausalLM
     cfg._attn_implementation = attn
-    return LlamaForCausalLM(cfg).eval()
+    return cls(cfg).eval()
 
 
 def _rows() -> list[tuple[list[int], list[int]]]:
@@ -59,12 +65,13 @@ def _packed(model, rows, coef):
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, pk
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_logprobs_and_gradients_equal_one_full_forward_per_sequence(attn):
+@pytest.mark.parametrize(("attn", "family"), [("sdpa", "llama"), ("eager", "llama"), ("sdpa", "qwen3")])
+def test_packed_logprobs_and_gradients_equal_one_full_forward_per_sequence(attn, family):
     rows = _rows()
     n_loss = sum(sum(m[1:]) for _, m in rows)
     coef = torch.randn(n_loss, generator=torch.Generator().manual_seed(1))
-    model = _model(attn)
+    model = _model(attn, family)
+    assert packable(model.config)
     ref_logp, ref_grad = _reference(model, rows, coef)
     model.zero_grad()
     logp, grad, pk = _packed(model, rows, coef)
