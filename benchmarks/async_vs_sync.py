@@ -24,7 +24,7 @@ for two scored checkpoints in a row.  The ledger's counts show what each run dro
 stale.  Last line: JSON.
 
     python benchmarks/async_vs_sync.py [--steps 30] [extra dotted overrides ...]
-    python benchmarks/async_vs_sync.py --tool-latency [--seconds 240] [--sync-seconds 420] [--target 0.6]
+    python benchmarks/async_vs_sync.py --tool-latency [--seconds 180] [--sync-seconds 300] [--target 0.6]
 """
 
 from __future__ import annotations
@@ -171,8 +171,8 @@ def main() -> None:
     p.add_argument("--tool-latency", action="store_true", help="slow, heavy-tailed tools; time to --target")
     p.add_argument("--latency-median", type=float, default=0.2, help="tool delay median, seconds")
     p.add_argument("--latency-p99", type=float, default=4.0, help="tool delay 99th percentile, seconds")
-    p.add_argument("--seconds", type=float, default=240.0, help="slow tools: wall-time budget per async run")
-    p.add_argument("--sync-seconds", type=float, default=420.0,
+    p.add_argument("--seconds", type=float, default=180.0, help="slow tools: wall-time budget per async run")
+    p.add_argument("--sync-seconds", type=float, default=300.0,
                    help="slow tools: wall-time budget of the eta=0 run (slower per step: give it room to get there)")
     p.add_argument("--target", type=float, default=0.6, help="slow tools: held-out reward to reach")
     p.add_argument("--snapshot-every", type=int, default=5,
