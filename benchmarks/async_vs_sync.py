@@ -135,9 +135,11 @@ def slow_tools(args: argparse.Namespace, extra: list[str], root: Path) -> None:
         print(f"{r['run']}: held-out curve (RL s, reward) {r['eval_curve']}")
     by_target = {}  # the headline's target, and its neighbours: how much the ratio hangs on the choice
     for target in sorted({args.target - 0.1, args.target, args.target + 0.1}):
-        ratio, bound, _ = speedup_to(runs, target)
+        ratio, bound, at = speedup_to(runs, target)
         by_target[f"{target:.2f}"] = {"speedup": ratio, "is_lower_bound": bound}
-        if ratio is None:
+        if ratio is None and 0.0 in at.values():
+            print(f"speed-up to {target:.2f}: the warm start is already there")
+        elif ratio is None:
             print(f"speed-up to {target:.2f}: no async run got there (raise --seconds or lower --target)")
         else:
             print(f"speed-up to {target:.2f} held-out, best async vs eta=0: {'>=' if bound else ''}{ratio:.2f}x")
@@ -159,7 +161,7 @@ def speedup_to(runs: list[dict[str, Any]], target: float,
     times = {r["run"]: first_at(r["eval_curve"], target, hold) for r in runs}
     sync = runs[0]
     reached = [times[r["run"]] for r in runs[1:] if times[r["run"]] is not None]
-    if not reached:
+    if not reached or min(reached) == 0:  # never, or the shared warm start is already there: no ratio
         return None, False, times
     t_sync = times[sync["run"]]
     return (t_sync if t_sync is not None else sync["rl_wall_s"]) / min(reached), t_sync is None, times

@@ -202,19 +202,26 @@ def main() -> None:
     report(args, ours, trl)
 
 
+def ratio(t_trl: float | None, t_ours: float | None, trl_s: float, ours_s: float) -> tuple[float | None, str | None]:
+    """(TRL's seconds to the target / agentrl's, "lower"/"upper" when one side never got there
+    and its whole budget stands in); None when neither got there, or the shared warm start
+    already was there (0 s on both sides)."""
+    if t_ours == 0 or t_trl == 0:
+        return None, None  # the shared warm start's point: no race was run
+    if t_ours is not None and t_trl is not None:
+        return t_trl / t_ours, None
+    if t_ours is not None:
+        return trl_s / t_ours, "lower"  # TRL never got there
+    if t_trl is not None:
+        return t_trl / ours_s, "upper"  # agentrl never got there
+    return None, None
+
+
 def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any]) -> None:
     import trl as trl_pkg
 
     t_ours, t_trl = first_at(ours["curve"], args.target), first_at(trl["curve"], args.target)
-    bound = None
-    if t_ours is not None and t_trl is not None:
-        speedup = t_trl / max(t_ours, 1e-9)
-    elif t_ours is not None:
-        speedup, bound = trl["wall_s"] / max(t_ours, 1e-9), "lower"  # TRL never got there
-    elif t_trl is not None:
-        speedup, bound = t_trl / ours["wall_s"], "upper"  # agentrl never got there
-    else:
-        speedup = None
+    speedup, bound = ratio(t_trl, t_ours, trl["wall_s"], ours["wall_s"])
     print(f"calc quickstart task, seed {args.seed}, {args.seconds:.0f} s each; TRL {trl_pkg.__version__} GRPOTrainer "
           f"(its tool loop) vs agentrl run; target held-out {args.target}")
     for name, r in (("agentrl", ours), ("TRL", trl)):
@@ -225,11 +232,12 @@ def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any]) 
         print(f"speed-up vs TRL to {args.target}: {speedup:.2f}x" + (f" ({bound} bound)" if bound else ""))
     # the same ratio when the target must hold for two evaluations in a row (a lone high point does not count)
     held = {name: first_at(r["curve"], args.target, hold=2) for name, r in (("agentrl", ours), ("trl", trl))}
-    held_ratio = held["trl"] / max(held["agentrl"], 1e-9) if held["agentrl"] and held["trl"] else None
+    held_ratio, held_bound = ratio(held["trl"], held["agentrl"], trl["wall_s"], ours["wall_s"])
     print(json.dumps({"benchmark": "vs_trl", "trl_version": trl_pkg.__version__, "seed": args.seed,
                       "target": args.target, "seconds": args.seconds, "agentrl": ours, "trl": trl,
                       "seconds_to_target": {"agentrl": t_ours, "trl": t_trl}, "seconds_to_target_held": held,
-                      "speedup_held": held_ratio, "speedup_vs_trl": speedup, "speedup_bound": bound}))
+                      "speedup_held": held_ratio, "speedup_held_bound": held_bound, "speedup_vs_trl": speedup,
+                      "speedup_bound": bound}))
 
 
 if __name__ == "__main__":
