@@ -44,13 +44,16 @@ def snapshot_overrides(every: int) -> list[str]:
 
 def checkpoint_curve(run_dir: Path, score: Any, start: float) -> Curve:
     """``start`` (the warm start's reward) at 0 s, then every checkpoint of ``run_dir`` scored by
-    ``score(model, version)`` at the RL seconds of its version (from the run's metrics)."""
+    ``score(model, version)`` at the RL seconds of its version (from the run's metrics).
+    Full fine-tuning runs only: a LoRA trainer's checkpoint holds peft's parameter names."""
     from transformers import AutoModelForCausalLM
 
     from agentrl.metrics import read_jsonl
     from agentrl.trainer.checkpoint import checkpoint_step, complete_checkpoints, load_checkpoint
 
-    at_version = {r["version"]: r["time/rl_wall_s"] for r in read_jsonl(run_dir / "metrics.jsonl")}
+    at_version: dict[int, float] = {}
+    for r in read_jsonl(run_dir / "metrics.jsonl"):  # a skipped step repeats its version: the first row counts
+        at_version.setdefault(r["version"], r["time/rl_wall_s"])
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")  # the architecture; weights per checkpoint
     curve = [(0.0, start)]
     for ckpt in complete_checkpoints(run_dir):

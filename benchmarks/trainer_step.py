@@ -37,6 +37,11 @@ def build(dirpath: Path, hidden: int, layers: int, vocab: int) -> Path:
     return dirpath
 
 
+def sync() -> None:
+    if torch.cuda.is_available():  # queued kernels belong to the step that launched them
+        torch.cuda.synchronize()
+
+
 def groups(args: argparse.Namespace, rng: random.Random) -> list:
     from agentrl.types import Group, Message, Task, TokenSequence, Trajectory
 
@@ -85,9 +90,12 @@ def main() -> None:
         batches = [groups(args, random.Random(k)) for k in range(args.steps + 1)]
         times: dict[str, list[float]] = {name: [] for name in trainers}
         for k, batch in enumerate(batches):
-            for name, tr in trainers.items():
+            order = list(trainers.items())
+            for name, tr in order if k % 2 else order[::-1]:  # alternate who goes first
+                sync()
                 t0 = time.perf_counter()
                 tr.step(batch)
+                sync()
                 if k:  # the first step warms up allocators and kernels
                     times[name].append(time.perf_counter() - t0)
     rows = sum(len(g.trajectories) for g in batches[0])

@@ -26,6 +26,7 @@ the pack does not keep contiguous); :func:`packable` says whether a model qualif
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +43,18 @@ class Packed:
     positions: Tensor  # [P, N]
     visible: Tensor  # [P, 1, N, N] bool: query row sees key column
     hidden_at: Tensor  # [M] flat index into [P * N] of the state that predicts each loss token
-    tokens: int  # P * N: tokens the forward processes (for metrics and benchmarks)
 
 
-def packable(config: Any) -> bool:
-    """Whether the model's attention is plain causal over positions (sdpa or eager, no window)."""
+def packable(config: Any, forward: Any = None) -> bool:
+    """Whether the model's attention is plain causal over ``position_ids`` (sdpa or eager, no
+    window, no ALiBi); ``forward``: the decoder's forward, which must take ``position_ids``."""
     if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    # ALiBi biases by key column (MPT) or by a cumsum of a 2-D mask (Bloom), not by position_ids
+    if getattr(config, "model_type", "") in ("bloom", "mpt") or getattr(config, "alibi", False) \
+            or getattr(config, "position_embedding_type", None) == "alibi":
+        return False
+    if forward is not None and "position_ids" not in inspect.signature(forward).parameters:
         return False
     if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
         return False
@@ -56,7 +63,7 @@ def packable(config: Any) -> bool:
 
 
 def first_loss_position(mask: Sequence[int]) -> int:
-    """Index of the first sampled token (position 0 is never a loss position)."""
+    """Index of the first loss token; position 0 never is one (no state before it predicts it)."""
     return next((t for t in range(1, len(mask)) if mask[t]), len(mask))
 
 
@@ -79,7 +86,7 @@ def plan(rows: Sequence[tuple[Sequence[int], Sequence[int]]], hidden: int,
     packs: list[tuple[int, list[int]]] = []
     for prefix, members in buckets.items():
         p = len(prefix)
-        if p == 0:  # nothing shared: every row is its own pack
+        if p == 0:  # an empty row: nothing to share
             packs.extend((0, [i]) for i in members)
             continue
         cur: list[int] = []
@@ -94,6 +101,21 @@ def plan(rows: Sequence[tuple[Sequence[int], Sequence[int]]], hidden: int,
             length += n - p
         packs.append((p, cur))
     return packs
+
+
+def choose(rows: Sequence[tuple[Sequence[int], Sequence[int]]], hidden: int,
+           max_tokens: int = 8192) -> list[tuple[int, list[int]]] | None:
+    """:func:`plan`'s packs when their forward costs less than the plain one, else None.
+
+    Every pack is padded to the longest, as every plain row is: a long pack beside rows that
+    share nothing can cost more than the prompts it saves.
+    """
+    packs = plan(rows, hidden, max_tokens)
+    if len(packs) == len(rows):
+        return None
+    n_cols = max(p + sum(len(rows[i][0]) - p for i in members) for p, members in packs)
+    longest = max(len(ids) for ids, _ in rows)
+    return packs if len(packs) * cost(n_cols, hidden) < len(rows) * cost(longest, hidden) else None
 
 
 def pack(rows: Sequence[tuple[Sequence[int], Sequence[int]]], packs: list[tuple[int, list[int]]], pad_id: int,
@@ -122,19 +144,20 @@ def pack(rows: Sequence[tuple[Sequence[int], Sequence[int]]], packs: list[tuple[
             segment[k, col: col + len(rest)] = s
             where[i] = (k, p, col)
             col += len(rest)
-    cols = torch.arange(n_cols)
+    segment = segment.to(device)  # the [P, N, N] mask is built where it is used
+    cols = torch.arange(n_cols, device=device)
     q_seg, k_seg = segment[:, :, None], segment[:, None, :]
     causal = cols[None, None, :] <= cols[None, :, None]
     visible = causal & (q_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
-    visible |= torch.eye(n_cols, dtype=torch.bool)[None] & (q_seg < 0)  # a pad sees itself: no all-masked row
+    visible |= (cols[None, :, None] == cols[None, None, :]) & (q_seg < 0)  # a pad sees itself: no all-masked row
     hidden_at: list[int] = []
     for i, (_, mask) in enumerate(rows):
         k, p, col = where[i]
         for t in range(1, len(mask)):
             if mask[t]:  # the state at position t - 1 predicts token t
                 hidden_at.append(k * n_cols + (t - 1 if t - 1 < p else col + t - 1 - p))
-    return Packed(ids.to(device), positions.to(device), visible[:, None].to(device),
-                  torch.tensor(hidden_at, dtype=torch.long, device=device), len(packs) * n_cols)
+    return Packed(ids.to(device), positions.to(device), visible[:, None],
+                  torch.tensor(hidden_at, dtype=torch.long, device=device))
 
 
 def attention_mask(packed: Packed, config: Any, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:

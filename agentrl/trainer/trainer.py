@@ -36,7 +36,7 @@ import torch
 from agentrl.trainer.checkpoint import rng_state, set_rng_state
 from agentrl.trainer.logprobs import head_of, token_logprobs_from_hidden
 from agentrl.trainer.losses import LossSpec, add_stats, policy_loss, summarize, token_weights
-from agentrl.trainer.packing import attention_mask, pack, packable, plan
+from agentrl.trainer.packing import attention_mask, choose, pack, packable
 from agentrl.types import Group, SamplingParams
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class Trainer:
         self.vocab_size = model.config.vocab_size
         self.model_config = model.config
         # a group's prompt runs once per micro-batch (agentrl.trainer.packing) where the attention allows it
-        self.share_prompt = cfg.share_prompt and packable(model.config)
+        self.share_prompt = cfg.share_prompt and packable(model.config, head_of(model)[0].forward)
         self.lora = cfg.lora_rank > 0
         if self.lora:
             from peft import LoraConfig, get_peft_model
@@ -231,8 +231,8 @@ class Trainer:
         decoder, logits_fn = head_of(self.model)
         sel = x["mask"] > 0
         rows = [(r.ids, r.mask) for r in mb]
-        packs = plan(rows, self.model_config.hidden_size) if self.share_prompt else []
-        if 0 < len(packs) < len(mb):  # some rows share a prompt: one forward over the packs
+        packs = choose(rows, self.model_config.hidden_size, self.cfg.micro_batch_tokens) if self.share_prompt else None
+        if packs:  # some rows share a prompt, and one forward over the packs costs less
             pk = pack(rows, packs, self.pad_id, self.device)
             mask = attention_mask(pk, self.model_config, next(self.model.parameters()).dtype)
             hidden = decoder(input_ids=pk.ids, position_ids=pk.positions, attention_mask=mask).last_hidden_state

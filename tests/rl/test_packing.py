@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentrl.config import TrainerConfig
 from agentrl.trainer.logprobs import head_of
-from agentrl.trainer.packing import attention_mask, pack, packable, plan
+from agentrl.trainer.packing import attention_mask, choose, pack, packable, plan
 from agentrl.trainer.trainer import Trainer
 from agentrl.types import Group, Message, Task, TokenSequence, Trajectory
 
@@ -93,7 +93,7 @@ def test_a_pack_takes_a_member_only_when_that_is_cheaper_than_its_own_row():
     assert plan(rows, hidden=1) == [(4, [0]), (4, [1]), (4, [2])]
     long_prompt = [(list(range(1, 41)) + [50 + i] * 4, [0] * 40 + [1] * 4) for i in range(3)]
     assert plan(long_prompt, hidden=1) == [(40, [0, 1, 2])]
-    # rows share what comes before their first sampled token (position 0 is never sampled)
+    # rows share what comes before their first loss token (position 0 is never one)
     assert plan([([5, 6, 7], [0, 1, 1]), ([5, 6, 8], [0, 1, 1]), ([9, 9], [1, 1])], hidden=64) == [
         (1, [0, 1]), (1, [2])]
 
@@ -109,6 +109,25 @@ def test_only_full_causal_sdpa_or_eager_attention_is_packed():
     mixed = _model("sdpa").config
     mixed.layer_types = ["full_attention", "sliding_attention"]
     assert not packable(mixed)
+    alibi = _model("sdpa").config  # ALiBi biases by key column, not by position_ids
+    alibi.alibi = True
+    assert not packable(alibi)
+
+    def no_positions(input_ids=None, attention_mask=None):
+        return None
+
+    assert not packable(_model("sdpa").config, no_positions)
+    assert packable(_model("sdpa").config, _model("sdpa").model.forward)
+
+
+def test_packs_are_used_only_when_the_padded_forward_costs_less():
+    prompt = list(range(1, 41))
+    group = [(prompt + [50 + i] * 10, [0] * 40 + [1] * 10) for i in range(8)]  # one 120-token pack of 8 rows
+    assert choose(group, hidden=64) == [(40, list(range(8)))]
+    # the same pack beside many short rows that share nothing: every row would be padded to 120
+    loners = [([60 + i, 61 + i, 62 + i], [0, 1, 1]) for i in range(40)]
+    assert choose(group + loners, hidden=64) is None
+    assert choose(loners, hidden=64) is None  # nothing shared: nothing to pack
 
 
 def _traj(prompt, completion, reward, mu=-1.0):
@@ -120,7 +139,8 @@ def _traj(prompt, completion, reward, mu=-1.0):
     return Trajectory(task=Task(prompt=[Message("user", "q")]), sequences=[s], reward=reward)
 
 
-def test_a_trainer_step_is_the_same_with_and_without_prompt_sharing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_trainer_step_is_the_same_with_and_without_prompt_sharing(tmp_path, monkeypatch, lora_rank):
     from agentrl.tiny_model import build_tiny_model
 
     tiny = build_tiny_model(tmp_path / "tiny", layers=2, hidden=64, heads=4)
@@ -138,12 +158,12 @@ def test_a_trainer_step_is_the_same_with_and_without_prompt_sharing(tmp_path, mo
     stats, grads = [], []
     for share in (True, False):
         tr = Trainer(tiny, TrainerConfig.model_validate(
-            {"lr": 1e-3, "share_prompt": share, "loss": {"name": "ppo", "clip_eps": 10.0}}))
+            {"lr": 1e-3, "share_prompt": share, "lora_rank": lora_rank, "loss": {"name": "ppo", "clip_eps": 10.0}}))
         assert tr.share_prompt is share
         monkeypatch.setattr(tr.optimizer, "step", lambda: None)  # keep the gradients to compare
         monkeypatch.setattr(tr.optimizer, "zero_grad", lambda set_to_none=True: None)
         stats.append(tr.step(groups))
-        grads.append({n: p.grad.clone() for n, p in tr.model.named_parameters()})
+        grads.append({n: p.grad.clone() for n, p in tr.model.named_parameters() if p.requires_grad})
     assert packed  # the shared path really ran (each group's four episodes share a prompt)
     assert stats[0]["loss"] == pytest.approx(stats[1]["loss"], rel=1e-4, abs=1e-7)
     assert stats[0]["grad_norm"] == pytest.approx(stats[1]["grad_norm"], rel=1e-4)
