@@ -2,7 +2,7 @@
 
 A group's ``G`` episodes start from the same prompt, so the plain forward computes the same
 prompt activations ``G`` times (and backpropagates through each copy).  Here the rows of a
-micro-batch whose tokens before their first sampled token are identical become one *pack*:
+micro-batch whose tokens before their first loss token are identical become one *pack*:
 
     [prompt | continuation 1 | continuation 2 | ...]      one row of the forward
 
@@ -18,10 +18,11 @@ sequence of ``n`` tokens costs about ``24·n·d²`` in its linear layers and ``4
 attention (``d`` the hidden size; a packed mask is dense), so cost(n) ∝ ``n + n² / (6·d)``:
 a long prompt with short continuations packs; long continuations behind a short prompt do
 not, since their attention over one long row would cost more than the prompt saves.  Rows
-that share nothing stay one row each (a pack of one is the plain row).
+that share nothing stay one row each, and every row is padded to the longest pack, so
+:func:`choose` keeps the plain forward unless the packed one costs less as a whole.
 
-Only full causal attention can be packed this way (a sliding window counts positions that
-the pack does not keep contiguous); :func:`packable` says whether a model qualifies.
+The packed mask is plain causal attention over ``position_ids``: models with a sliding
+window or ALiBi keep the plain path (:func:`packable`).
 """
 
 from __future__ import annotations
