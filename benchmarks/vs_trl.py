@@ -54,7 +54,7 @@ CALC_DIR = ROOT / "environments" / "calc"  # this checkout's env, whichever copy
 
 
 def run_agentrl(cfg: Config, seconds: float, run_dir: Path, snapshot_every: int, evaluator: Any,
-                warm_reward: float) -> dict[str, Any]:
+                warm_reward: float, batch_groups: int = 0) -> dict[str, Any]:
     """``agentrl run`` for ``seconds`` with no in-run evaluation; then its held-out curve, one
     point per checkpoint scored after the run (``benchmarks/heldout.py``)."""
     from agentrl.recipes.rl import train
@@ -63,6 +63,7 @@ def run_agentrl(cfg: Config, seconds: float, run_dir: Path, snapshot_every: int,
     cfg.run.dir, cfg.run.max_wall_s = str(run_dir), seconds
     cfg.trainer.steps, cfg.trainer.checkpoint_every, cfg.trainer.keep_checkpoints = 100_000, snapshot_every, 0
     cfg.eval.every = 0  # scored below, off the clock, as TRL is
+    cfg.trainer.batch_groups = batch_groups or cfg.trainer.batch_groups
     train(cfg, progress=False)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     return {"curve": checkpoint_curve(run_dir, evaluator.score, warm_reward), "steps": rows[-1]["version"],
@@ -170,6 +171,9 @@ def main() -> None:
                    help="TRL: evaluate every N training seconds (about agentrl's --snapshot-every in seconds)")
     p.add_argument("--snapshot-every", type=int, default=10,
                    help="agentrl: save (and afterwards evaluate) the weights every N versions")
+    p.add_argument("--agentrl-batch-groups", type=int, default=0,
+                   help="agentrl's groups per step (0 = TRL's: 64 completions). 4 trains 32 episodes, all in groups "
+                        "with signal, from about the 64 a TRL step samples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trl-threads", type=int, default=0,
                    help="torch threads for TRL (0 = agentrl's trainer's; on a shared 2-core machine 2 ran slower than 1)")
@@ -192,7 +196,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="agentrl-vstrl-"))
     try:
         warm_reward = evaluator.score(AutoModelForCausalLM.from_pretrained(warm), 0)
-        ours = run_agentrl(cfg, args.seconds, root / "agentrl", args.snapshot_every, evaluator, warm_reward)
+        ours = run_agentrl(cfg, args.seconds, root / "agentrl", args.snapshot_every, evaluator, warm_reward,
+                           args.agentrl_batch_groups)
         trl = run_trl(cfg, warm, args.seconds, root / "trl", args.eval_every_s, args.trl_threads or torch_threads(cfg),
                       evaluator, warm_reward)
     finally:
@@ -234,6 +239,7 @@ def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any]) 
     held = {name: first_at(r["curve"], args.target, hold=2) for name, r in (("agentrl", ours), ("trl", trl))}
     held_ratio, held_bound = ratio(held["trl"], held["agentrl"], trl["wall_s"], ours["wall_s"])
     print(json.dumps({"benchmark": "vs_trl", "trl_version": trl_pkg.__version__, "seed": args.seed,
+                      "agentrl_batch_groups": args.agentrl_batch_groups or None,
                       "target": args.target, "seconds": args.seconds, "agentrl": ours, "trl": trl,
                       "seconds_to_target": {"agentrl": t_ours, "trl": t_trl}, "seconds_to_target_held": held,
                       "speedup_held": held_ratio, "speedup_held_bound": held_bound, "speedup_vs_trl": speedup,
