@@ -36,10 +36,22 @@ def evaluator(cfg: Any, warm: Path) -> Any:
     return GreedyEvaluator(warm, load_environment(cfg.env.name, **args), held_out)
 
 
+def snapshot_settings(every: int) -> dict[str, int]:
+    """What a run needs for :func:`checkpoint_curve`, as dotted config keys: a checkpoint every
+    ``every`` versions, all kept, and no evaluation of its own."""
+    return {"trainer.checkpoint_every": every, "trainer.keep_checkpoints": 0, "eval.every": 0}
+
+
 def snapshot_overrides(every: int) -> list[str]:
-    """What a run needs for :func:`checkpoint_curve`: a checkpoint every ``every`` versions, all
-    kept, and no evaluation of its own."""
-    return [f"--trainer.checkpoint_every={every}", "--trainer.keep_checkpoints=0", "--eval.every=0"]
+    """:func:`snapshot_settings` as command-line overrides."""
+    return [f"--{key}={value}" for key, value in snapshot_settings(every).items()]
+
+
+def apply_snapshot_settings(cfg: Any, every: int) -> None:
+    """:func:`snapshot_settings` set on a loaded config."""
+    for key, value in snapshot_settings(every).items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
 
 
 def checkpoint_curve(run_dir: Path, score: Any, start: float) -> Curve:

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from heldout import checkpoint_curve, first_at
+from heldout import apply_snapshot_settings, checkpoint_curve, first_at
 from heldout import evaluator as held_out_evaluator
 
 from agentrl.config import Config, load_config
@@ -61,8 +61,8 @@ def run_agentrl(cfg: Config, seconds: float, run_dir: Path, snapshot_every: int,
 
     cfg = cfg.model_copy(deep=True)
     cfg.run.dir, cfg.run.max_wall_s = str(run_dir), seconds
-    cfg.trainer.steps, cfg.trainer.checkpoint_every, cfg.trainer.keep_checkpoints = 100_000, snapshot_every, 0
-    cfg.eval.every = 0  # scored below, off the clock, as TRL is
+    cfg.trainer.steps = 100_000
+    apply_snapshot_settings(cfg, snapshot_every)  # scored below, off the clock, as TRL is
     cfg.trainer.batch_groups = batch_groups or cfg.trainer.batch_groups
     train(cfg, progress=False)
     rows = read_jsonl(run_dir / "metrics.jsonl")

@@ -104,6 +104,11 @@ def plan(rows: Sequence[tuple[Sequence[int], Sequence[int]]], hidden: int,
     return packs
 
 
+def _length(rows: Sequence[tuple[Sequence[int], Sequence[int]]], prefix: int, members: list[int]) -> int:
+    """Tokens in one pack: the shared prefix once, then each member's continuation."""
+    return prefix + sum(len(rows[i][0]) - prefix for i in members)
+
+
 def choose(rows: Sequence[tuple[Sequence[int], Sequence[int]]], hidden: int,
            max_tokens: int = 8192) -> list[tuple[int, list[int]]] | None:
     """:func:`plan`'s packs when their forward costs less than the plain one, else None.
@@ -114,7 +119,7 @@ def choose(rows: Sequence[tuple[Sequence[int], Sequence[int]]], hidden: int,
     packs = plan(rows, hidden, max_tokens)
     if len(packs) == len(rows):
         return None
-    n_cols = max(p + sum(len(rows[i][0]) - p for i in members) for p, members in packs)
+    n_cols = max(_length(rows, p, members) for p, members in packs)
     longest = max(len(ids) for ids, _ in rows)
     return packs if len(packs) * cost(n_cols, hidden) < len(rows) * cost(longest, hidden) else None
 
@@ -126,8 +131,7 @@ def pack(rows: Sequence[tuple[Sequence[int], Sequence[int]]], packs: list[tuple[
     ``hidden_at`` lists the loss tokens in row order, each row's in position order: the order
     of ``mask[:, 1:] > 0`` on the plain right-padded ``[B, T]`` batch.
     """
-    lengths = [p + sum(len(rows[i][0]) - p for i in members) for p, members in packs]
-    n_cols = max(lengths)
+    n_cols = max(_length(rows, p, members) for p, members in packs)
     ids = torch.full((len(packs), n_cols), pad_id, dtype=torch.long)
     positions = torch.zeros((len(packs), n_cols), dtype=torch.long)
     segment = torch.full((len(packs), n_cols), -1, dtype=torch.long)  # -1 pad, 0 prefix, k continuation k

@@ -230,8 +230,8 @@ class Trainer:
         """
         decoder, logits_fn = head_of(self.model)
         sel = x["mask"] > 0
-        rows = [(r.ids, r.mask) for r in mb]
-        packs = choose(rows, self.model_config.hidden_size, self.cfg.micro_batch_tokens) if self.share_prompt else None
+        rows = [(r.ids, r.mask) for r in mb] if self.share_prompt else []
+        packs = choose(rows, self.model_config.hidden_size, self.cfg.micro_batch_tokens) if rows else None
         if packs:  # some rows share a prompt, and one forward over the packs costs less
             pk = pack(rows, packs, self.pad_id, self.device)
             mask = attention_mask(pk, self.model_config, next(self.model.parameters()).dtype)
