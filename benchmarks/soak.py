@@ -218,7 +218,8 @@ class Holdings:
 
     def leaked_since(self, before: Holdings) -> dict[str, list]:
         return {
-            "fds": [f"{fd} -> {target}" for fd, target in sorted(self.fds.items()) if before.fds.get(fd) != target],
+            "fds": [f"{fd} -> {describe_socket(target)}" for fd, target in sorted(self.fds.items())
+                    if before.fds.get(fd) != target],
             "threads": [t for t in self.threads if t not in before.threads or self.threads.count(t) > before.threads.count(t)],
             "children": [p for p in self.children if p not in before.children],
             "sandboxes": [s for s in self.sandboxes if s not in before.sandboxes],
@@ -233,6 +234,24 @@ def open_fds() -> dict[int, str]:
         except OSError:  # the fd listdir itself used, closed by now
             continue
     return out
+
+
+def describe_socket(target: str) -> str:
+    """``socket:[inode]`` with its TCP ends and state where it is a TCP socket (a leaked one then
+    says whose it is: the stand-in's side listens on its port, the client's side connects to it)."""
+    inode = target.removeprefix("socket:[").rstrip("]")
+    states = {"01": "ESTABLISHED", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "0A": "LISTEN"}
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[9] == inode:
+                local, peer = (f":{int(c.rsplit(':', 1)[1], 16)}" for c in cols[1:3])
+                return f"{target} tcp {local} -> {peer} {states.get(cols[3], cols[3])}"
+    return target
 
 
 def child_pids() -> list[int]:
@@ -365,6 +384,7 @@ def run_soak(seconds: float, *, concurrency: int = 1000, latency_ms: float = 5.0
     with StandIn(latency_ms / 1000) as stand_in:  # warm-up: imports, first connections, lazy globals
         asyncio.run(soak(stand_in, warmup_s, concurrency=min(64, concurrency), sandbox_every=sandbox_every and 2,
                          backend=backend))
+    gc.collect()  # garbage from before (ours or a caller's) closes its fds now, not mid-soak under a reused number
     before = Holdings.now()
     rss_before = rss_mb()
     with StandIn(latency_ms / 1000) as stand_in:
@@ -374,6 +394,7 @@ def run_soak(seconds: float, *, concurrency: int = 1000, latency_ms: float = 5.0
     deadline = time.monotonic() + settle_s  # server-side sockets and reaped children may trail a moment
     while any(leaked.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
+        gc.collect()  # a transport whose loop closed before its close callback ran is freed with its cycle
         leaked = Holdings.now().leaked_since(before)
     leaked["tasks"] = result.leaked_tasks
     leaked["unhandled"] = result.unhandled
