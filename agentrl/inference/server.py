@@ -92,7 +92,9 @@ async def _unless_disconnected(work: Any, http: Request) -> Any:
         gone.cancel()
     if not job.done() or job.cancelled():
         return JSONResponse(status_code=499, content={"error": {"message": "client closed the request"}})
-    return job.result()
+    # the body is plain JSON types already: a Response skips FastAPI's jsonable_encoder walk
+    # (~0.4 ms of the engine's GIL per completion, 10x the json.dumps it ends in)
+    return JSONResponse(job.result())
 
 
 class EngineServer:
