@@ -8,6 +8,7 @@ wherever it is built.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from typing import Any
 
 
@@ -76,6 +77,37 @@ def render_chat_ids(
     extra special tokens (the template already writes them)."""
     text = render_chat_text(tokenizer, messages, tools, add_generation_prompt, **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+class RenderCache:
+    """:func:`render_chat_ids` for one tokenizer, remembering its last ``size`` renderings by
+    exact content: a group's episodes open with the same messages (often a long system prompt
+    with tool schemas), so G renders of the first prompt become one."""
+
+    def __init__(self, tokenizer: Any, size: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.size = size
+        self.hits = self.misses = 0
+        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+    def ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        try:
+            key = json.dumps([messages, tools or None, add_generation_prompt], sort_keys=True)
+        except (TypeError, ValueError):  # not plain JSON (an image object, say): render it every time
+            return render_chat_ids(self.tokenizer, messages, tools, add_generation_prompt)
+        hit = self._ids.get(key)
+        if hit is not None:
+            self.hits += 1
+            self._ids.move_to_end(key)
+            return list(hit)
+        self.misses += 1
+        ids = render_chat_ids(self.tokenizer, messages, tools, add_generation_prompt)
+        self._ids[key] = tuple(ids)
+        if len(self._ids) > self.size:
+            self._ids.popitem(last=False)
+        return ids
 
 
 def render_chat_with_mask(

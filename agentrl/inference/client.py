@@ -45,7 +45,7 @@ from agentrl.errors import (
     MalformedResponse,
 )
 from agentrl.inference.chat import ChatCaps, chat_body, drop_fields, read_reply, rejected_fields
-from agentrl.render import render_chat_ids
+from agentrl.render import RenderCache
 from agentrl.retry import Transient, is_transient_status, retrying
 from agentrl.tool_format import get_parser, resolve_tool_parser
 from agentrl.types import Completion, Message, SamplingParams
@@ -198,6 +198,7 @@ class PolicyClient:
         if isinstance(tokenizer, str | os.PathLike):
             tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer
+        self._renders = RenderCache(tokenizer) if tokenizer is not None else None
         # the model's tool-call format, read by the episode's parse step (agentrl.tool_format):
         # named, else detected from the local tokenizer's chat template, else hermes
         self.tool_parser = resolve_tool_parser(tool_parser, getattr(tokenizer, "chat_template", None)).name
@@ -513,7 +514,8 @@ class PolicyClient:
             if prompt is not None:
                 return self.tokenizer.encode(prompt, add_special_tokens=False)
             dicts = [m.to_dict() if isinstance(m, Message) else m for m in messages]
-            return render_chat_ids(self.tokenizer, dicts, tools, add_generation_prompt)
+            assert self._renders is not None
+            return self._renders.ids(dicts, tools, add_generation_prompt)
         body: dict[str, Any] = {"model": self.model}
         if messages is not None:
             body["messages"] = [m.to_dict() if isinstance(m, Message) else m for m in messages]
