@@ -239,3 +239,22 @@ async def test_cancellation_still_cleans_up():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert env.cleaned == 1
+
+
+async def test_an_episode_record_is_asdict_and_shares_nothing_with_the_episode():
+    import dataclasses
+
+    env = ToolEnv(tools=[add], rubric=Rubric([lambda completion: 1.0]), max_turns=3)
+    client = ScriptedClient(lambda p: '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    traj = await env.rollout(client, Task([Message("user", "go")], answer=3, info={"k": [1]}), SamplingParams(max_tokens=200))
+    traj.metrics["nested"] = {"a": [1.0]}  # type: ignore[assignment]  (env code puts what it likes here)
+    assert len(traj.turns) == 3 and traj.sequences[0].num_sampled > 0
+    # the published meaning, computed independently: asdict with the task and messages in wire form
+    want = dataclasses.asdict(traj)
+    want["task"], want["messages"] = traj.task.to_dict(), messages_to_dicts(traj.messages)
+    got = traj.to_dict()
+    assert got == want and list(got) == list(want)
+    got["sequences"][0]["token_ids"].append(-1)
+    got["turns"][0]["versions"].append(-1)
+    got["metrics"]["nested"]["a"].append(2.0)
+    assert traj.to_dict() == want
