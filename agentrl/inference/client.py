@@ -514,7 +514,8 @@ class PolicyClient:
             if prompt is not None:
                 return self.tokenizer.encode(prompt, add_special_tokens=False)
             dicts = [m.to_dict() if isinstance(m, Message) else m for m in messages]
-            assert self._renders is not None
+            if self._renders is None or self._renders.tokenizer is not self.tokenizer:  # set after construction
+                self._renders = RenderCache(self.tokenizer)
             return self._renders.ids(dicts, tools, add_generation_prompt)
         body: dict[str, Any] = {"model": self.model}
         if messages is not None:
