@@ -234,8 +234,9 @@ def open_policy(
     env: dict[str, str] | None = None,
     tool_parser: str | None = None,
     tokenizer_dir: str | Path | None = None,
+    engines: int = 1,
 ) -> Policy:
-    """Connect to ``base_urls`` serving ``model``, or start an embedded engine on the local dir ``model``.
+    """Connect to ``base_urls`` serving ``model``, or start ``engines`` embedded engines on the local dir ``model``.
 
     The one place that decides; raises :class:`~agentrl.errors.AgentrlError` with what to
     pass when neither works.  ``tool_parser`` (None or ``auto``: detected from the chat
@@ -258,5 +259,15 @@ def open_policy(
             f"--model {str(model)!r} is not a local model dir (no config.json); "
             "pass --base-url for a remote endpoint"
         )
-    handle = start_embedded_engine(model, args, served_model_name=served_model_name, env=env, tool_parser=parser)
-    return Policy([handle.base_url], handle.model, [handle], tokenizer_dir=tok, tool_parser=parser)
+    if engines < 1:
+        raise ValueError(f"open_policy: engines must be at least 1, got {engines}")
+    handles: list[EngineHandle] = []
+    try:
+        for _ in range(engines):  # each its own process: its own GIL and torch threads
+            handles.append(start_embedded_engine(model, args, served_model_name=served_model_name, env=env,
+                                                 tool_parser=parser))
+    except BaseException:
+        for h in handles:
+            h.stop()
+        raise
+    return Policy([h.base_url for h in handles], handles[0].model, handles, tokenizer_dir=tok, tool_parser=parser)

@@ -90,7 +90,7 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
         policy = open_ray_policy(start_model, cfg.cluster, args, served_model_name=ic.model_name, env=thread_env)
     else:
         policy = open_policy(start_model, ic.base_url or None, args=args, served_model_name=ic.model_name,
-                             env=thread_env, tool_parser=ic.tool_parser)
+                             env=thread_env, tool_parser=ic.tool_parser, engines=cfg.cluster.num_inference)
     on_vllm = bool(ic.base_url) and ic.engine == "vllm"
 
     sync_args = {"transport": ic.weight_transport, "engine": "vllm" if on_vllm else "embedded",

@@ -80,6 +80,20 @@ def test_staleness_is_a_bound_and_the_ledger_adds_up(tiny_model, tmp_path, eta):
     assert view.returncode == 0 and "steps 5" in view.stdout and "trained 40" in view.stdout
 
 
+def test_two_local_engines_share_the_episodes_and_follow_every_push(tiny_model, tmp_path):
+    run_dir = tmp_path / "two"
+    cfg = load_config([], _overrides(tiny_model, run_dir, **{"trainer.steps": 4, "cluster.num_inference": 2}))
+    run_training(cfg, progress=False)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(4))
+    last = rows[-1]
+    assert "engine/2/requests" not in last
+    for i in (0, 1):  # a second engine that was started but never sampled from, or never pushed to, fails here
+        assert last[f"engine/{i}/requests"] > 0 and last[f"engine/{i}/generated_tokens"] > 0, last
+        assert last[f"engine/{i}/version"] == last["version"], last
+    _ledger_adds_up(last)
+
+
 def test_sigkill_then_resume_continues_without_retraining(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     # enough steps that the poll below sees checkpoint 2 long before the run could finish
