@@ -93,8 +93,8 @@ class RenderCache:
     def ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True
     ) -> list[int]:
-        try:
-            key = json.dumps([messages, tools or None, add_generation_prompt], sort_keys=True)
+        try:  # key order kept: templates write mappings in their order (tojson), so it is part of the input
+            key = json.dumps([messages, tools or None, add_generation_prompt])
         except (TypeError, ValueError):  # not plain JSON (an image object, say): render it every time
             return render_chat_ids(self.tokenizer, messages, tools, add_generation_prompt)
         hit = self._ids.get(key)

@@ -299,7 +299,7 @@ class Trajectory:
         """What ``dataclasses.asdict`` gives (nothing aliased), built field by field: asdict deep-copies
         every token id one by one, and each episode is logged (~10x the cost of this)."""
         d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["task"] = self.task.to_dict()
+        d["task"] = {**self.task.to_dict(), "info": copy.deepcopy(self.task.info), "answer": copy.deepcopy(self.task.answer)}
         d["messages"] = messages_to_dicts(self.messages)
         d["sequences"] = [_flat_dict(s) for s in self.sequences]
         d["turns"] = [_flat_dict(t) for t in self.turns]

@@ -28,6 +28,20 @@ def test_a_hit_is_the_fresh_rendering_and_every_input_is_part_of_the_key():
     assert cache.misses == len(cases) + 1
 
 
+def test_key_order_is_part_of_the_input():
+    tok = build_tokenizer()
+    cache = RenderCache(tok)
+    params = TOOLS[0]["function"]["parameters"]
+    swapped = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": {
+        "type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}, "required": ["a"]}}}]  # fmt: skip
+    first = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": {**params, "properties": {
+        "a": {"type": "integer"}, "b": {"type": "string"}}}}}]  # fmt: skip
+    assert render_chat_ids(tok, convo("1+1?"), first) != render_chat_ids(tok, convo("1+1?"), swapped)  # tojson keeps order
+    assert cache.ids(convo("1+1?"), first) == render_chat_ids(tok, convo("1+1?"), first)
+    assert cache.ids(convo("1+1?"), swapped) == render_chat_ids(tok, convo("1+1?"), swapped)
+    assert cache.hits == 0
+
+
 def test_a_returned_list_is_the_callers_own():
     cache = RenderCache(build_tokenizer())
     first = cache.ids(convo("1+1?"))

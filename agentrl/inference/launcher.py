@@ -12,6 +12,7 @@ removes the engine's temporary directory.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
@@ -142,7 +143,10 @@ def start_embedded_engine(
 
     try:
         port = wait_for_health(proc, host, bound_port, log_path, timeout=startup_timeout, what="embedded engine")
-    except EngineStartError:
+    except BaseException:  # a refusal, a timeout, or Ctrl-C while it starts: no child or temp dir is left
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     handle = EngineHandle(proc, host, port, name, log_path, tmp)
@@ -268,6 +272,7 @@ def open_policy(
                                                  tool_parser=parser))
     except BaseException:
         for h in handles:
-            h.stop()
+            with contextlib.suppress(Exception):  # stop the rest even if one stop fails
+                h.stop()
         raise
     return Policy([h.base_url for h in handles], handles[0].model, handles, tokenizer_dir=tok, tool_parser=parser)

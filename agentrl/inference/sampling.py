@@ -25,6 +25,8 @@ import torch
 
 from agentrl.types import SamplingParams
 
+TOP_LOGPROB_FLOOR = -9999.0  # what vLLM reports for a top logprob of a token that cannot be drawn
+
 
 @dataclass
 class EngineSampling(SamplingParams):
@@ -101,6 +103,7 @@ def sample(
     k_max = max(getattr(p, "top_logprobs", 0) for p in params)
     if k_max > 0:
         vals, idx = dist_logp.topk(min(k_max, v), dim=-1)
+        vals = vals.clamp_min(TOP_LOGPROB_FLOOR)  # tokens outside the kept set are -inf: JSON has no -inf
         vals_l, idx_l = vals.tolist(), idx.tolist()
         ks = [getattr(p, "top_logprobs", 0) for p in params]
         tops = [list(zip(idx_l[i][: ks[i]], vals_l[i][: ks[i]], strict=True)) for i in range(r)]

@@ -257,4 +257,5 @@ async def test_an_episode_record_is_asdict_and_shares_nothing_with_the_episode()
     got["sequences"][0]["token_ids"].append(-1)
     got["turns"][0]["versions"].append(-1)
     got["metrics"]["nested"]["a"].append(2.0)
-    assert traj.to_dict() == want
+    got["task"]["info"]["k"].append(2)  # the task is shared by the group's episodes
+    assert traj.to_dict() == want and traj.task.info == {"k": [1]}

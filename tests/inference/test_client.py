@@ -88,6 +88,22 @@ def test_launcher_stop_ends_the_child(model_dir):
     eng.stop()  # idempotent
 
 
+def test_an_interrupted_start_leaves_no_child_and_no_temp_dir(model_dir, monkeypatch):
+    from agentrl.inference import launcher
+
+    seen = {}
+
+    def interrupted(proc, host, port, log_path, **kw):
+        seen["proc"], seen["dir"] = proc, log_path.parent
+        raise KeyboardInterrupt  # Ctrl-C while the engine loads
+
+    monkeypatch.setattr(launcher, "wait_for_health", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        start_embedded_engine(model_dir, max_batch_size=2, max_model_len=64, device="cpu")
+    assert seen["proc"].returncode is not None  # killed and reaped, not a zombie
+    assert not seen["dir"].exists()
+
+
 async def test_local_tokenizer_renders_exactly_what_the_server_renders(engine, model_dir, tool_prompt, tools):
     convo = [
         {"role": "system", "content": "Be brief."},

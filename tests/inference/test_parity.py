@@ -124,3 +124,15 @@ def test_the_self_check_refuses_a_path_that_differs(tmp_path, monkeypatch):
     monkeypatch.setattr(model_support, "mask_kinds", lambda cfg: ({"full_attention": None}, False))
     with pytest.raises(EngineStartError, match="differ from the model's own forward by .* self-check"):
         Engine(path, device="cpu", max_batch_size=2, max_model_len=64)
+
+
+def test_top_logprobs_past_the_kept_set_are_finite():
+    from agentrl.inference.sampling import TOP_LOGPROB_FLOOR, sample
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    params = [EngineSampling(temperature=1.0, top_k=2, top_logprobs=4)]
+    draw = sample(logits, params, [None], torch.Generator().manual_seed(0))
+    assert draw.tokens[0] in (0, 1)
+    tops = draw.top_logprobs[0]
+    assert [t for t, _ in tops[:2]] == [0, 1] and all(v > TOP_LOGPROB_FLOOR for _, v in tops[:2])
+    assert [v for _, v in tops[2:]] == [TOP_LOGPROB_FLOOR] * 2  # -inf before: a 500 from the JSON encoder
