@@ -1,6 +1,6 @@
 """Trainer step time with a group's shared prompt packed (``trainer.share_prompt``) vs one row per episode.
 
-Builds a random-weight Llama (no hub), and groups shaped like agentic RL batches: ``--groups``
+Builds a random-weight Llama (agentrl.tiny_model, no hub), and groups shaped like agentic RL batches: ``--groups``
 groups of ``--group-size`` episodes; each group's episodes share a ``--prompt``-token prompt
 and continue with ``--turns`` turns of ``--sampled`` sampled then ``--forced`` forced (tool
 reply) tokens.  Both trainers start from the same weights and take the same steps, in
@@ -24,17 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-
-
-def build(dirpath: Path, hidden: int, layers: int, vocab: int) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 32), num_key_value_heads=max(1, hidden // 32),
-                      max_position_embeddings=4096, pad_token_id=0, eos_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(dirpath)
-    return dirpath
 
 
 def sync() -> None:
@@ -79,12 +68,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     from agentrl.config import TrainerConfig
+    from agentrl.tiny_model import build_tiny_model
     from agentrl.trainer.trainer import Trainer
     from agentrl.types import SamplingParams
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build(Path(tmp) / "m", args.hidden, args.layers, args.vocab)
+        model = build_tiny_model(Path(tmp) / "m", layers=args.layers, hidden=args.hidden, heads=max(1, args.hidden // 32),
+                                 intermediate=4 * args.hidden, vocab_size=args.vocab, max_position=4096)
         trainers = {name: Trainer(model, TrainerConfig(lr=1e-4, share_prompt=share), SamplingParams(temperature=1.0))
                     for name, share in (("plain", False), ("packed", True))}
         batches = [groups(args, random.Random(k)) for k in range(args.steps + 1)]

@@ -198,7 +198,7 @@ class PolicyClient:
         if isinstance(tokenizer, str | os.PathLike):
             tokenizer = load_tokenizer(tokenizer)
         self.tokenizer = tokenizer
-        self._renders = RenderCache(tokenizer) if tokenizer is not None else None
+        self._renders: RenderCache | None = None  # made on first use, for the tokenizer then set
         # the model's tool-call format, read by the episode's parse step (agentrl.tool_format):
         # named, else detected from the local tokenizer's chat template, else hermes
         self.tool_parser = resolve_tool_parser(tool_parser, getattr(tokenizer, "chat_template", None)).name
@@ -514,7 +514,7 @@ class PolicyClient:
             if prompt is not None:
                 return self.tokenizer.encode(prompt, add_special_tokens=False)
             dicts = [m.to_dict() if isinstance(m, Message) else m for m in messages]
-            if self._renders is None or self._renders.tokenizer is not self.tokenizer:  # set after construction
+            if self._renders is None or self._renders.tokenizer is not self.tokenizer:
                 self._renders = RenderCache(self.tokenizer)
             return self._renders.ids(dicts, tools, add_generation_prompt)
         body: dict[str, Any] = {"model": self.model}
