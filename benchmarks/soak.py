@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
 import resource
 import threading
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -377,6 +380,24 @@ def _sandbox_execs(env: Any) -> int:
     return getattr(env, "sandbox_execs", 0)
 
 
+@contextlib.contextmanager
+def resource_warnings() -> Iterator[list[str]]:
+    """The ``ResourceWarning``s raised inside (after a last collection), one line each.
+
+    A file or socket that only the garbage collector closed was leaked all the same: whoever
+    opened it never closed it, and under load the fds pile up until the collector runs.
+    """
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        try:
+            yield found
+        finally:
+            gc.collect()
+            found += [f"{w.filename}:{w.lineno}: {w.message}"[:300] for w in caught
+                      if issubclass(w.category, ResourceWarning)]
+
+
 def run_soak(seconds: float, *, concurrency: int = 1000, latency_ms: float = 5.0, sandbox_every: int = 50,
              warmup_s: float = 3.0, settle_s: float = 10.0) -> dict[str, Any]:
     """Warm up, take the baseline, soak, stop everything, and compare (what a test asserts on)."""
@@ -387,17 +408,19 @@ def run_soak(seconds: float, *, concurrency: int = 1000, latency_ms: float = 5.0
     gc.collect()  # garbage from before (ours or a caller's) closes its fds now, not mid-soak under a reused number
     before = Holdings.now()
     rss_before = rss_mb()
-    with StandIn(latency_ms / 1000) as stand_in:
-        result = asyncio.run(soak(stand_in, seconds, concurrency=concurrency, sandbox_every=sandbox_every,
-                                  backend=backend))
-    leaked = Holdings.now().leaked_since(before)
-    deadline = time.monotonic() + settle_s  # server-side sockets and reaped children may trail a moment
-    while any(leaked.values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        gc.collect()  # a transport whose loop closed before its close callback ran is freed with its cycle
+    with resource_warnings() as unclosed:
+        with StandIn(latency_ms / 1000) as stand_in:
+            result = asyncio.run(soak(stand_in, seconds, concurrency=concurrency, sandbox_every=sandbox_every,
+                                      backend=backend))
         leaked = Holdings.now().leaked_since(before)
+        deadline = time.monotonic() + settle_s  # server-side sockets and reaped children may trail a moment
+        while any(leaked.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            gc.collect()  # a transport whose loop closed before its close callback ran is freed with its cycle
+            leaked = Holdings.now().leaked_since(before)
     leaked["tasks"] = result.leaked_tasks
     leaked["unhandled"] = result.unhandled
+    leaked["resource_warnings"] = unclosed
     return {
         "benchmark": "soak", "seconds": round(result.seconds, 1), "concurrency": concurrency,
         "latency_ms": latency_ms, "sandbox_backend": backend, "episodes": result.episodes,

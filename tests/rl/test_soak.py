@@ -8,7 +8,9 @@ pin those down deterministically."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +38,29 @@ def test_a_1000_episode_soak_leaks_nothing():
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["peak_in_flight"] == 1000
     assert out["episodes"] > 0 and out["sandbox_execs"] > 0 and out["errored"] == 0, out["errors"]
-    assert out["leaked"] == {"fds": [], "threads": [], "children": [], "sandboxes": [], "tasks": [], "unhandled": []}
+    assert out["leaked"] == {"fds": [], "threads": [], "children": [], "sandboxes": [], "tasks": [], "unhandled": [],
+                             "resource_warnings": []}
+
+
+def _soak_module():
+    spec = importlib.util.spec_from_file_location("soak_benchmark", ROOT / "benchmarks" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_soak_counts_a_socket_only_the_garbage_collector_closed():
+    resource_warnings = _soak_module().resource_warnings
+    with resource_warnings() as found:
+        sock = socket.socket()
+        del sock  # dropped open: only the collector closes it
+    assert len(found) == 1 and "unclosed" in found[0] and "socket" in found[0], found
+    with resource_warnings() as found:
+        sock = socket.socket()
+        sock.close()
+        del sock
+    assert found == []
 
 
 class _Slow(ScriptedClient):
