@@ -201,8 +201,9 @@ class EvalConfig(Section):
 class ClusterConfig(Section):
     backend: Literal["local", "ray"] = Field("local", description="local: one machine; ray: Ray actors.")
     num_inference: int = Field(
-        1, ge=1, description="Embedded inference engines to start, each its own process (on one machine they "
-        "share its device and, unless trainer.num_threads is set, half its cores)."
+        1, ge=1, description="Embedded inference engines to start, each its own process. On one machine with several "
+        "GPUs and inference.device auto|cuda they spread over the GPUs the trainer does not use; otherwise they share "
+        "the device and, unless trainer.num_threads is set, half the cores."
     )
     ray_address: str | None = Field(
         None, description="Existing Ray cluster to join, e.g. 'auto' or 'HEAD_IP:6379' (None = start a local one)."

@@ -21,6 +21,7 @@ _NAMES = {
     "PolicyClient": "agentrl.inference.client",
     "EngineHandle": "agentrl.inference.launcher",
     "Policy": "agentrl.inference.launcher",
+    "engine_devices": "agentrl.inference.launcher",
     "open_policy": "agentrl.inference.launcher",
     "start_embedded_engine": "agentrl.inference.launcher",
 }

@@ -229,6 +229,25 @@ def is_model_dir(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
+def engine_devices(device: str, engines: int, gpus: int, trainer_device: str | None = None) -> list[str]:
+    """Where each of ``engines`` local engines runs, given the host's ``gpus``.
+
+    ``auto`` or ``cuda`` on a host with several GPUs spreads the engines round-robin over the
+    GPUs the trainer does not use (``trainer_device``; ``auto``/``cuda`` is GPU 0): an engine
+    and a training step on one GPU share its memory and slow each other.  With one GPU or
+    none, and for an explicit device (``cpu``, ``cuda:1``), every engine gets ``device``.
+    """
+    if engines < 1:
+        raise ValueError(f"engine_devices: engines must be at least 1, got {engines}")
+    if device not in ("auto", "cuda") or gpus < 2:
+        return [device] * engines
+    taken = {"auto": 0, "cuda": 0}.get(trainer_device or "cpu")
+    if trainer_device and trainer_device.startswith("cuda:"):
+        taken = int(trainer_device.split(":", 1)[1])
+    free = [i for i in range(gpus) if i != taken]
+    return [f"cuda:{free[k % len(free)]}" for k in range(engines)]
+
+
 def open_policy(
     model: str | Path,
     base_urls: str | list[str] | None = None,
@@ -239,13 +258,15 @@ def open_policy(
     tool_parser: str | None = None,
     tokenizer_dir: str | Path | None = None,
     engines: int = 1,
+    devices: list[str] | None = None,
 ) -> Policy:
     """Connect to ``base_urls`` serving ``model``, or start ``engines`` embedded engines on the local dir ``model``.
 
     The one place that decides; raises :class:`~agentrl.errors.AgentrlError` with what to
     pass when neither works.  ``tool_parser`` (None or ``auto``: detected from the chat
     template of ``tokenizer_dir``, default the model dir when local; else ``hermes``) becomes
-    ``Policy.tool_parser`` and the embedded engine's chat-route parser.
+    ``Policy.tool_parser`` and the embedded engine's chat-route parser.  ``devices``: one per
+    engine (:func:`engine_devices`), overriding ``args.device``.
     """
     from agentrl.tool_format import chat_template_of, resolve_tool_parser
 
@@ -265,10 +286,13 @@ def open_policy(
         )
     if engines < 1:
         raise ValueError(f"open_policy: engines must be at least 1, got {engines}")
+    if devices is not None and len(devices) != engines:
+        raise ValueError(f"open_policy: {len(devices)} devices for {engines} engines")
     handles: list[EngineHandle] = []
     try:
-        for _ in range(engines):  # each its own process: its own GIL and torch threads
-            handles.append(start_embedded_engine(model, args, served_model_name=served_model_name, env=env,
+        for i in range(engines):  # each its own process: its own GIL and torch threads
+            own = dataclasses.replace(args or EngineArgs(), device=devices[i]) if devices else args
+            handles.append(start_embedded_engine(model, own, served_model_name=served_model_name, env=env,
                                                  tool_parser=parser))
     except BaseException:
         for h in handles:

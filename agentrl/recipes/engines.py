@@ -78,7 +78,7 @@ class Engines:
 
 def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
     """Start the engines on the warm start (or connect to ``inference.base_url``)."""
-    from agentrl.inference import EngineArgs, PolicyClient, open_policy
+    from agentrl.inference import EngineArgs, PolicyClient, engine_devices, open_policy
     from agentrl.weights import make_weight_sync
 
     ic: InferenceConfig = cfg.inference
@@ -92,8 +92,10 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
 
         policy = open_ray_policy(start_model, cfg.cluster, args, served_model_name=ic.model_name, env=thread_env)
     else:
+        devices = None if ic.base_url else engine_devices(ic.device, n, gpu_count(ic.device), cfg.trainer.device)
         policy = open_policy(start_model, ic.base_url or None, args=args, served_model_name=ic.model_name,
-                             env=thread_env, tool_parser=ic.tool_parser, engines=cfg.cluster.num_inference)
+                             env=thread_env, tool_parser=ic.tool_parser, engines=cfg.cluster.num_inference,
+                             devices=devices)
     on_vllm = bool(ic.base_url) and ic.engine == "vllm"
 
     sync_args = {"transport": ic.weight_transport, "engine": "vllm" if on_vllm else "embedded",
@@ -115,6 +117,15 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
         requests_per_s=cfg.rollout.requests_per_s, cache_salt=on_vllm, tool_parser=ic.tool_parser,
     )
     return Engines(policy, client, sync, on_vllm, make_sync, sync_args)
+
+
+def gpu_count(device: str) -> int:
+    """GPUs the local engines may spread over (none looked for when the device is explicit)."""
+    if device not in ("auto", "cuda"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def local_engine_urls(policy: Any, node_id: str | None = None) -> list[str]:

@@ -1,0 +1,57 @@
+"""Where local engines run: spread over the GPUs the trainer leaves, else where they were told."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.config import load_config
+from agentrl.inference.launcher import engine_devices
+
+
+def test_engines_spread_over_the_gpus_the_trainer_leaves():
+    assert engine_devices("auto", 2, 4, "auto") == ["cuda:1", "cuda:2"]
+    assert engine_devices("auto", 4, 3, "cuda") == ["cuda:1", "cuda:2", "cuda:1", "cuda:2"]
+    assert engine_devices("cuda", 3, 4, "cuda:2") == ["cuda:0", "cuda:1", "cuda:3"]
+    assert engine_devices("auto", 1, 2, "auto") == ["cuda:1"]  # one engine still leaves the trainer its GPU
+    assert engine_devices("auto", 3, 2, "cpu") == ["cuda:0", "cuda:1", "cuda:0"]
+
+
+def test_one_gpu_none_or_an_explicit_device_is_every_engines():
+    assert engine_devices("auto", 2, 1, "auto") == ["auto", "auto"]
+    assert engine_devices("auto", 2, 0, "auto") == ["auto", "auto"]
+    assert engine_devices("cuda:3", 2, 8, "auto") == ["cuda:3", "cuda:3"]
+    assert engine_devices("cpu", 1, 8, "auto") == ["cpu"]
+    with pytest.raises(ValueError, match="at least 1"):
+        engine_devices("auto", 0, 2, "auto")
+
+
+class _Started(Exception):
+    pass
+
+
+def test_a_run_starts_its_engines_where_engine_devices_puts_them(monkeypatch, tmp_path):
+    import torch
+
+    from agentrl.recipes.engines import open_engines
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)  # a 3-GPU host; the trainer takes GPU 0
+    seen: dict = {}
+
+    def open_policy(model, base_urls=None, **kw):
+        seen.update(kw)
+        raise _Started
+
+    monkeypatch.setattr("agentrl.inference.launcher.open_policy", open_policy)
+    cfg = load_config([], ["--cluster.num_inference=2", f"--model.path={tmp_path}"])
+    with pytest.raises(_Started):
+        open_engines(cfg, tmp_path, threads=1)
+    assert seen["engines"] == 2 and seen["devices"] == ["cuda:1", "cuda:2"]
+
+
+def test_open_policy_wants_one_device_per_engine(tmp_path):
+    from agentrl.inference import open_policy
+    from agentrl.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    with pytest.raises(ValueError, match="1 devices for 2 engines"):
+        open_policy(model, engines=2, devices=["cpu"])
