@@ -49,7 +49,7 @@ class InferenceConfig(Section):
     port: int = Field(0, ge=0, description="Embedded engine port (0 = pick a free one).")
     max_batch_size: int = Field(_ENGINE.max_batch_size, ge=1, description="Embedded engine: sequences decoded together.")
     max_model_len: int = Field(_ENGINE.max_model_len, ge=16, description="Longest prompt+completion the engine accepts.")
-    device: str = Field(_ENGINE.device, description="Embedded engine device: auto | cpu | cuda.")
+    device: str = Field(_ENGINE.device, description="Embedded engine device: auto | cpu | cuda | cuda:N (auto/cuda: spread over free GPUs, see cluster.num_inference).")
     weight_transport: Literal["shm", "disk", "http"] = Field(
         "shm", description="How weights reach the engines: shm (same host), disk (a shared filesystem), or http "
         "(streamed in checksummed chunks to engines on other hosts; engines on the trainer's host keep shm).",
@@ -174,7 +174,7 @@ class TrainerConfig(Section):
         description="LoRA weight push to the embedded engine: adapters = only the A/B factors, merged by the "
         "engine (r*(in+out) numbers per matrix); merged = the merged matrices (vLLM always gets these).",
     )
-    device: str = Field("auto", description="Trainer device: auto | cpu | cuda.")
+    device: str = Field("auto", description="Trainer device: auto | cpu | cuda | cuda:N (auto/cuda: GPU 0).")
     num_threads: int = Field(0, ge=0, description="Torch CPU threads for the trainer and the embedded engine each (0 = half the cores).")
 
 
@@ -201,9 +201,9 @@ class EvalConfig(Section):
 class ClusterConfig(Section):
     backend: Literal["local", "ray"] = Field("local", description="local: one machine; ray: Ray actors.")
     num_inference: int = Field(
-        1, ge=1, description="Embedded inference engines to start, each its own process. On one machine with several "
-        "GPUs and inference.device auto|cuda they spread over the GPUs the trainer does not use; otherwise they share "
-        "the device and, unless trainer.num_threads is set, half the cores."
+        1, ge=1, description="Embedded inference engines to start, each its own process. With the local backend, "
+        "inference.device auto|cuda and several GPUs, they spread over the GPUs trainer.device leaves; otherwise they "
+        "share inference.device. Unless trainer.num_threads is set, they split half the cores."
     )
     ray_address: str | None = Field(
         None, description="Existing Ray cluster to join, e.g. 'auto' or 'HEAD_IP:6379' (None = start a local one)."

@@ -385,17 +385,23 @@ def resource_warnings() -> Iterator[list[str]]:
     """The ``ResourceWarning``s raised inside (after a last collection), one line each.
 
     A file or socket that only the garbage collector closed was leaked all the same: whoever
-    opened it never closed it, and under load the fds pile up until the collector runs.
+    opened it never closed it, and under load the fds pile up until the collector runs.  The
+    message names the object (a socket's ports); the place is where it was collected.  Other
+    warnings are shown when the block ends.  The capture is process-wide (``warnings`` state):
+    the soak's threads are caught too, and nothing else may swap the filters meanwhile.
     """
     found: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ResourceWarning)
+        warnings.simplefilter("always", ResourceWarning)  # recorded, even where -W would raise them
         try:
             yield found
         finally:
             gc.collect()
-            found += [f"{w.filename}:{w.lineno}: {w.message}"[:300] for w in caught
-                      if issubclass(w.category, ResourceWarning)]
+    for w in caught:
+        if issubclass(w.category, ResourceWarning):
+            found.append(f"{w.filename}:{w.lineno}: {w.message}"[:300])
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def run_soak(seconds: float, *, concurrency: int = 1000, latency_ms: float = 5.0, sandbox_every: int = 50,
@@ -416,7 +422,7 @@ def run_soak(seconds: float, *, concurrency: int = 1000, latency_ms: float = 5.0
         deadline = time.monotonic() + settle_s  # server-side sockets and reaped children may trail a moment
         while any(leaked.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
-            gc.collect()  # a transport whose loop closed before its close callback ran is freed with its cycle
+            gc.collect()  # frees what only a cycle held; what it had to close is counted in resource_warnings
             leaked = Holdings.now().leaked_since(before)
     leaked["tasks"] = result.leaked_tasks
     leaked["unhandled"] = result.unhandled

@@ -136,6 +136,8 @@ class Engine:
         self.args = args
         self.model_dir = Path(model_dir)
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # what a library puts on "the current GPU" lands here, not on GPU 0
         self.model, self.tokenizer = model_support.load_model(self.model_dir, args.dtype, self.device)
         cfg = self.model.config.get_text_config()
         self.max_batch_size = args.max_batch_size

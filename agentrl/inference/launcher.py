@@ -229,20 +229,27 @@ def is_model_dir(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
-def engine_devices(device: str, engines: int, gpus: int, trainer_device: str | None = None) -> list[str]:
+def engine_devices(device: str, engines: int, gpus: int, trainer_device: str) -> list[str]:
     """Where each of ``engines`` local engines runs, given the host's ``gpus``.
 
     ``auto`` or ``cuda`` on a host with several GPUs spreads the engines round-robin over the
     GPUs the trainer does not use (``trainer_device``; ``auto``/``cuda`` is GPU 0): an engine
     and a training step on one GPU share its memory and slow each other.  With one GPU or
     none, and for an explicit device (``cpu``, ``cuda:1``), every engine gets ``device``.
+    Raises ``ValueError`` (one line) for a ``cuda:N`` past the host's GPUs.
     """
     if engines < 1:
         raise ValueError(f"engine_devices: engines must be at least 1, got {engines}")
+    for name, value in (("inference.device", device), ("trainer.device", trainer_device)):
+        index = value.split(":", 1)[1] if value.startswith("cuda:") else "0"
+        if not index.isdigit() or (gpus and int(index) >= gpus):
+            raise ValueError(f"{name} = {value!r}, but this host has {gpus} GPU(s): use auto, cpu or cuda:0..")
     if device not in ("auto", "cuda") or gpus < 2:
         return [device] * engines
-    taken = {"auto": 0, "cuda": 0}.get(trainer_device or "cpu")
-    if trainer_device and trainer_device.startswith("cuda:"):
+    taken = None  # the trainer's GPU
+    if trainer_device in ("auto", "cuda"):
+        taken = 0
+    elif trainer_device.startswith("cuda:"):
         taken = int(trainer_device.split(":", 1)[1])
     free = [i for i in range(gpus) if i != taken]
     return [f"cuda:{free[k % len(free)]}" for k in range(engines)]
@@ -291,7 +298,7 @@ def open_policy(
     handles: list[EngineHandle] = []
     try:
         for i in range(engines):  # each its own process: its own GIL and torch threads
-            own = dataclasses.replace(args or EngineArgs(), device=devices[i]) if devices else args
+            own = dataclasses.replace(args or EngineArgs(), device=devices[i]) if devices is not None else args
             handles.append(start_embedded_engine(model, own, served_model_name=served_model_name, env=env,
                                                  tool_parser=parser))
     except BaseException:

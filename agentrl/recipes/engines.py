@@ -92,10 +92,12 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
 
         policy = open_ray_policy(start_model, cfg.cluster, args, served_model_name=ic.model_name, env=thread_env)
     else:
-        devices = None if ic.base_url else engine_devices(ic.device, n, gpu_count(ic.device), cfg.trainer.device)
+        try:
+            devices = None if ic.base_url else engine_devices(ic.device, n, gpu_count(ic.device), cfg.trainer.device)
+        except ValueError as e:
+            raise AgentrlError(str(e)) from None
         policy = open_policy(start_model, ic.base_url or None, args=args, served_model_name=ic.model_name,
-                             env=thread_env, tool_parser=ic.tool_parser, engines=cfg.cluster.num_inference,
-                             devices=devices)
+                             env=thread_env, tool_parser=ic.tool_parser, engines=n, devices=devices)
     on_vllm = bool(ic.base_url) and ic.engine == "vllm"
 
     sync_args = {"transport": ic.weight_transport, "engine": "vllm" if on_vllm else "embedded",

@@ -25,6 +25,14 @@ def test_one_gpu_none_or_an_explicit_device_is_every_engines():
         engine_devices("auto", 0, 2, "auto")
 
 
+def test_a_gpu_the_host_does_not_have_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"trainer.device = 'cuda:7', but this host has 4 GPU"):
+        engine_devices("auto", 2, 4, "cuda:7")
+    with pytest.raises(ValueError, match=r"inference.device = 'cuda:x'"):
+        engine_devices("cuda:x", 2, 4, "auto")
+    assert engine_devices("auto", 1, 0, "cuda:3") == ["auto"]  # no GPUs here: the trainer reports its own device
+
+
 class _Started(Exception):
     pass
 
@@ -48,10 +56,29 @@ def test_a_run_starts_its_engines_where_engine_devices_puts_them(monkeypatch, tm
     assert seen["engines"] == 2 and seen["devices"] == ["cuda:1", "cuda:2"]
 
 
-def test_open_policy_wants_one_device_per_engine(tmp_path):
-    from agentrl.inference import open_policy
+def test_open_policy_starts_each_engine_on_its_own_device(monkeypatch, tmp_path):
+    from agentrl.inference import EngineArgs, launcher, open_policy
     from agentrl.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
     with pytest.raises(ValueError, match="1 devices for 2 engines"):
         open_policy(model, engines=2, devices=["cpu"])
+
+    started: list[EngineArgs] = []
+
+    class Handle:  # what open_policy reads of a started engine
+        model = "tiny"
+
+        def __init__(self, i: int) -> None:
+            self.base_url = f"http://127.0.0.1:{9000 + i}/v1"
+
+    def start(model_dir, args=None, **kw):
+        started.append(args)
+        return Handle(len(started))
+
+    monkeypatch.setattr(launcher, "start_embedded_engine", start)
+    args = EngineArgs(max_batch_size=8)
+    policy = open_policy(model, engines=2, args=args, devices=["cuda:1", "cuda:2"])
+    assert [a.device for a in started] == ["cuda:1", "cuda:2"]
+    assert all(a.max_batch_size == 8 for a in started) and args.device == "auto"  # the caller's args untouched
+    assert len(policy.base_urls) == 2

@@ -13,6 +13,7 @@ import json
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,9 @@ def test_the_soak_counts_a_socket_only_the_garbage_collector_closed():
         sock = socket.socket()
         sock.close()
         del sock
+    assert found == []
+    with pytest.warns(RuntimeWarning, match="still shown"), resource_warnings() as found:
+        warnings.warn("still shown", RuntimeWarning, stacklevel=1)  # not swallowed by the capture
     assert found == []
 
 
