@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentrl.config import load_config
+from agentrl.errors import AgentrlError
 from agentrl.inference.launcher import engine_devices
 
 
@@ -54,6 +55,9 @@ def test_a_run_starts_its_engines_where_engine_devices_puts_them(monkeypatch, tm
     with pytest.raises(_Started):
         open_engines(cfg, tmp_path, threads=1)
     assert seen["engines"] == 2 and seen["devices"] == ["cuda:1", "cuda:2"]
+    bad = load_config([], ["--cluster.num_inference=2", f"--model.path={tmp_path}", "--trainer.device=cuda:3"])
+    with pytest.raises(AgentrlError, match="trainer.device = 'cuda:3', but this host has 3 GPU"):
+        open_engines(bad, tmp_path, threads=1)  # a user error (exit 2), before any engine starts
 
 
 def test_open_policy_starts_each_engine_on_its_own_device(monkeypatch, tmp_path):
