@@ -102,9 +102,19 @@ def _call_from_object(obj: Any, arg_keys: tuple[str, ...], call_id: str | None =
         encoded = json.dumps(args, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError, TypeError):
         return None, f"arguments of tool call {name!r} cannot be re-encoded as JSON"
+    if not (_is_text(name) and _is_text(encoded)):  # "\ud800" decodes to a str no tokenizer or socket takes
+        return None, f"tool call {name!r} has an unpaired surrogate escape (\\ud800-\\udfff), which is not text"
     if call_id:
         return ToolCall(name=name.strip(), arguments=encoded, id=call_id), None
     return ToolCall(name=name.strip(), arguments=encoded), None
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _json_values(text: str, pos: int = 0, separators: str = " \t\r\n") -> tuple[list[Any], str | None]:
@@ -191,9 +201,9 @@ class HermesParser(ToolParser):
                 errors.append(f"unclosed {OPEN_TAG} (expected {CLOSE_TAG}): {_short(text[body_start:])!r}")
                 break
             body = text[body_start:end]
-            if OPEN_TAG in body:  # nested open tag: the outer block is malformed
+            if OPEN_TAG in body:  # nested open tags: the outer blocks are malformed; the last one may hold a call
                 errors.append(f"{OPEN_TAG} opened again before {CLOSE_TAG}")
-                pos = body_start + body.index(OPEN_TAG)
+                pos = body_start + body.rindex(OPEN_TAG)  # not the next one: a run of tags stays linear
                 continue
             call, err = _parse_block(body)
             if call is not None:
@@ -411,7 +421,7 @@ class PythonicParser(ToolParser):
     aliases = ("llama4_pythonic",)
     START, END = "<|python_start|>", "<|python_end|>"
     markers = ("[func_name1(", START)
-    _LOOKS_LIKE_CALLS = re.compile(r"\s*\[\s*[A-Za-z_][\w.]*\s*\(")
+    _LOOKS_LIKE_CALLS = re.compile(r"\s*\[\s*[^\W\d][\w.]*\s*\(")  # a Python name: any letter or _ first
 
     def format(self, content: str, tool_calls: list[ToolCall]) -> str:
         if not tool_calls:
@@ -452,7 +462,7 @@ class PythonicParser(ToolParser):
             name = ast.unparse(node.func)
         except Exception:
             name = ""
-        if not re.fullmatch(r"[A-Za-z_][\w.]*", name):
+        if not all(part.isidentifier() for part in name.split(".")):
             return None, "a tool call's function must be a plain name"
         if node.args:
             return None, f"tool call {name!r} must pass its arguments by keyword"

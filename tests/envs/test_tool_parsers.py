@@ -119,6 +119,9 @@ def test_mistral_ids_are_the_models_own_or_nine_alphanumerics():
         ("[f(x=1e999)]", "", [], 1),
         ("[f(x=1", "", [], 1),
         ("[f(**kw)]", "", [], 1),
+        ("[échec(x=1)]", "", [("échec", {"x": 1})], 0),  # a Python name need not be ASCII
+        ("Go.<|python_start|>[données.lire()]<|python_end|>", "Go.", [("données.lire", {})], 0),
+        ("[f[0](x=1)]", "[f[0](x=1)]", [], 0),  # not a call list: content
     ],
 )
 def test_pythonic(text, content, want, n_errors):
@@ -135,6 +138,41 @@ def test_parsing_never_raises(family, text):
     assert isinstance(p.content, str) and all(isinstance(c, ToolCall) for c in p.tool_calls)
     for c in p.tool_calls:
         assert isinstance(json.loads(c.arguments), dict)
+    if is_text(text):  # what comes out goes into the next prompt: it must be text too
+        assert all(is_text(x) for x in [p.content, *p.errors, *(c.name + c.arguments for c in p.tool_calls)])
+
+
+def is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+SURROGATE_CALLS = {  # valid UTF-8 text whose JSON / Python escapes decode to a lone surrogate
+    "hermes": ['<tool_call>\n{"name": "echo", "arguments": {"a": "\\ud800"}}\n</tool_call>',
+               '<tool_call>\n{"name": "\\udfff", "arguments": {}}\n</tool_call>'],
+    "llama3_json": ['{"name": "echo", "parameters": {"a": "x\\udc00"}}'],
+    "mistral": ['[TOOL_CALLS] [{"name": "echo", "arguments": {"a": "\\ud800"}}]'],
+    "pythonic": ["[echo(a='\\ud800')]"],
+}
+
+
+@pytest.mark.parametrize(("family", "text"), [(f, t) for f, ts in SURROGATE_CALLS.items() for t in ts])
+def test_an_unpaired_surrogate_escape_is_the_models_error_not_a_call(family, text):
+    # as a call it broke the next render (tokenizer / HTTP), and the episode blamed the endpoint
+    p = get_parser(family).parse(text)
+    assert p.tool_calls == [] and len(p.errors) == 1 and "unpaired surrogate" in p.errors[0]
+    assert is_text(p.errors[0])
+    paired = get_parser("hermes").parse('<tool_call>\n{"name": "e", "arguments": {"a": "\\ud83d\\ude00"}}\n</tool_call>')
+    assert calls(paired) == [("e", {"a": "\U0001F600"})] and paired.errors == []
+
+
+def test_a_run_of_open_tags_is_one_error_and_the_last_block_still_parses():
+    text = "<tool_call>" * 20000 + '\n{"name": "f", "arguments": {}}\n</tool_call>'
+    p = get_parser("hermes").parse(text)  # was one error, and one rescan of the rest, per tag
+    assert calls(p) == [("f", {})] and p.errors == ["<tool_call> opened again before </tool_call>"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
