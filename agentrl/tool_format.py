@@ -196,22 +196,42 @@ class HermesParser(ToolParser):
                 break
             content_parts.append(_unmatched_close(text[pos:start], errors))
             body_start = start + len(OPEN_TAG)
-            end = text.find(CLOSE_TAG, body_start)
-            if end < 0:
-                errors.append(f"unclosed {OPEN_TAG} (expected {CLOSE_TAG}): {_short(text[body_start:])!r}")
-                break
-            body = text[body_start:end]
-            if OPEN_TAG in body:  # nested open tags: the outer blocks are malformed; the last one may hold a call
-                errors.append(f"{OPEN_TAG} opened again before {CLOSE_TAG}")
-                pos = body_start + body.rindex(OPEN_TAG)  # not the next one: a run of tags stays linear
-                continue
-            call, err = _parse_block(body)
+            end = _json_block_end(text, body_start)  # its JSON strings may hold the tags themselves
+            if end is None:
+                end = text.find(CLOSE_TAG, body_start)
+                if end < 0:
+                    errors.append(f"unclosed {OPEN_TAG} (expected {CLOSE_TAG}): {_short(text[body_start:])!r}")
+                    break
+                body = text[body_start:end]
+                if OPEN_TAG in body:  # nested open tags: the outer blocks are malformed; the last one may hold a call
+                    errors.append(f"{OPEN_TAG} opened again before {CLOSE_TAG}")
+                    pos = body_start + body.rindex(OPEN_TAG)  # not the next one: a run of tags stays linear
+                    continue
+            call, err = _parse_block(text[body_start:end])
             if call is not None:
                 calls.append(call)
             else:
                 errors.append(err or "malformed tool call")
             pos = end + len(CLOSE_TAG)
         return ParsedReply(content="".join(content_parts).strip(), tool_calls=calls, errors=errors)
+
+
+def _json_block_end(text: str, pos: int) -> int | None:
+    """Where ``</tool_call>`` closes a block whose body from ``pos`` is one JSON object (else None)."""
+    while pos < len(text) and text[pos] in _SPACE:
+        pos += 1
+    if not text.startswith("{", pos):
+        return None
+    try:
+        _, end = _DECODER.raw_decode(text, pos)
+    except (ValueError, RecursionError):
+        return None
+    while end < len(text) and text[end] in _SPACE:
+        end += 1
+    return end if text.startswith(CLOSE_TAG, end) else None
+
+
+_DECODER, _SPACE = json.JSONDecoder(), " \t\r\n"
 
 
 def _unmatched_close(text: str, errors: list[str]) -> str:

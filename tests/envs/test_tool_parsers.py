@@ -169,6 +169,23 @@ def test_an_unpaired_surrogate_escape_is_the_models_error_not_a_call(family, tex
     assert calls(paired) == [("e", {"a": "\U0001F600"})] and paired.errors == []
 
 
+@pytest.mark.parametrize(
+    ("text", "content", "want"),
+    [
+        ('<tool_call>\n{"name": "say", "arguments": {"a": "</tool_call>"}}\n</tool_call>', "", [("say", {"a": "</tool_call>"})]),
+        ('<tool_call>{"name": "say", "arguments": {"a": "<tool_call>"}}</tool_call> then', "then", [("say", {"a": "<tool_call>"})]),
+        ('x <tool_call>\n{"name": "a", "arguments": {}}\n</tool_call><tool_call>{"name": "b", "arguments": '
+         '{"s": "</tool_call><tool_call>"}}</tool_call>', "x", [("a", {}), ("b", {"s": "</tool_call><tool_call>"})]),
+    ],
+)
+def test_hermes_tags_inside_a_calls_json_strings_are_text(text, content, want):
+    # a model asked to write about tool calls (or to echo one) was told its valid call was malformed
+    p = get_parser("hermes").parse(text)
+    assert (p.content, calls(p), p.errors) == (content, want, [])
+    fmt = get_parser("hermes").format(content, [ToolCall(n, json.dumps(a)) for n, a in want])
+    assert calls(get_parser("hermes").parse(fmt)) == want
+
+
 def test_a_run_of_open_tags_is_one_error_and_the_last_block_still_parses():
     text = "<tool_call>" * 20000 + '\n{"name": "f", "arguments": {}}\n</tool_call>'
     p = get_parser("hermes").parse(text)  # was one error, and one rescan of the rest, per tag
