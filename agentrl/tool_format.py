@@ -196,18 +196,16 @@ class HermesParser(ToolParser):
                 break
             content_parts.append(_unmatched_close(text[pos:start], errors))
             body_start = start + len(OPEN_TAG)
-            end = _json_block_end(text, body_start)  # its JSON strings may hold the tags themselves
-            if end is None:
-                end = text.find(CLOSE_TAG, body_start)
-                if end < 0:
-                    errors.append(f"unclosed {OPEN_TAG} (expected {CLOSE_TAG}): {_short(text[body_start:])!r}")
-                    break
-                body = text[body_start:end]
-                if OPEN_TAG in body:  # nested open tags: the outer blocks are malformed; the last one may hold a call
-                    errors.append(f"{OPEN_TAG} opened again before {CLOSE_TAG}")
-                    pos = body_start + body.rindex(OPEN_TAG)  # not the next one: a run of tags stays linear
-                    continue
-            call, err = _parse_block(text[body_start:end])
+            end = _block_end(text, body_start)
+            if end < 0:
+                errors.append(f"unclosed {OPEN_TAG} (expected {CLOSE_TAG}): {_short(text[body_start:])!r}")
+                break
+            body = text[body_start:end]
+            if OPEN_TAG in body and not _is_json(body):  # nested open tags: the outer blocks are malformed
+                errors.append(f"{OPEN_TAG} opened again before {CLOSE_TAG}")
+                pos = body_start + body.rindex(OPEN_TAG)  # not the next one: a run of tags stays linear
+                continue
+            call, err = _parse_block(body)
             if call is not None:
                 calls.append(call)
             else:
@@ -216,22 +214,43 @@ class HermesParser(ToolParser):
         return ParsedReply(content="".join(content_parts).strip(), tool_calls=calls, errors=errors)
 
 
-def _json_block_end(text: str, pos: int) -> int | None:
-    """Where ``</tool_call>`` closes a block whose body from ``pos`` is one JSON object (else None)."""
-    while pos < len(text) and text[pos] in _SPACE:
-        pos += 1
-    if not text.startswith("{", pos):
-        return None
+def _block_end(text: str, body_start: int) -> int:
+    """Where the ``</tool_call>`` closing the block at ``body_start`` is (-1: none).
+
+    The first one, unless the JSON before it ends inside a string: then the call writes the tag
+    in its strings, and the next few are tried (a few: a run of tags must not cost quadratic time).
+    """
+    first = end = text.find(CLOSE_TAG, body_start)
+    for _ in range(_TAGS_IN_STRINGS):
+        if end < 0 or not _cut_in_a_string(text[body_start:end]):
+            break
+        end = text.find(CLOSE_TAG, end + len(CLOSE_TAG))
+        if end >= 0 and _is_json(text[body_start:end]):
+            return end
+    return first
+
+
+def _cut_in_a_string(s: str) -> bool:
+    """Whether the JSON in ``s`` (from its first non-space) stops inside a string."""
     try:
-        _, end = _DECODER.raw_decode(text, pos)
+        _DECODER.raw_decode(s, len(s) - len(s.lstrip()))
+    except json.JSONDecodeError as e:
+        return e.msg.startswith("Unterminated string")
     except (ValueError, RecursionError):
-        return None
-    while end < len(text) and text[end] in _SPACE:
-        end += 1
-    return end if text.startswith(CLOSE_TAG, end) else None
+        return False
+    return False
 
 
-_DECODER, _SPACE = json.JSONDecoder(), " \t\r\n"
+def _is_json(s: str) -> bool:
+    try:
+        json.loads(s)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+_DECODER = json.JSONDecoder()
+_TAGS_IN_STRINGS = 4  # tags a call may write inside its JSON strings and still be read whole
 
 
 def _unmatched_close(text: str, errors: list[str]) -> str:
@@ -343,12 +362,36 @@ class MistralParser(ToolParser):
                 ):
                     return self._from_objects(values[0], "")
             return ParsedReply(content=text.strip())
-        content, *chunks = text.split(self.BOT)
+        content = text[: text.index(self.BOT)]
         calls: list[ToolCall] = []
         errors: list[str] = []
-        for chunk in chunks:
+        for chunk in self._chunks(text):
             self._chunk(chunk.strip(), calls, errors)
         return ParsedReply(content=content.strip(), tool_calls=calls, errors=errors)
+
+    def _chunks(self, text: str) -> list[str]:
+        """What follows each ``[TOOL_CALLS]`` marker; a chunk whose JSON stops inside a string runs on
+        through the next few markers (the call writes the marker in its strings) if that makes it whole."""
+        parts, out, i = text.split(self.BOT)[1:], [], 0
+        while i < len(parts):
+            chunk, j = parts[i], i
+            if _cut_in_a_string(self._json_of(parts[i])):
+                for k in range(i + 1, min(len(parts), i + 1 + _TAGS_IN_STRINGS)):
+                    longer = self.BOT.join(parts[i : k + 1])
+                    if not _cut_in_a_string(self._json_of(longer)):
+                        chunk, j = longer, k
+                        break
+            out.append(chunk)
+            i = j + 1
+        return out
+
+    def _json_of(self, chunk: str) -> str:
+        """The JSON part of a chunk: all of it (v3), or what follows the name (v11)."""
+        chunk = chunk.strip()
+        if chunk[:1] in ("[", "{"):
+            return chunk
+        name, sep, rest = chunk.partition(self.ARGS)
+        return rest if sep else chunk[chunk.find("{") :] if "{" in chunk else ""
 
     def _from_objects(self, objs: list[Any], content: str) -> ParsedReply:
         calls, errors = [], []

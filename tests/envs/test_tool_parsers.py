@@ -186,6 +186,19 @@ def test_hermes_tags_inside_a_calls_json_strings_are_text(text, content, want):
     assert calls(get_parser("hermes").parse(fmt)) == want
 
 
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ('[TOOL_CALLS] [{"name": "say", "arguments": {"a": "[TOOL_CALLS]"}}]', [("say", {"a": "[TOOL_CALLS]"})]),
+        ('[TOOL_CALLS]say[ARGS]{"a": 1}[TOOL_CALLS]say[ARGS]{"b": "x [TOOL_CALLS] [ARGS]"}',
+         [("say", {"a": 1}), ("say", {"b": "x [TOOL_CALLS] [ARGS]"})]),
+    ],
+)
+def test_mistral_markers_inside_a_calls_json_strings_are_text(text, want):
+    p = get_parser("mistral").parse(text)
+    assert (calls(p), p.errors) == (want, [])
+
+
 def test_a_run_of_open_tags_is_one_error_and_the_last_block_still_parses():
     text = "<tool_call>" * 20000 + '\n{"name": "f", "arguments": {}}\n</tool_call>'
     p = get_parser("hermes").parse(text)  # was one error, and one rescan of the rest, per tag
