@@ -217,28 +217,36 @@ class HermesParser(ToolParser):
 def _block_end(text: str, body_start: int) -> int:
     """Where the ``</tool_call>`` closing the block at ``body_start`` is (-1: none).
 
-    The first one, unless the JSON before it ends inside a string: then the call writes the tag
-    in its strings, and the next few are tried (a few: a run of tags must not cost quadratic time).
+    The first one, unless the object before it ends inside a string: then the call writes the
+    tag in its strings, and the next few are tried (a few: a run of tags must stay linear).
     """
     first = end = text.find(CLOSE_TAG, body_start)
+    if end < 0 or not text[body_start:end].lstrip().startswith("{"):  # a call is an object
+        return first
+    state = _json_state(text[body_start:end])
     for _ in range(_TAGS_IN_STRINGS):
-        if end < 0 or not _cut_in_a_string(text[body_start:end]):
+        if state != "in a string" or (end := text.find(CLOSE_TAG, end + len(CLOSE_TAG))) < 0:
             break
-        end = text.find(CLOSE_TAG, end + len(CLOSE_TAG))
-        if end >= 0 and _is_json(text[body_start:end]):
+        state = _json_state(text[body_start:end])
+        if state == "whole":
             return end
     return first
 
 
-def _cut_in_a_string(s: str) -> bool:
-    """Whether the JSON in ``s`` (from its first non-space) stops inside a string."""
+def _json_state(s: str) -> str:
+    """``whole`` (``s`` is JSON values and spaces), ``in a string`` (it stops inside one), or ``other``."""
+    pos = 0
     try:
-        _DECODER.raw_decode(s, len(s) - len(s.lstrip()))
+        while True:
+            while pos < len(s) and s[pos] in _SPACE:
+                pos += 1
+            if pos == len(s):
+                return "whole" if pos else "other"
+            _, pos = _DECODER.raw_decode(s, pos)
     except json.JSONDecodeError as e:
-        return e.msg.startswith("Unterminated string")
+        return "in a string" if e.msg.startswith("Unterminated string") else "other"
     except (ValueError, RecursionError):
-        return False
-    return False
+        return "other"
 
 
 def _is_json(s: str) -> bool:
@@ -249,7 +257,7 @@ def _is_json(s: str) -> bool:
     return True
 
 
-_DECODER = json.JSONDecoder()
+_DECODER, _SPACE = json.JSONDecoder(), " \t\r\n"
 _TAGS_IN_STRINGS = 4  # tags a call may write inside its JSON strings and still be read whole
 
 
@@ -375,12 +383,14 @@ class MistralParser(ToolParser):
         parts, out, i = text.split(self.BOT)[1:], [], 0
         while i < len(parts):
             chunk, j = parts[i], i
-            if _cut_in_a_string(self._json_of(parts[i])):
-                for k in range(i + 1, min(len(parts), i + 1 + _TAGS_IN_STRINGS)):
-                    longer = self.BOT.join(parts[i : k + 1])
-                    if not _cut_in_a_string(self._json_of(longer)):
-                        chunk, j = longer, k
-                        break
+            state = _json_state(self._json_of(parts[i]))
+            for k in range(i + 1, min(len(parts), i + 1 + _TAGS_IN_STRINGS)):
+                if state != "in a string":
+                    break
+                longer = self.BOT.join(parts[i : k + 1])
+                state = _json_state(self._json_of(longer))
+                if state == "whole":  # merged only if that makes the call whole: else the next call stays its own
+                    chunk, j = longer, k
             out.append(chunk)
             i = j + 1
         return out
@@ -504,12 +514,16 @@ class PythonicParser(ToolParser):
             body = body.split(self.END, 1)[0]
         elif not self._LOOKS_LIKE_CALLS.match(text):
             return ParsedReply(content=text.strip())
+        if self.START not in text:
+            content = text  # it only looked like calls: if it is not, the text stays the reply
         try:
             tree = ast.parse(body.strip(), mode="eval")
         except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
             return ParsedReply(content.strip(), errors=[f"invalid pythonic tool call ({type(e).__name__}): {_short(body)!r}"])
         if not isinstance(tree.body, ast.List) or not all(isinstance(e, ast.Call) for e in tree.body.elts):
             return ParsedReply(content.strip(), errors=[f"tool calls must be a Python list of calls: {_short(body)!r}"])
+        if self.START not in text:
+            content = ""
         calls, errors = [], []
         for node in tree.body.elts:
             call, err = self._call(node)

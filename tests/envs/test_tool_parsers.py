@@ -117,7 +117,8 @@ def test_mistral_ids_are_the_models_own_or_nine_alphanumerics():
         ("[f(1)]", "", [], 1),
         ("[f(x=y)]", "", [], 1),
         ("[f(x=1e999)]", "", [], 1),
-        ("[f(x=1", "", [], 1),
+        ("[f(x=1", "[f(x=1", [], 1),  # only looked like calls: the text stays the reply, with the error
+        ("[été(1)] et ensuite", "[été(1)] et ensuite", [], 1),
         ("[f(**kw)]", "", [], 1),
         ("[échec(x=1)]", "", [("échec", {"x": 1})], 0),  # a Python name need not be ASCII
         ("Go.<|python_start|>[données.lire()]<|python_end|>", "Go.", [("données.lire", {})], 0),
@@ -136,6 +137,7 @@ def test_pythonic(text, content, want, n_errors):
 def test_parsing_never_raises(family, text):
     p = get_parser(family).parse(text)
     assert isinstance(p.content, str) and all(isinstance(c, ToolCall) for c in p.tool_calls)
+    assert not any(e.startswith(f"{family} parser failed") for e in p.errors), p.errors  # parse()'s catch-all
     for c in p.tool_calls:
         assert isinstance(json.loads(c.arguments), dict)
     if is_text(text):  # what comes out goes into the next prompt: it must be text too
@@ -197,6 +199,11 @@ def test_hermes_tags_inside_a_calls_json_strings_are_text(text, content, want):
 def test_mistral_markers_inside_a_calls_json_strings_are_text(text, want):
     p = get_parser("mistral").parse(text)
     assert (calls(p), p.errors) == (want, [])
+
+
+def test_a_broken_mistral_call_does_not_swallow_the_next_one():
+    p = get_parser("mistral").parse('[TOOL_CALLS]f[ARGS]{"a": "x[TOOL_CALLS]g[ARGS]{"b": 1}')
+    assert calls(p) == [("g", {"b": 1})] and len(p.errors) == 1
 
 
 def test_a_run_of_open_tags_is_one_error_and_the_last_block_still_parses():
