@@ -45,6 +45,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.errors import AgentrlError
+from agentrl.tool_json import (
+    TAGS_IN_STRINGS,
+    arguments_object,
+    call_from_object,
+    is_json,
+    json_state,
+    json_values,
+    short,
+)
 from agentrl.types import ToolCall
 
 OPEN_TAG = "<tool_call>"
@@ -66,71 +75,6 @@ class ParsedReply:
 
 
 # ----------------------------------------------------------------------------- shared pieces
-
-
-def _short(text: str, limit: int = 80) -> str:
-    text = text.strip()
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _arguments_object(raw: str) -> Any:
-    """The arguments as a JSON value; raw text that is not JSON stays a string."""
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
-        return raw
-
-
-def _call_from_object(obj: Any, arg_keys: tuple[str, ...], call_id: str | None = None) -> tuple[ToolCall | None, str | None]:
-    """A decoded JSON call object → (call, None) or (None, error message)."""
-    if not isinstance(obj, dict):
-        return None, f"tool call must be a JSON object with 'name' and '{arg_keys[0]}', got {type(obj).__name__}"
-    name = obj.get("name")
-    if not isinstance(name, str) or not name.strip():
-        return None, "tool call is missing a 'name' string"
-    args = next((obj[k] for k in arg_keys if k in obj), {})
-    if isinstance(args, str):  # some models double-encode the arguments
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except (ValueError, RecursionError):
-            return None, f"arguments of tool call {name!r} are not a JSON object"
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        return None, f"arguments of tool call {name!r} must be a JSON object, got {type(args).__name__}"
-    try:
-        encoded = json.dumps(args, ensure_ascii=False, allow_nan=False)
-    except (ValueError, RecursionError, TypeError):
-        return None, f"arguments of tool call {name!r} cannot be re-encoded as JSON"
-    if not (_is_text(name) and _is_text(encoded)):  # "\ud800" decodes to a str no tokenizer or socket takes
-        return None, f"tool call {name!r} has an unpaired surrogate escape (\\ud800-\\udfff), which is not text"
-    if call_id:
-        return ToolCall(name=name.strip(), arguments=encoded, id=call_id), None
-    return ToolCall(name=name.strip(), arguments=encoded), None
-
-
-def _is_text(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _json_values(text: str, pos: int = 0, separators: str = " \t\r\n") -> tuple[list[Any], str | None]:
-    """Consecutive JSON values in ``text`` from ``pos`` (between ``separators``); an error for
-    what is left that does not decode."""
-    dec, values = json.JSONDecoder(), []
-    while True:
-        while pos < len(text) and text[pos] in separators:
-            pos += 1
-        if pos >= len(text):
-            return values, None
-        try:
-            value, pos = dec.raw_decode(text, pos)
-        except (ValueError, RecursionError) as e:
-            return values, f"invalid JSON in tool call ({type(e).__name__}): {_short(text[pos:])!r}"
-        values.append(value)
 
 
 class ToolParser:
@@ -198,10 +142,10 @@ class HermesParser(ToolParser):
             body_start = start + len(OPEN_TAG)
             end = _block_end(text, body_start)
             if end < 0:
-                errors.append(f"unclosed {OPEN_TAG} (expected {CLOSE_TAG}): {_short(text[body_start:])!r}")
+                errors.append(f"unclosed {OPEN_TAG} (expected {CLOSE_TAG}): {short(text[body_start:])!r}")
                 break
             body = text[body_start:end]
-            if OPEN_TAG in body and not _is_json(body):  # nested open tags: the outer blocks are malformed
+            if OPEN_TAG in body and not is_json(body):  # nested open tags: the outer blocks are malformed
                 errors.append(f"{OPEN_TAG} opened again before {CLOSE_TAG}")
                 pos = body_start + body.rindex(OPEN_TAG)  # not the next one: a run of tags stays linear
                 continue
@@ -223,42 +167,14 @@ def _block_end(text: str, body_start: int) -> int:
     first = end = text.find(CLOSE_TAG, body_start)
     if end < 0 or not text[body_start:end].lstrip().startswith("{"):  # a call is an object
         return first
-    state = _json_state(text[body_start:end])
-    for _ in range(_TAGS_IN_STRINGS):
+    state = json_state(text[body_start:end])
+    for _ in range(TAGS_IN_STRINGS):
         if state != "in a string" or (end := text.find(CLOSE_TAG, end + len(CLOSE_TAG))) < 0:
             break
-        state = _json_state(text[body_start:end])
+        state = json_state(text[body_start:end])
         if state == "whole":
             return end
     return first
-
-
-def _json_state(s: str) -> str:
-    """``whole`` (``s`` is JSON values and spaces), ``in a string`` (it stops inside one), or ``other``."""
-    pos = 0
-    try:
-        while True:
-            while pos < len(s) and s[pos] in _SPACE:
-                pos += 1
-            if pos == len(s):
-                return "whole" if pos else "other"
-            _, pos = _DECODER.raw_decode(s, pos)
-    except json.JSONDecodeError as e:
-        return "in a string" if e.msg.startswith("Unterminated string") else "other"
-    except (ValueError, RecursionError):
-        return "other"
-
-
-def _is_json(s: str) -> bool:
-    try:
-        json.loads(s)
-    except (ValueError, RecursionError):
-        return False
-    return True
-
-
-_DECODER, _SPACE = json.JSONDecoder(), " \t\r\n"
-_TAGS_IN_STRINGS = 4  # tags a call may write inside its JSON strings and still be read whole
 
 
 def _unmatched_close(text: str, errors: list[str]) -> str:
@@ -273,13 +189,13 @@ def _parse_block(body: str) -> tuple[ToolCall | None, str | None]:
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError) as e:
-        return None, f"invalid JSON in tool call ({type(e).__name__}): {_short(body)!r}"
-    return _call_from_object(obj, ("arguments",))
+        return None, f"invalid JSON in tool call ({type(e).__name__}): {short(body)!r}"
+    return call_from_object(obj, ("arguments",))
 
 
 def format_tool_call(call: ToolCall) -> str:
     """One ``<tool_call>`` block exactly as the Hermes templates render it (no surrounding newlines)."""
-    body = json.dumps({"name": call.name, "arguments": _arguments_object(call.arguments)}, ensure_ascii=False)
+    body = json.dumps({"name": call.name, "arguments": arguments_object(call.arguments)}, ensure_ascii=False)
     return f"{OPEN_TAG}\n{body}\n{CLOSE_TAG}"
 
 
@@ -299,7 +215,7 @@ class Llama3JsonParser(ToolParser):
 
     def format(self, content: str, tool_calls: list[ToolCall]) -> str:
         calls = "; ".join(
-            json.dumps({"name": tc.name, "parameters": _arguments_object(tc.arguments)}, ensure_ascii=False)
+            json.dumps({"name": tc.name, "parameters": arguments_object(tc.arguments)}, ensure_ascii=False)
             for tc in tool_calls
         )
         if content and calls:
@@ -313,10 +229,10 @@ class Llama3JsonParser(ToolParser):
             content, body = "", text
         else:
             return ParsedReply(content=text.strip())
-        values, err = _json_values(body, separators=" \t\r\n;")
+        values, err = json_values(body, separators=" \t\r\n;")
         calls, errors = [], [err] if err else []
         for obj in values:
-            call, e = _call_from_object(obj, ("parameters", "arguments"))
+            call, e = call_from_object(obj, ("parameters", "arguments"))
             if call is not None:
                 calls.append(call)
             else:
@@ -355,7 +271,7 @@ class MistralParser(ToolParser):
             return content
         objs = []
         for tc in tool_calls:
-            obj: dict[str, Any] = {"name": tc.name, "arguments": _arguments_object(tc.arguments)}
+            obj: dict[str, Any] = {"name": tc.name, "arguments": arguments_object(tc.arguments)}
             if _is_mistral_id(tc.id):
                 obj["id"] = tc.id
             objs.append(obj)
@@ -364,7 +280,7 @@ class MistralParser(ToolParser):
     def _parse(self, text: str) -> ParsedReply:
         if self.BOT not in text:
             if re.match(r"\s*\[\s*\{", text):  # the marker was a special token the server skipped
-                values, err = _json_values(text)
+                values, err = json_values(text)
                 if not err and len(values) == 1 and isinstance(values[0], list) and values[0] and all(
                     isinstance(v, dict) and "name" in v for v in values[0]
                 ):
@@ -383,12 +299,12 @@ class MistralParser(ToolParser):
         parts, out, i = text.split(self.BOT)[1:], [], 0
         while i < len(parts):
             chunk, j = parts[i], i
-            state = _json_state(self._json_of(parts[i]))
-            for k in range(i + 1, min(len(parts), i + 1 + _TAGS_IN_STRINGS)):
+            state = json_state(self._json_of(parts[i]))
+            for k in range(i + 1, min(len(parts), i + 1 + TAGS_IN_STRINGS)):
                 if state != "in a string":
                     break
                 longer = self.BOT.join(parts[i : k + 1])
-                state = _json_state(self._json_of(longer))
+                state = json_state(self._json_of(longer))
                 if state == "whole":  # merged only if that makes the call whole: else the next call stays its own
                     chunk, j = longer, k
             out.append(chunk)
@@ -411,7 +327,7 @@ class MistralParser(ToolParser):
 
     def _add(self, obj: Any, calls: list[ToolCall], errors: list[str]) -> None:
         own = obj.get("id") if isinstance(obj, dict) else None
-        call, err = _call_from_object(obj, ("arguments", "parameters"), own if _is_mistral_id(own) else mistral_call_id())
+        call, err = call_from_object(obj, ("arguments", "parameters"), own if _is_mistral_id(own) else mistral_call_id())
         if call is not None:
             calls.append(call)
         else:
@@ -423,7 +339,7 @@ class MistralParser(ToolParser):
             errors.append(f"{self.BOT} with no call after it")
             return
         if chunk[0] in "[{":  # v3: a JSON array (or a single object)
-            values, err = _json_values(chunk)
+            values, err = json_values(chunk)
             for v in values:
                 for obj in v if isinstance(v, list) else [v]:
                     self._add(obj, calls, errors)
@@ -434,10 +350,10 @@ class MistralParser(ToolParser):
         if not sep:
             m = re.match(r"([A-Za-z_][\w.\-]*)\s*(?=\{)", chunk)
             if m is None:
-                errors.append(f"cannot read a tool call after {self.BOT}: {_short(chunk)!r}")
+                errors.append(f"cannot read a tool call after {self.BOT}: {short(chunk)!r}")
                 return
             name, rest = m.group(1), chunk[m.end():]
-        values, err = _json_values(rest)
+        values, err = json_values(rest)
         if err or len(values) != 1:
             errors.append(err or f"tool call {name.strip()!r} needs exactly one JSON arguments object")
             return
@@ -501,7 +417,7 @@ class PythonicParser(ToolParser):
             return content
         calls = []
         for tc in tool_calls:
-            args = _arguments_object(tc.arguments)
+            args = arguments_object(tc.arguments)
             kwargs = ", ".join(f"{k}={_py(v)}" for k, v in args.items()) if isinstance(args, dict) else ""
             calls.append(f"{tc.name}({kwargs})")
         body = "[" + ", ".join(calls) + "]"
@@ -519,9 +435,9 @@ class PythonicParser(ToolParser):
         try:
             tree = ast.parse(body.strip(), mode="eval")
         except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-            return ParsedReply(content.strip(), errors=[f"invalid pythonic tool call ({type(e).__name__}): {_short(body)!r}"])
+            return ParsedReply(content.strip(), errors=[f"invalid pythonic tool call ({type(e).__name__}): {short(body)!r}"])
         if not isinstance(tree.body, ast.List) or not all(isinstance(e, ast.Call) for e in tree.body.elts):
-            return ParsedReply(content.strip(), errors=[f"tool calls must be a Python list of calls: {_short(body)!r}"])
+            return ParsedReply(content.strip(), errors=[f"tool calls must be a Python list of calls: {short(body)!r}"])
         if self.START not in text:
             content = ""
         calls, errors = [], []
@@ -551,7 +467,7 @@ class PythonicParser(ToolParser):
                 args[kw.arg] = _literal(kw.value)
             except (_NotLiteral, RecursionError) as e:
                 return None, f"argument {kw.arg!r} of tool call {name!r} is not a literal: {e}"
-        return _call_from_object({"name": name, "arguments": args}, ("arguments",))
+        return call_from_object({"name": name, "arguments": args}, ("arguments",))
 
 
 # ----------------------------------------------------------------------------- the registry
