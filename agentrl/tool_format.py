@@ -312,12 +312,21 @@ class MistralParser(ToolParser):
         return out
 
     def _json_of(self, chunk: str) -> str:
-        """The JSON part of a chunk: all of it (v3), or what follows the name (v11)."""
-        chunk = chunk.strip()
+        """The JSON part of a chunk (as :meth:`_chunk` reads it)."""
+        return self._split(chunk.strip())[1] or ""
+
+    _V11_NAME = re.compile(r"([A-Za-z_][\w.\-]*)\s*(?=\{)")
+
+    def _split(self, chunk: str) -> tuple[str | None, str | None]:
+        """A stripped chunk as (name, its JSON): v3's array or object has no name; v11 is
+        ``name[ARGS]{json}`` or ``name{json}``; (None, None) when no name can be read."""
         if chunk[:1] in ("[", "{"):
-            return chunk
+            return None, chunk
         name, sep, rest = chunk.partition(self.ARGS)
-        return rest if sep else chunk[chunk.find("{") :] if "{" in chunk else ""
+        if sep:
+            return name.strip(), rest
+        m = self._V11_NAME.match(chunk)
+        return (m.group(1), chunk[m.end() :]) if m else (None, None)
 
     def _from_objects(self, objs: list[Any], content: str) -> ParsedReply:
         calls, errors = [], []
@@ -338,26 +347,22 @@ class MistralParser(ToolParser):
         if not chunk:
             errors.append(f"{self.BOT} with no call after it")
             return
-        if chunk[0] in "[{":  # v3: a JSON array (or a single object)
-            values, err = json_values(chunk)
+        name, rest = self._split(chunk)
+        if rest is None:
+            errors.append(f"cannot read a tool call after {self.BOT}: {short(chunk)!r}")
+            return
+        values, err = json_values(rest)
+        if name is None:  # v3: a JSON array (or a single object)
             for v in values:
                 for obj in v if isinstance(v, list) else [v]:
                     self._add(obj, calls, errors)
             if err:
                 errors.append(err)
             return
-        name, sep, rest = chunk.partition(self.ARGS)  # v11: name[ARGS]{json}
-        if not sep:
-            m = re.match(r"([A-Za-z_][\w.\-]*)\s*(?=\{)", chunk)
-            if m is None:
-                errors.append(f"cannot read a tool call after {self.BOT}: {short(chunk)!r}")
-                return
-            name, rest = m.group(1), chunk[m.end():]
-        values, err = json_values(rest)
         if err or len(values) != 1:
-            errors.append(err or f"tool call {name.strip()!r} needs exactly one JSON arguments object")
+            errors.append(err or f"tool call {name!r} needs exactly one JSON arguments object")
             return
-        self._add({"name": name.strip(), "arguments": values[0]}, calls, errors)
+        self._add({"name": name, "arguments": values[0]}, calls, errors)
 
 
 # ----------------------------------------------------------------------------- pythonic

@@ -62,36 +62,34 @@ def is_text(s: str) -> bool:
     return True
 
 
-def json_values(text: str, pos: int = 0, separators: str = " \t\r\n") -> tuple[list[Any], str | None]:
+def json_values(text: str, pos: int = 0, separators: str = _SPACE) -> tuple[list[Any], str | None]:
     """Consecutive JSON values in ``text`` from ``pos`` (between ``separators``); an error for
     what is left that does not decode."""
-    dec, values = json.JSONDecoder(), []
-    while True:
-        while pos < len(text) and text[pos] in separators:
-            pos += 1
-        if pos >= len(text):
-            return values, None
-        try:
-            value, pos = dec.raw_decode(text, pos)
-        except (ValueError, RecursionError) as e:
-            return values, f"invalid JSON in tool call ({type(e).__name__}): {short(text[pos:])!r}"
-        values.append(value)
+    values, pos, e = _decode_run(text, pos, separators)
+    return values, None if e is None else f"invalid JSON in tool call ({type(e).__name__}): {short(text[pos:])!r}"
 
 
 def json_state(s: str) -> str:
     """``whole`` (``s`` is JSON values and spaces), ``in a string`` (it stops inside one), or ``other``."""
-    pos = 0
-    try:
-        while True:
-            while pos < len(s) and s[pos] in _SPACE:
-                pos += 1
-            if pos == len(s):
-                return "whole" if pos else "other"
-            _, pos = _DECODER.raw_decode(s, pos)
-    except json.JSONDecodeError as e:
-        return "in a string" if e.msg.startswith("Unterminated string") else "other"
-    except (ValueError, RecursionError):
-        return "other"
+    values, _, e = _decode_run(s, 0, _SPACE)
+    if e is None:
+        return "whole" if values else "other"
+    return "in a string" if isinstance(e, json.JSONDecodeError) and e.msg.startswith("Unterminated string") else "other"
+
+
+def _decode_run(text: str, pos: int, separators: str) -> tuple[list[Any], int, Exception | None]:
+    """The values decoded from ``pos`` on, where decoding stopped, and why (None: at the end)."""
+    values: list[Any] = []
+    while True:
+        while pos < len(text) and text[pos] in separators:
+            pos += 1
+        if pos >= len(text):
+            return values, pos, None
+        try:
+            value, pos = _DECODER.raw_decode(text, pos)
+        except (ValueError, RecursionError) as e:
+            return values, pos, e
+        values.append(value)
 
 
 def is_json(s: str) -> bool:

@@ -240,19 +240,22 @@ def engine_devices(device: str, engines: int, gpus: int, trainer_device: str) ->
     """
     if engines < 1:
         raise ValueError(f"engine_devices: engines must be at least 1, got {engines}")
-    for name, value in (("inference.device", device), ("trainer.device", trainer_device)):
-        index = value.split(":", 1)[1] if value.startswith("cuda:") else "0"
-        if not index.isdigit() or (gpus and int(index) >= gpus):
-            raise ValueError(f"{name} = {value!r}, but this host has {gpus} GPU(s): use auto, cpu or cuda:0..")
+    _gpu_of("inference.device", device, gpus)
+    taken = _gpu_of("trainer.device", trainer_device, gpus)
     if device not in ("auto", "cuda") or gpus < 2:
         return [device] * engines
-    taken = None  # the trainer's GPU
-    if trainer_device in ("auto", "cuda"):
-        taken = 0
-    elif trainer_device.startswith("cuda:"):
-        taken = int(trainer_device.split(":", 1)[1])
     free = [i for i in range(gpus) if i != taken]
     return [f"cuda:{free[k % len(free)]}" for k in range(engines)]
+
+
+def _gpu_of(name: str, device: str, gpus: int) -> int | None:
+    """The GPU ``device`` names (``auto``/``cuda``: 0; None: not a GPU); ValueError for a ``cuda:N`` the host lacks."""
+    if not device.startswith("cuda:"):
+        return 0 if device in ("auto", "cuda") else None
+    index = device.split(":", 1)[1]
+    if not index.isdigit() or (gpus and int(index) >= gpus):
+        raise ValueError(f"{name} = {device!r}, but this host has {gpus} GPU(s): use auto, cpu or cuda:0..")
+    return int(index)
 
 
 def open_policy(

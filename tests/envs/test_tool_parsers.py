@@ -21,6 +21,7 @@ from agentrl.tool_format import (
     parser_names,
     resolve_tool_parser,
 )
+from agentrl.tool_json import is_text
 from agentrl.types import ToolCall
 
 # ----------------------------------------------------------------------------- registry
@@ -142,14 +143,6 @@ def test_parsing_never_raises(family, text):
         assert isinstance(json.loads(c.arguments), dict)
     if is_text(text):  # what comes out goes into the next prompt: it must be text too
         assert all(is_text(x) for x in [p.content, *p.errors, *(c.name + c.arguments for c in p.tool_calls)])
-
-
-def is_text(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 SURROGATE_CALLS = {  # valid UTF-8 text whose JSON / Python escapes decode to a lone surrogate

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from benchmark_module import load_benchmark
 
 from agentrl.trainer.checkpoint import save_checkpoint
 
@@ -13,11 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _heldout():
-    spec = importlib.util.spec_from_file_location("heldout_benchmark", ROOT / "benchmarks" / "heldout.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("heldout")
 
 
 def test_first_at_can_ask_the_target_to_hold():

@@ -8,7 +8,6 @@ pin those down deterministically."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import socket
 import subprocess
@@ -17,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from benchmark_module import load_benchmark
 
 from agentrl.buffer import StalenessBuffer
 from agentrl.envs import SingleTurnEnv, ToolEnv
@@ -43,16 +43,8 @@ def test_a_1000_episode_soak_leaks_nothing():
                              "resource_warnings": []}
 
 
-def _soak_module():
-    spec = importlib.util.spec_from_file_location("soak_benchmark", ROOT / "benchmarks" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_soak_counts_a_socket_only_the_garbage_collector_closed():
-    resource_warnings = _soak_module().resource_warnings
+    resource_warnings = load_benchmark("soak").resource_warnings
     with resource_warnings() as found:
         sock = socket.socket()
         del sock  # dropped open: only the collector closes it
