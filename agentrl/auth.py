@@ -1,0 +1,124 @@
+"""API keys: one secret per run or server, sent as ``Authorization: Bearer KEY``.
+
+The rules every agentrl server and client follows (README: "Keys and ports"):
+
+- A server takes its key from ``--api-key`` or ``AGENTRL_API_KEY`` (vLLM's convention).
+  Given that way the key is *explicit* and guards every route but ``/health``.
+- A server started without one makes one (:func:`server_key`) and writes it 0600 where its
+  own clients find it (the run dir, or a path it prints).  A made key guards the control
+  and weight routes only: a server nobody gave a key to stays an open OpenAI endpoint on
+  loopback, but nobody who merely reaches its port can pause it or replace its weights.
+- Clients read ``AGENTRL_API_KEY`` (:func:`client_key`); a run hands its key to its own
+  engines and clients through that variable.
+- Comparisons are constant-time (:func:`matches`); weight pushes are signed with an HMAC
+  of the key (:func:`sign` / :func:`verify`), so a transfer proves its sender chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+KEY_ENV = "AGENTRL_API_KEY"
+KEY_FILE = "api_key"  # the name of the key file inside a run dir
+
+
+@dataclass(frozen=True)
+class ServerKey:
+    """A server's key and where it came from."""
+
+    value: str
+    explicit: bool  # given by the user: guards every route; made here: control routes only
+    path: Path | None = None  # where a made key was written (0600), for the server's clients
+
+    def guards(self, control: bool) -> bool:
+        """Whether a route (a control/weight route when ``control``) needs the key."""
+        return control or self.explicit
+
+
+def new_key() -> str:
+    """A fresh key: 256 bits, URL-safe."""
+    return "arl-" + secrets.token_urlsafe(32)
+
+
+def server_key(explicit: str | None = None, write_to: str | Path | None = None) -> ServerKey:
+    """The key a server uses: ``explicit`` (a flag), else ``AGENTRL_API_KEY``, else a new one.
+
+    A new key is written to ``write_to`` with mode 0600 (created that way, never widened
+    later) so that the server's own clients can read it.
+    """
+    given = explicit or os.environ.get(KEY_ENV) or ""
+    if given.strip():
+        return ServerKey(given.strip(), explicit=True)
+    key = new_key()
+    path = Path(write_to) if write_to is not None else None
+    if path is not None:
+        write_key(path, key)
+    return ServerKey(key, explicit=False, path=path)
+
+
+def write_key(path: str | Path, key: str) -> Path:
+    """Write ``key`` to ``path``, readable by its owner only (0600 from the first byte)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, (key + "\n").encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
+def read_key(path: str | Path) -> str:
+    """The key stored at ``path`` by :func:`write_key`."""
+    return Path(path).read_text().strip()
+
+
+def client_key(default: str | None = None) -> str | None:
+    """The key a client sends: ``AGENTRL_API_KEY`` when set, else ``default``."""
+    return os.environ.get(KEY_ENV, "").strip() or default
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer TOKEN`` header (None when absent or another scheme)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def matches(key: str, presented: str | None) -> bool:
+    """Constant-time comparison of a presented token with the key (None never matches)."""
+    if presented is None:
+        return False
+    return hmac.compare_digest(key.encode(), presented.encode())
+
+
+def auth_headers(key: str | None) -> dict[str, str]:
+    """The header a client sends with ``key`` (none without one)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def sign(key: str, *parts: bytes) -> str:
+    """HMAC-SHA256 (hex) of ``parts`` under ``key``; each part's length is bound in, so
+    ``(b"ab", b"c")`` and ``(b"a", b"bc")`` sign differently."""
+    mac = hmac.new(key.encode(), digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(len(part).to_bytes(8, "big"))
+        mac.update(part)
+    return mac.hexdigest()
+
+
+def verify(key: str, signature: str | None, *parts: bytes) -> bool:
+    """Whether ``signature`` is :func:`sign` of ``parts`` under ``key`` (constant-time)."""
+    if not signature:
+        return False
+    return hmac.compare_digest(sign(key, *parts), signature)
