@@ -20,6 +20,17 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _PARSE_LOCK = threading.Lock()  # sync tools run in threads (asyncio.to_thread)
 
 
+# Every integer the calculator makes has at most this many bits, checked *before* it is computed:
+# then each operation costs microseconds, so no tool thread (which asyncio cannot kill) can run
+# away. An exponent check alone passed (((9**64)**64)**64)**64, a 53-million-bit power that
+# held the GIL for minutes and froze the env server.
+MAX_BITS = 4096
+
+
+def _bits(v: float | int) -> int:
+    return v.bit_length() if isinstance(v, int) else 0  # a float cannot grow past ~1e308 (it overflows)
+
+
 def _eval(node: ast.AST) -> float | int:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
@@ -30,9 +41,17 @@ def _eval(node: ast.AST) -> float | int:
         return -v if isinstance(node.op, ast.USub) else v
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         left, right = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 64:
-            raise ValueError("exponent too large")
-        return _OPS[type(node.op)](left, right)
+        if isinstance(node.op, ast.Pow):
+            if abs(right) > 64:
+                raise ValueError("exponent too large")
+            if isinstance(right, int) and right > 0 and _bits(left) * right > MAX_BITS:
+                raise ValueError(f"result too large (over {MAX_BITS} bits)")
+        elif isinstance(node.op, ast.Mult) and _bits(left) + _bits(right) > MAX_BITS:
+            raise ValueError(f"result too large (over {MAX_BITS} bits)")
+        value = _OPS[type(node.op)](left, right)
+        if isinstance(value, complex):  # (-8)**0.5
+            raise ValueError("the result is not a real number")
+        return value
     raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
 
 

@@ -33,6 +33,16 @@ def test_calculator_is_safe_and_exact():
             calculator(bad)
 
 
+@pytest.mark.parametrize("bomb", ["(((9**64)**64)**64)**64", "(9**64)**64", "(7**60)**60*7**60", "(2**64)**64*(2**64)**64"])
+def test_a_power_tower_is_refused_before_it_is_computed(bomb):
+    """Attack: an exponent check alone passed (((9**64)**64)**64)**64, whose 53-million-bit power
+    ran for minutes in a tool thread nobody can kill, holding the GIL (the env server's /health
+    froze). Every intermediate is bounded before it is computed, so this is an error reply."""
+    with pytest.raises(ValueError, match="too large"):
+        calculator(bomb)
+    assert calculator("2**64*2**64") == str(2**128) and calculator("(2**32)**64") == str(2**2048)
+
+
 def test_a_malformed_number_is_an_error_reply_not_a_warning_on_stderr():
     import warnings
 
