@@ -9,14 +9,13 @@ replays the env's own demonstrations when it has them.
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.envs.base import Environment, State
 from agentrl.tool_format import format_assistant_text, get_parser
-from agentrl.types import Completion, Message, SamplingParams, Trajectory
+from agentrl.types import Completion, Message, SamplingParams, Trajectory, messages_to_dicts
 
 IM_START, IM_END = 1, 2
 _OFFSET = 3
@@ -137,16 +136,38 @@ class ScriptedClient:
 
 
 def replay_policy(demos: list[list[Message]]) -> Callable[[str], str]:
-    """Reply with the k-th assistant turn of a demonstration at the k-th turn."""
-    turns = [[format_assistant_text(m.content, m.tool_calls) for m in d if m.role == "assistant"] for d in demos]
-    turns = [t for t in turns if t] or [["I don't know."]]
+    """Reply with the k-th assistant turn of a demonstration at the k-th turn.
+
+    A demonstration solves its own task, so it is replayed only on an episode that began
+    with its prompt (the messages before its first assistant turn); any other episode gets
+    "I don't know." (replayed elsewhere, a stateful tool would rightly refuse its calls).
+    """
+    scripts = []
+    for d in demos:
+        turns = [format_assistant_text(m.content, m.tool_calls) for m in d if m.role == "assistant"]
+        if turns:
+            scripts.append((render_chatml(messages_to_dicts(demo_prompt(d)), None, False), turns))
 
     def policy(prompt: str) -> str:
+        head, _, _ = prompt.partition(f"{_START_TEXT}assistant")
         k = prompt.count(f"{_START_TEXT}assistant") - 1
-        demo = turns[zlib.crc32(prompt.split(f"{_START_TEXT}assistant", 1)[0].encode()) % len(turns)]
-        return demo[min(k, len(demo) - 1)]
+        fits = [(len(p), turns) for p, turns in scripts if p and head.endswith(p)]
+        if not fits:
+            return "I don't know."
+        turns = max(fits, key=lambda f: f[0])[1]
+        return turns[min(k, len(turns) - 1)]
 
     return policy
+
+
+def demo_prompt(demo: list[Message]) -> list[Message]:
+    """The task prompt a demonstration starts from: its messages before the first assistant turn."""
+    first = next((i for i, m in enumerate(demo) if m.role == "assistant"), len(demo))
+    return demo[:first]
+
+
+def _prompt_key(messages: list[Message]) -> tuple:
+    return tuple((m.role, m.content) for m in messages)
 
 
 @dataclass
@@ -198,8 +219,8 @@ async def check_environment(
     report = CheckReport()
     sampling = sampling or SamplingParams(max_tokens=256, temperature=1.0)
     tasks = _check_datasets(env, report)
-    _check_rubric_and_tools(env, report)
-    demos = _check_demonstrations(env, report)
+    _check_rubric_and_tools(env, report, tasks)
+    demos = _check_demonstrations(env, report, tasks)
     if not tasks:
         return report
     cleanups: list[int] = []
@@ -211,6 +232,9 @@ async def check_environment(
 
     env.cleanup = counting_cleanup  # type: ignore[method-assign]
     try:
+        if client is None and demos:  # tasks that have a demonstration first: the scripted policy can solve them
+            shown = {_prompt_key(demo_prompt(d)) for d in demos}
+            tasks = sorted(tasks, key=lambda t: _prompt_key(t.prompt) not in shown)
         policy = client or ScriptedClient(replay_policy(demos) if demos else None)
         await _check_episodes(env, policy, tasks[:num_episodes], sampling, report, cleanups)
         before = len(cleanups)
@@ -256,12 +280,19 @@ def _check_datasets(env: Environment, report: CheckReport) -> list[Any]:
     return tasks
 
 
-def _check_rubric_and_tools(env: Environment, report: CheckReport) -> None:
+def _check_rubric_and_tools(env: Environment, report: CheckReport, tasks: list[Any]) -> None:
     from agentrl.rubrics import Rubric
 
     rubric = getattr(env, "rubric", None)
     weighted = isinstance(rubric, Rubric) and any(f.weight != 0 for f in rubric.funcs)
     report.add("rubric", weighted, f"{len(rubric.funcs)} functions" if weighted else "no Rubric with a weighted function")
+    asking = [f.name for f in rubric.funcs if {"answer", "answers"} & set(f.params)] if isinstance(rubric, Rubric) else []
+    if asking and tasks:  # every episode of a task without one would error inside the rubric
+        missing = sum(getattr(t, "answer", None) is None for t in tasks)
+        report.add("answers", not missing,
+                   f"{missing} of {len(tasks)} tasks have no answer, but reward function(s) {', '.join(asking)} "
+                   "ask for answer: give each dataset row an 'answer'" if missing
+                   else f"every task has one ({', '.join(asking)} ask for it)")
     try:
         schemas = env.tool_schemas() or []
         bad = [s for s in schemas if s.get("type") != "function" or "name" not in s.get("function", {})
@@ -271,7 +302,7 @@ def _check_rubric_and_tools(env: Environment, report: CheckReport) -> None:
         report.add("tool_schemas", False, f"tool_schemas() raised {type(e).__name__}: {e}")
 
 
-def _check_demonstrations(env: Environment, report: CheckReport) -> list[list[Message]]:
+def _check_demonstrations(env: Environment, report: CheckReport, tasks: list[Any]) -> list[list[Message]]:
     try:
         demos = env.demonstrations(4, seed=0)
     except NotImplementedError:
@@ -282,7 +313,13 @@ def _check_demonstrations(env: Environment, report: CheckReport) -> list[list[Me
     shaped = len(demos) == 4 and all(
         d and all(isinstance(m, Message) for m in d) and any(m.role == "assistant" for m in d) for d in demos
     )
-    report.add("demonstrations", shaped, "4 conversations" if shaped else "expected 4 lists of Messages with assistant turns")
+    if not shaped:
+        report.add("demonstrations", False, "expected 4 lists of Messages with assistant turns")
+        return demos
+    prompts = {_prompt_key(t.prompt) for t in tasks}
+    fit = sum(_prompt_key(demo_prompt(d)) in prompts for d in demos)
+    # a demonstration is replayed on its own task only; one whose prompt is no dataset task's is never replayed
+    report.add("demonstrations", True, f"4 conversations, {fit} start with a dataset task's prompt (replayed on it)")
     return demos
 
 
@@ -355,7 +392,11 @@ def _check_tools_raised(trajs: list[Trajectory], report: CheckReport) -> None:
         return
     always = sorted(name for name, n in raised.items() if n >= calls.get(name, 0) > 0)
     detail = ", ".join(f"{name} raised {int(raised.get(name, 0))}/{int(n)}" for name, n in sorted(calls.items()))
-    report.add("tools", not always, (f"always raised: {', '.join(always)}; " if always else "") + detail)
+    # every call of such a tool raised, so each of its tool messages is the exception's text
+    said = {m.name: m.content.removeprefix("Error: ") for t in reversed(trajs) for m in t.completion
+            if m.role == "tool" and m.name in always}
+    named = ", ".join(f"{name} ({said[name]})" if name in said else name for name in always)
+    report.add("tools", not always, (f"always raised: {named}; " if always else "") + detail)
 
 
 async def _check_reference(env: Environment, tasks: list[Any], sampling: SamplingParams, report: CheckReport) -> None:

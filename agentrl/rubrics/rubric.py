@@ -206,7 +206,7 @@ class Rubric:
                         raise ValueError(f"returned {len(out)} values for {len(todo)} episodes")
                 except Exception as e:
                     for i in todo:
-                        errors[i] = f"reward function {f.name!r} raised {type(e).__name__}: {e}"[:500]
+                        errors[i] = _raised(f, e, args[i])
                     continue
                 for i, v in zip(todo, out, strict=True):
                     self._record(f, i, v, values, errors)
@@ -219,7 +219,7 @@ class Rubric:
                     if isinstance(v, BaseException):
                         if isinstance(v, asyncio.CancelledError):
                             raise v
-                        errors[i] = f"reward function {f.name!r} raised {type(v).__name__}: {v}"[:500]
+                        errors[i] = _raised(f, v, args[i])
                     else:
                         self._record(f, i, v, values, errors)
         return list(zip(values, errors, strict=True))
@@ -257,6 +257,14 @@ class Rubric:
             else:
                 raise TypeError(f"group reward function {f.name!r} asks for {p!r}; use plural names")
         return kwargs
+
+
+def _raised(f: RewardFn, e: BaseException, ep: dict[str, Any]) -> str:
+    """The error of a reward function that raised; names a missing answer, the usual cause."""
+    why = ""
+    if ep["answer"] is None and ({"answer", "answers"} & set(f.params) or f.takes_all):
+        why = " (its task has no answer: give each dataset row an 'answer')"
+    return f"reward function {f.name!r} raised {type(e).__name__}: {e}"[: 500 - len(why)] + why
 
 
 async def score_episodes(rubric: Any, trajectories: Sequence[Trajectory]) -> None:

@@ -22,16 +22,20 @@ def ok(completion) -> float:
 
 class Broken(ToolEnv):
     def demonstrations(self, n, seed=0):
-        call = ToolCall("lookup", '{"key": "a"}')
-        return [[Message("user", "find a"), Message("assistant", "", tool_calls=[call]),
-                 Message("tool", "x", tool_call_id=call.id), Message("assistant", "done")]] * n
+        out = []
+        for i in range(n):
+            key = "ab"[i % 2]
+            call = ToolCall("lookup", f'{{"key": "{key}"}}')
+            out.append([Message("user", f"find {key}"), Message("assistant", "", tool_calls=[call]),
+                        Message("tool", "x", tool_call_id=call.id), Message("assistant", "done")])
+        return out
 
 
 async def test_a_tool_that_raises_on_every_call_fails_the_check_by_name():
     env = Broken(tools=[lookup], dataset=["find a", "find b"], rubric=Rubric([ok]))
     report = await check_environment(env, num_episodes=2)
     tools = next(r for r in report.results if r.name == "tools")
-    assert not tools.ok and "always raised: lookup" in tools.detail and "lookup raised 2/2" in tools.detail
+    assert not tools.ok and "always raised: lookup (KeyError: 'a')" in tools.detail and "lookup raised 2/2" in tools.detail
     assert not report.ok
 
 
