@@ -370,12 +370,31 @@ def _format_errors(err: ValidationError) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{loc}'")
+            lines.append(f"unknown key '{loc}'{_suggest(e['loc'])}")
         elif not loc:  # a check across sections
             lines.append(str(e["msg"]).removeprefix("Value error, "))
         else:
             lines.append(f"{loc}: {e['msg']} (got {e.get('input')!r})")
     return "; ".join(lines)
+
+
+def _suggest(loc: tuple) -> str:
+    """'; did you mean 'buffer.max_staleness'?' for a misspelt key (the keys of its section otherwise)."""
+    import difflib
+
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        sub = field.annotation if field is not None else None
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            return ""
+        model = sub
+    keys = list(model.model_fields)
+    where = ".".join(str(p) for p in loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{where + '.' if where else ''}{close[0]}'?"
+    return f" (keys in [{where}]: {', '.join(keys)})" if where else f" (sections: {', '.join(keys)})"
 
 
 def split_files_and_overrides(tokens: list[str]) -> tuple[list[str], list[str]]:

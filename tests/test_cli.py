@@ -51,3 +51,16 @@ def test_usage_errors_are_one_line_exit_2(args):
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("error:")
+
+
+@pytest.mark.parametrize("where", ["file", "override"])
+def test_a_misspelt_config_key_gets_a_suggestion(tmp_path, where):
+    """Issue 23, friction 10: `unknown key 'buffer.max_stalenes'` said nothing more, while a
+    misspelt environment name gets "did you mean"."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[buffer]\nmax_stalenes = 2\n" if where == "file" else "")
+    r = agentrl("run", str(cfg), "--dry-run", *(["--buffer.max_stalenes=2"] if where == "override" else []))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "unknown key 'buffer.max_stalenes'; did you mean 'buffer.max_staleness'?" in r.stderr, r.stderr
+    r = agentrl("run", str(cfg), "--dry-run", "--bufer.max_staleness=2")
+    assert "unknown key 'bufer'; did you mean 'buffer'?" in r.stderr, r.stderr
