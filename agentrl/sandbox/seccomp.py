@@ -15,7 +15,9 @@ escalation bugs:
   memory/personality tricks stay allowed (they are confined by the namespaces);
 - sockets: only ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` and ``AF_NETLINK`` with protocol 0
   (``NETLINK_ROUTE``, which ``getifaddrs`` needs); no netfilter, packet, key, vsock...
-  sockets.
+  sockets.  ``socketpair`` runs the family's socket-creation code too, so it gets the same
+  rules (the same errno as ``socket``), and only ``AF_UNIX`` gets past them: the kernel
+  implements socket pairs for no other family (EOPNOTSUPP, as it would answer itself).
 
 Syscalls of another ABI (i386 ``int 0x80``, x32) kill the process: the filter is built
 for the native architecture only and libseccomp's bad-architecture action applies.
@@ -107,12 +109,24 @@ def build_filter():  # noqa: ANN201 - a pyseccomp.SyscallFilter
             f.add_rule(eperm, nr, sc.Arg(0, sc.MASKED_EQ, flag, flag))
     nr = _syscall_nr(sc, "socket")
     if nr is not None:
-        for family in range(MAX_FAMILY):
-            if family not in ALLOWED_FAMILIES:
-                f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), nr, sc.Arg(0, sc.EQ, family))
-        f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), nr, sc.Arg(0, sc.GE, MAX_FAMILY))
-        f.add_rule(sc.ERRNO(errno.EPROTONOSUPPORT), nr, sc.Arg(0, sc.EQ, AF_NETLINK), sc.Arg(2, sc.NE, 0))
+        _family_rules(sc, f, nr, pair=False)
+    nr = _syscall_nr(sc, "socketpair")
+    if nr is not None:
+        _family_rules(sc, f, nr, pair=True)
     return f
+
+
+def _family_rules(sc, f, nr: int, *, pair: bool) -> None:  # noqa: ANN001 - pyseccomp objects
+    """socket()/socketpair() family rules; the rules of one syscall never overlap."""
+    for family in range(MAX_FAMILY):
+        if family not in ALLOWED_FAMILIES:
+            f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), nr, sc.Arg(0, sc.EQ, family))
+    f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), nr, sc.Arg(0, sc.GE, MAX_FAMILY))
+    f.add_rule(sc.ERRNO(errno.EPROTONOSUPPORT), nr, sc.Arg(0, sc.EQ, AF_NETLINK), sc.Arg(2, sc.NE, 0))
+    if pair:  # families socket() allows but that have no socket pairs: refused before their code runs
+        f.add_rule(sc.ERRNO(errno.EOPNOTSUPP), nr, sc.Arg(0, sc.EQ, AF_NETLINK), sc.Arg(2, sc.EQ, 0))
+        for family in (AF_INET, AF_INET6):
+            f.add_rule(sc.ERRNO(errno.EOPNOTSUPP), nr, sc.Arg(0, sc.EQ, family))
 
 
 @functools.lru_cache(maxsize=1)

@@ -648,3 +648,63 @@ async def test_reset_that_cannot_prove_clean_destroys_the_sandbox(isolating_back
             assert second is not first and (await run(second, "echo fresh")).stdout == "fresh\n"
         with pytest.raises(SandboxError):
             await first.reset()  # destroyed for good
+
+
+# ----------------------------------------------------------------------------- socket pairs, the agent's pipes
+
+_SOCKETPAIR = r"""
+import socket
+# family, type, protocol: vsock, packet, XDP, key, alg, bluetooth, netlink (netfilter and route), inet
+for fam, typ, proto in ((40, 1, 0), (17, 3, 0), (44, 3, 0), (15, 3, 2), (38, 5, 0), (31, 1, 0),
+                        (16, 3, 12), (16, 3, 0), (2, 1, 0), (10, 1, 0)):
+    try:
+        socket.socket(fam, typ, proto).close(); single = 0
+    except OSError as e:
+        single = e.errno
+    try:
+        a, b = socket.socketpair(fam, typ, proto); a.close(); b.close(); pair = 0
+    except OSError as e:
+        pair = e.errno
+    print(fam, proto, single, pair)
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM); a.sendall(b"hi"); print("unix", b.recv(2).decode())
+"""
+
+
+async def test_socketpair_is_filtered_like_socket(sb):
+    """socketpair() runs the family's own socket code before finding it has no pairs: it gets
+    the same family filter as socket() (and the same errno), and only AF_UNIX gets through."""
+    import errno
+
+    r = await run(sb, ["python3", "-c", _SOCKETPAIR])
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "unix hi", r
+    rows = [tuple(map(int, line.split())) for line in lines[:-1]]
+    assert len(rows) == 10, r
+    for fam, proto, single, pair in rows:
+        if single:  # socket() refused by the filter: the pair gets the same answer
+            assert single in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT) and pair == single, (fam, proto, r.stdout)
+        else:  # inet, inet6, netlink route: no pairs in the kernel, refused before their code runs
+            assert (fam, proto) in ((2, 0), (10, 0), (16, 0)) and pair == errno.EOPNOTSUPP, (fam, proto, r.stdout)
+
+
+_PROC_ONE = r"""
+import os
+for pid in sorted({"1", *(p for p in os.listdir("/proc") if p.isdigit())}, key=int):
+    if pid == os.readlink("/proc/self"):
+        continue
+    for fd in (0, 1, 2):
+        for mode in (os.O_RDONLY, os.O_WRONLY | os.O_NONBLOCK):
+            try:
+                os.close(os.open(f"/proc/{pid}/fd/{fd}", mode)); print("opened", pid, fd, mode)
+            except OSError:
+                pass
+print("done")
+"""
+
+
+async def test_proc_1_fds_cannot_be_opened(sb):
+    """/proc/1/fd/0 is the host's request pipe under bwrap (pid 1 is bwrap's init) and the
+    attach stream under docker (pid 1 is the agent): not openable, read or write, nor any
+    other process's standard fds but the command's own."""
+    r = await run(sb, ["python3", "-c", _PROC_ONE])
+    assert r.stdout == "done\n", r

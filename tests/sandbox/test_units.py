@@ -33,6 +33,11 @@ try:
     socket.socket(17, socket.SOCK_RAW); print("packet ok")
 except OSError as e:
     print("packet", errno.errorcode[e.errno])
+try:
+    socket.socketpair(40, socket.SOCK_STREAM); print("vsock pair ok")
+except OSError as e:
+    print("vsock pair", errno.errorcode[e.errno])
+a, b = socket.socketpair(); a.close(); b.close(); print("unix pair ok")
 socket.socket().close(); print("tcp ok")
 print("pid", os.getpid() > 0)
 """
@@ -54,6 +59,7 @@ def test_filter_is_generated_by_libseccomp_and_denies_what_it_says():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.split("\n")
     assert "unshare EPERM" in lines and "clone3 ENOSYS" in lines and "packet EAFNOSUPPORT" in lines, out.stdout
+    assert "vsock pair EAFNOSUPPORT" in lines and "unix pair ok" in lines, out.stdout
     assert "tcp ok" in lines and "pid True" in lines
 
 
