@@ -80,6 +80,7 @@ class State:
     seccomp = None  # (buffer, _Prog) kept alive for the forked children
     oom_fd = None  # the container's memory cgroup events file (docker), read before/after exec
     tmpfs_modes = {}  # path -> mode to restore on reset
+    tmpfs_times = {}  # path -> (atime_ns, mtime_ns) as mounted, restored on reset
     sysctls = {}  # per-exec-namespace sysctls (best effort, where /proc/sys is writable)
 
 
@@ -130,6 +131,8 @@ def op_init(req, mode):
         opts = f"size={int(t['size'])},nr_inodes={int(t['inodes'])},mode={int(t['mode']):o}"
         _mount("tmpfs", t["path"], "tmpfs", MS_NOSUID | MS_NODEV, opts)
         State.tmpfs_modes[t["path"]] = int(t["mode"])
+        st = os.stat(t["path"])
+        State.tmpfs_times[t["path"]] = (st.st_atime_ns, st.st_mtime_ns)
     files = req.get("files") or {}
     if files:
         stash = req["stash"]  # a directory of ours to hold synthetic files, read-only after

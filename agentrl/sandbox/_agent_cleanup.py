@@ -313,6 +313,45 @@ def _leftovers(uid, roots):
     return left
 
 
+def _restore_root(path):
+    """A writable root as mounted: no extended attribute (user.*, ACLs), its times back.
+
+    Its ctime cannot be set: it shows when the last reset ran, nothing a command chose."""
+    try:
+        for name in os.listxattr(path, follow_symlinks=False):
+            try:
+                os.removexattr(path, name, follow_symlinks=False)
+            except OSError:
+                pass  # verification reports it
+    except OSError:
+        pass
+    if path in State.tmpfs_times:
+        try:
+            os.utime(path, ns=State.tmpfs_times[path], follow_symlinks=False)
+        except OSError:
+            pass
+
+
+def _root_leftovers():
+    """What a command can leave on the writable roots themselves, which survive every reset:
+    extended attributes (megabytes of them), a mode, times."""
+    left = []
+    for path, mode in sorted(State.tmpfs_modes.items()):
+        try:
+            st = os.lstat(path)  # never updates atime
+            names = os.listxattr(path, follow_symlinks=False)
+        except OSError as e:
+            left.append(f"{path}: unreadable ({e.strerror})")
+            continue
+        if names:
+            left.append(f"{path}: extended attributes {', '.join(sorted(names))[:200]}")
+        if stat.S_IMODE(st.st_mode) != mode:
+            left.append(f"{path}: mode {stat.S_IMODE(st.st_mode):o}, not {mode:o}")
+        if (st.st_atime_ns, st.st_mtime_ns) != State.tmpfs_times.get(path):
+            left.append(f"{path}: access/modification times not restored")
+    return left
+
+
 def op_reset(req, mode):
     kill_user_processes(mode)
     dirs = req["dirs"]
@@ -327,10 +366,13 @@ def op_reset(req, mode):
         left = [f"{d}/{n}" for d in dirs for n in os.listdir(d)]
     else:
         roots = list(dirs) + _writable_mounts()
-        left = _leftovers(os.getuid(), roots)
+        left = _leftovers(os.getuid(), roots)  # reads the roots: their atime moves
         procs = _other_pids(mode, None)
         if procs:
             left.append(f"{len(procs)} process(es) still alive")
+        for d in dirs:  # now, after the last read of the roots
+            _restore_root(d)
+        left += _root_leftovers()  # every root, not only those asked for
     return {"clean": not left, "left": left[:20]}
 
 

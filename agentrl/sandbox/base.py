@@ -468,9 +468,12 @@ class AgentSandbox:
         """Make the sandbox as new for another episode, or raise :class:`SandboxError`.
 
         Kills leftover processes, removes everything in the writable dirs (fixing
-        permissions first, at any depth), then verifies: no file of the sandbox's user on any
-        writable mount, no SysV/POSIX IPC object, no process.  Anything left breaks the
-        sandbox (a pool then destroys and replaces it; it is never reused).
+        permissions first, at any depth), strips the extended attributes (``user.*``, ACLs)
+        of the writable roots themselves and puts back their mode and times as mounted,
+        then verifies: no file of the sandbox's user on any writable mount, no xattr and
+        the original mode and times on every writable root, no SysV/POSIX IPC object, no
+        process.  Anything left breaks the sandbox (a pool then destroys and replaces it;
+        it is never reused).
         """
         r = await self._call({"op": "reset", "dirs": self._reset_dirs()}, timeout=60.0)
         left = list(r.get("left") or [])

@@ -708,3 +708,63 @@ async def test_proc_1_fds_cannot_be_opened(sb):
     other process's standard fds but the command's own."""
     r = await run(sb, ["python3", "-c", _PROC_ONE])
     assert r.stdout == "done\n", r
+
+
+# ----------------------------------------------------------------------------- the writable roots themselves
+
+_MARK_ROOTS = r"""
+import os, struct, sys
+roots = ("/work", "/tmp", "/dev/shm")
+print("before", *(os.stat(d).st_mtime_ns for d in roots))
+uid = os.getuid()  # an ACL naming ourselves: a system.posix_acl_access xattr that chmod keeps
+acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, i) for tag, perm, i in
+                                      ((1, 7, 0xFFFFFFFF), (2, 7, uid), (4, 5, 0xFFFFFFFF), (0x10, 7, 0xFFFFFFFF), (0x20, 5, 0xFFFFFFFF)))
+for d in roots[int(sys.argv[1]):]:
+    for i in range(8):  # a message for the next episode, in the directory's own metadata
+        os.setxattr(d, f"user.note{i}", b"x" * 4000)
+    try:
+        os.setxattr(d, "system.posix_acl_access", acl)
+    except OSError:
+        pass  # no ACLs on this tmpfs
+    os.utime(d, ns=(10**18, 10**18))
+print("marked", *(len(os.listxattr(d)) for d in roots))
+"""
+
+_READ_ROOTS = r"""
+import os
+roots = ("/work", "/tmp", "/dev/shm")
+print("after", *(os.stat(d).st_mtime_ns for d in roots))
+print("xattrs", *(len(os.listxattr(d)) for d in roots))
+"""
+
+
+async def test_reset_clears_xattrs_and_times_of_the_writable_roots(isolating_backend, limits):
+    """Extended attributes and times of /work, /tmp and /dev/shm themselves (which no file
+    removal touches) do not reach the next episode of a pooled sandbox."""
+    async with SandboxPool(isolating_backend, limits, max_live=1) as pool:
+        async with pool.acquire() as attacker:
+            r = await run(attacker, ["python3", "-c", _MARK_ROOTS, "0"])
+            before = r.stdout.splitlines()[0].split()[1:]
+            marked = [int(n) for n in r.stdout.splitlines()[1].split()[1:]]
+            assert len(before) == 3 and all(n >= 8 for n in marked), r
+        async with pool.acquire() as victim:
+            assert victim is attacker and pool.stats.reused == 1
+            r = await run(victim, ["python3", "-c", _READ_ROOTS])
+    after, xattrs = (line.split()[1:] for line in r.stdout.splitlines())
+    assert xattrs == ["0", "0", "0"], r
+    assert after == before, r  # the modification times as mounted, not the planted ones
+
+
+@pytest.mark.parametrize("kind", ["xattr", "mtime"])
+async def test_reset_fails_when_a_root_keeps_its_marks(isolating_backend, limits, monkeypatch, kind):
+    """The check covers every writable root, not only those the reset cleaned: a root left
+    out of the cleaning (here /dev/shm) with an xattr or a planted time fails it, and the
+    pool destroys the sandbox instead of reusing it."""
+    mark = "os.setxattr('/dev/shm', 'user.x', b'1')" if kind == "xattr" else "os.utime('/dev/shm', (1e9, 1e9))"
+    async with SandboxPool(isolating_backend, limits, max_live=1) as pool:
+        async with pool.acquire() as first:
+            monkeypatch.setattr(first, "_reset_dirs", lambda: ["/work", "/tmp"])
+            r = await run(first, ["python3", "-c", f"import os; {mark}; print('marked')"])
+            assert r.stdout == "marked\n", r
+        assert not first.alive and pool.stats.destroyed == 1 and pool.stats.reused == 0
+        assert "reset could not clean" in first._broken and "/dev/shm" in first._broken, first._broken
