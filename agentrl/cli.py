@@ -301,25 +301,42 @@ def env_list() -> None:
 def env_serve(
     env: Annotated[str, typer.Argument(help="Installed environment name or path to an env package dir.")],
     port: Annotated[int, typer.Option("--port", "-p", min=1, max=65535, help="TCP port to listen on.")] = 8765,
-    host: Annotated[str, typer.Option("--host", help="Address to bind (0.0.0.0: every interface).")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind (0.0.0.0: every interface; warns unless loopback).")
+    ] = "127.0.0.1",
     env_args: Annotated[str | None, typer.Option("--env-args", "-a", help="JSON kwargs for load_environment.")] = None,
     idle_timeout: Annotated[
         float, typer.Option("--idle-timeout", min=0, help="Expire an open episode after this many idle seconds (0: never).")
     ] = 600.0,
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' on every route but /health "
+                                 "(default: $AGENTRL_API_KEY; none: open to whoever reaches the port).")
+    ] = None,
+    max_open: Annotated[int, typer.Option("--max-open", min=1, help="Open episodes at once, all clients together.")] = 1024,
+    max_open_per_client: Annotated[
+        int, typer.Option("--max-open-per-client", min=1, help="Open episodes at once per client address.")
+    ] = 512,
 ) -> None:
     """Serve an environment over HTTP; runs and evals use it as env.name = "http://HOST:PORT"."""
     import asyncio
 
-    from agentrl.envs.serve import serve
+    from agentrl.auth import server_key
+    from agentrl.envs.serve import exposure_warning, serve
     from agentrl.plugins import load_environment, parse_env_args
 
     environment = load_environment(env, **parse_env_args(env_args))
+    key = server_key(api_key)  # env routes need a key only when one is given (no control routes here)
+    given = key.value if key.explicit else None
 
     def ready(url: str) -> None:
-        typer.echo(f"serving {environment.name} {environment.version} on {url}", err=True)
+        typer.echo(f"serving {environment.name} {environment.version} on {url}"
+                   f"{' (API key required)' if given else ''}", err=True)  # fmt: skip
+        if (warning := exposure_warning(host, keyed=given is not None)) is not None:
+            typer.echo(warning, err=True)
 
     try:
-        asyncio.run(serve(environment, host=host, port=port, on_ready=ready, idle_timeout_s=idle_timeout or None))
+        asyncio.run(serve(environment, host=host, port=port, on_ready=ready, idle_timeout_s=idle_timeout or None,
+                          api_key=given, max_open=max_open, max_open_per_client=max_open_per_client))  # fmt: skip
     except KeyboardInterrupt:
         pass
 

@@ -10,6 +10,10 @@ model is called from this side; the server holds each episode's state, runs the 
 Limits, tool schemas and tasks are read once, when the environment is built.  A hook error
 on the server comes back with its error kind (``tool``, ``sandbox``, ``env``...); a server
 that cannot be reached errors the episode with kind ``env`` naming the URL.
+
+Every request carries ``Authorization: Bearer $AGENTRL_API_KEY`` when that is set (or
+``api_key=``); an episode is opened by task id (the server's own task) and every later call
+carries the ``episode_secret`` the server returned, kept in the episode's state.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from typing import Any
 
 import aiohttp
 
+from agentrl.auth import KEY_ENV, auth_headers, client_key
 from agentrl.envs.base import Environment, State
 from agentrl.errors import AgentrlError, EpisodeFailure
 from agentrl.rubrics import Rubric
 from agentrl.rubrics.rubric import RewardFn
 from agentrl.types import Message, Task, Trajectory
 
-PROTOCOL = 1  # agentrl.envs.serve.PROTOCOL
+PROTOCOL = 2  # agentrl.envs.serve.PROTOCOL
 _KINDS: dict[str, type[EpisodeFailure]] = {}
 
 
@@ -52,11 +57,19 @@ class _Unparsed(Message):
     """An assistant turn as raw text: the server parses it with the env's ``parse_assistant``."""
 
 
-def _get_json(url: str, timeout_s: float) -> Any:
+def _refused_key(url: str, sent: bool) -> str:
+    if sent:
+        return f"environment server {url} refused the API key: set {KEY_ENV} to the key it was started with"
+    return f"environment server {url} requires an API key: set {KEY_ENV} to the key it was started with"
+
+
+def _get_json(url: str, timeout_s: float, key: str | None = None) -> Any:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers(key)), timeout=timeout_s) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise AgentrlError(_refused_key(url, key is not None)) from e
         raise AgentrlError(f"environment server {url} answered HTTP {e.code}: {e.read()[:200]!r}") from e
     except (OSError, ValueError) as e:
         raise AgentrlError(f"environment server {url} is unreachable: {e} (start it with `agentrl env serve NAME`)") from e
@@ -65,12 +78,15 @@ def _get_json(url: str, timeout_s: float) -> Any:
 class RemoteEnvironment(Environment):
     """An environment served at ``url`` (``agentrl env serve``); see the module docstring."""
 
-    def __init__(self, url: str, *, timeout_s: float = 60.0, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, url: str, *, timeout_s: float = 60.0, connect_timeout_s: float = 10.0, api_key: str | None = None
+    ) -> None:
         """``timeout_s``: the limit of one request to the server (not the episode's wall limit,
-        which comes from the served env)."""
+        which comes from the served env).  ``api_key``: default ``$AGENTRL_API_KEY``."""
         self.url = url.rstrip("/")
         self.request_timeout_s = timeout_s
-        info = _get_json(f"{self.url}/info", connect_timeout_s)
+        self.api_key = api_key or client_key()
+        info = _get_json(f"{self.url}/info", connect_timeout_s, self.api_key)
         if info.get("protocol") != PROTOCOL:
             raise AgentrlError(f"environment server {self.url} speaks protocol {info.get('protocol')!r}, not {PROTOCOL}")
         super().__init__(
@@ -91,15 +107,15 @@ class RemoteEnvironment(Environment):
     def _fetch_tasks(self, split: str, timeout_s: float) -> list[Task] | None:
         tasks: list[Task] = []
         while True:
-            page = _get_json(f"{self.url}/tasks?split={split}&offset={len(tasks)}", timeout_s)
+            page = _get_json(f"{self.url}/tasks?split={split}&offset={len(tasks)}", timeout_s, self.api_key)
             if page["total"] is None:
                 return None
             tasks.extend(Task.from_dict(t) for t in page["tasks"])
             if len(tasks) >= page["total"] or not page["tasks"]:
                 return tasks
 
-    def __reduce__(self) -> tuple[Any, ...]:  # pickles as its URL (a Ray actor reconnects)
-        return (RemoteEnvironment, (self.url,), {"request_timeout_s": self.request_timeout_s})
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles as its URL and key (a Ray actor reconnects)
+        return (_reconnect, (self.url, self.api_key), {"request_timeout_s": self.request_timeout_s})
 
     # ------------------------------------------------------------------ transport
 
@@ -108,7 +124,7 @@ class RemoteEnvironment(Environment):
         if self._session is None or self._session.closed or self._session_loop is not loop:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0), headers=auth_headers(self.api_key),
             )
             self._session_loop = loop
         return self._session
@@ -126,6 +142,8 @@ class RemoteEnvironment(Environment):
             out = json.loads(text)
         except ValueError:
             out = {"error": text[:300]}
+        if status == 401:
+            raise remote_failure("env", _refused_key(url, self.api_key is not None))
         if status != 200:
             raise remote_failure("env", f"environment server {url} answered HTTP {status}: {out.get('error', out)}")
         if "error" in out:
@@ -143,8 +161,8 @@ class RemoteEnvironment(Environment):
         return self._tools
 
     async def setup(self, task: Task) -> State:
-        out = await self.call("reset", {"task": task.to_dict()})
-        state = State(task, episode_id=out["episode_id"])
+        out = await self.call("reset", {"task_id": task.id})
+        state = State(task, episode_id=out["episode_id"], episode_secret=out["episode_secret"])
         state["messages"] = [Message.from_dict(m) for m in out["messages"]]
         state.metrics.update(out["metrics"])
         state.done = out["done"]
@@ -155,7 +173,8 @@ class RemoteEnvironment(Environment):
 
     async def step(self, state: State, assistant_msg: Message) -> list[Message]:
         body = {
-            "episode_id": state["episode_id"], "assistant": assistant_msg.to_dict(),
+            "episode_id": state["episode_id"], "episode_secret": state.get("episode_secret"),
+            "assistant": assistant_msg.to_dict(),
             "parse": isinstance(assistant_msg, _Unparsed), "turn": state.turn,
         }  # fmt: skip
         out = await self.call("step", body)
@@ -173,15 +192,21 @@ class RemoteEnvironment(Environment):
         if state.get("closed"):
             return
         state["closed"] = True
-        out = await self.call("close", {"episode_id": state["episode_id"]})
+        out = await self.call("close", {"episode_id": state["episode_id"], "episode_secret": state.get("episode_secret")})
         state.metrics.update(out["metrics"])
 
     def _post_sync(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         req = urllib.request.Request(
-            f"{self.url}/{route}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=self.request_timeout_s) as r:
-            return json.loads(r.read())
+            f"{self.url}/{route}", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **auth_headers(self.api_key)},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            if e.code == 401:
+                raise AgentrlError(_refused_key(self.url, self.api_key is not None)) from e
+            raise AgentrlError(f"environment server {self.url}/{route} answered HTTP {e.code}: {e.read()[:300]!r}") from e
 
     def demonstrations(self, n: int, seed: int = 0) -> list[list[Message]]:
         out = self._post_sync("demonstrations", {"n": n, "seed": seed})
@@ -195,12 +220,16 @@ class RemoteEnvironment(Environment):
             return None
 
         def policy(task: Task, conversation: list[Message]) -> Message:
-            out = self._post_sync("reference", {"task": task.to_dict(), "messages": [m.to_dict() for m in conversation]})
+            out = self._post_sync("reference", {"task_id": task.id, "messages": [m.to_dict() for m in conversation]})
             if "error" in out:
                 raise remote_failure(out.get("error_kind") or "env", out["error"])
             return Message.from_dict(out["message"])
 
         return policy
+
+
+def _reconnect(url: str, api_key: str | None) -> RemoteEnvironment:
+    return RemoteEnvironment(url, api_key=api_key)
 
 
 def _served() -> float:
@@ -223,7 +252,9 @@ class RemoteRubric(Rubric):
                 t.reward = 0.0
         if not live:
             return
-        items = [{"episode_id": (getattr(t, "state", None) or {}).get("episode_id"), "trajectory": t.to_dict()} for t in live]
+        states = [getattr(t, "state", None) or {} for t in live]
+        items = [{"episode_id": s.get("episode_id"), "episode_secret": s.get("episode_secret"), "trajectory": t.to_dict()}
+                 for s, t in zip(states, live, strict=True)]  # fmt: skip
         out = await self.env.call("score", {"episodes": items})
         for t, s in zip(live, out["scores"], strict=True):
             t.metrics.update(s["metrics"])

@@ -6,101 +6,178 @@ which drives these routes from the one episode loop (``agentrl.episode``).  The 
 called from here: the server holds each episode's :class:`State` and runs the env's own
 ``setup``/``parse_assistant``/``step``/``done``/``cleanup`` and rubric on it.
 
-    GET  /health                     {"status": "ok", "env", "version", "open": episodes in progress}
+    GET  /health                     {"status": "ok", "env", "version", "open", "expired"}
     GET  /info                       name, version, limits (max_turns, ...), tool schemas, task counts
     GET  /tasks?split=train|eval&offset=&limit=   {"tasks": [Task dicts], "total": n | null}
-    POST /reset  {"task"}            setup: {"episode_id", "messages", "metrics", "done"}
-    POST /step   {"episode_id", "assistant", "parse", "turn"}
+    POST /reset  {"task_id"}         setup: {"episode_id", "episode_secret", "messages", "metrics", "done"}
+    POST /step   {"episode_id", "episode_secret", "assistant", "parse", "turn"}
                                      {"assistant" (as parsed), "reply", "done", "metrics"}
-    POST /close  {"episode_id"}      cleanup (idempotent): {"metrics"}
-    POST /score  {"episodes": [{"episode_id", "trajectory"}]}   one group, scored together:
-                                     {"scores": [{"reward", "metrics", "error", "error_kind"}]}
+    POST /close  {"episode_id", "episode_secret"}   cleanup (idempotent): {"metrics"}
+    POST /score  {"episodes": [{"episode_id", "episode_secret", "trajectory"}]}   one group, scored
+                                     together: {"scores": [{"reward", "metrics", "error", "error_kind"}]}
     POST /demonstrations {"n", "seed"}  {"conversations": [[messages]]}
-    POST /reference  {"task", "messages"}   the env's reference policy's next turn: {"message"}
+    POST /reference  {"task_id", "messages"}   the env's reference policy's next turn: {"message"}
+
+The rules (README: "Env server hygiene"), each against an attack a review found:
+
+- **Keys.** With ``--api-key`` / ``AGENTRL_API_KEY`` every route but ``/health`` needs
+  ``Authorization: Bearer KEY`` (:mod:`agentrl.auth`; constant-time).  Without one the server
+  is open to whoever reaches its port, so binding anything but loopback prints a warning.
+- **Episodes belong to their opener.**  Ids are random (``secrets``), and every later call
+  must carry the ``episode_secret`` ``/reset`` returned: no client steps, closes or scores
+  another's episode (ids were ``ep0, ep1...``).
+- **Tasks come from the server's own dataset.**  A client names a task by id (from
+  ``/tasks``); the answer and info the rubric sees are the server's, never the client's.
+- **Bounded.**  At most ``max_open`` episodes open at once and ``max_open_per_client`` per
+  client address (the next ``/reset`` answers 429 naming the limit, before ``setup`` takes a
+  sandbox); an open episode nobody touched for ``idle_timeout_s`` (its client died) is
+  expired: cleaned up, forgotten, counted in ``/health``; a later call naming it answers 404
+  saying so.
 
 A hook that raises answers 200 with ``{"error", "error_kind"}`` (the boundary it crossed, as
 in a local episode); a request the server cannot act on (unknown episode, bad JSON) answers
 4xx with ``{"error"}``.  Closed episodes keep their state for scoring until scored or until
-``keep_closed`` newer ones push them out.  An open episode nobody touched for
-``idle_timeout_s`` (its client died) is expired: cleaned up, forgotten, counted in ``/health``
-(``expired``); a later call naming it answers 404 saying so.
+``keep_closed`` newer ones push them out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import hmac
+import ipaddress
+import json
+import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from agentrl import auth
 from agentrl.envs.base import Environment, State
 from agentrl.episode import error_text
 from agentrl.errors import error_kind_of
 from agentrl.types import Message, Task, Trajectory, messages_to_dicts
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: tasks named by id, episodes carry a secret
 MAX_TASK_PAGE = 1000
+MAX_DEMONSTRATIONS = 10_000
+
+
+@dataclass
+class _Episode:
+    state: State
+    secret: str
+    client: str  # the opener's address: what the per-client cap counts
+    touched: float  # monotonic time of its last call
 
 
 class _Episodes:
-    """Open episodes by id, and closed ones kept (bounded) until they are scored."""
+    """Open episodes by id (each with its opener's secret), and closed ones kept (bounded)
+    until they are scored; the caps on open episodes, total and per client."""
 
-    def __init__(self, keep_closed: int, idle_timeout_s: float | None) -> None:
-        self.open: dict[str, State] = {}
-        self.closed: OrderedDict[str, State] = OrderedDict()
+    def __init__(self, keep_closed: int, idle_timeout_s: float | None, max_open: int, max_open_per_client: int) -> None:
+        self.open: dict[str, _Episode] = {}
+        self.closed: OrderedDict[str, _Episode] = OrderedDict()
         self.keep_closed = keep_closed
         self.idle_timeout_s = idle_timeout_s
-        self.touched: dict[str, float] = {}  # open episode id -> monotonic time of its last call
+        self.max_open, self.max_open_per_client = max_open, max_open_per_client
+        self.held: Counter[str] = Counter()  # open + opening episodes per client address
         self.expired: OrderedDict[str, None] = OrderedDict()  # recent expired ids (for the 404 message)
         self.num_expired = 0
-        self._ids = itertools.count()
 
-    def add(self, state: State) -> str:
-        eid = f"ep{next(self._ids)}"
-        self.open[eid] = state
-        self.touched[eid] = time.monotonic()
-        return eid
+    def reserve(self, client: str) -> None:
+        """Hold a slot for an episode about to open (before ``setup`` runs: a refused episode
+        never takes a sandbox); 429 naming the limit when full."""
+        if sum(self.held.values()) >= self.max_open:
+            raise _refuse(web.HTTPTooManyRequests, f"the server holds {self.max_open} open episodes (its --max-open): "
+                          "close finished episodes, or raise --max-open")  # fmt: skip
+        if self.held[client] >= self.max_open_per_client:
+            raise _refuse(web.HTTPTooManyRequests, f"client {client} holds {self.max_open_per_client} open episodes (the "
+                          "server's --max-open-per-client): close finished episodes, or raise the limit")  # fmt: skip
+        self.held[client] += 1
 
-    def get_open(self, eid: str) -> State:
-        if eid not in self.open:
+    def release(self, client: str) -> None:
+        self.held[client] -= 1
+        if self.held[client] <= 0:
+            del self.held[client]
+
+    def add(self, state: State, client: str) -> tuple[str, str]:
+        """Open a reserved episode: (its id, its secret)."""
+        eid, secret = f"ep-{secrets.token_urlsafe(12)}", secrets.token_urlsafe(24)
+        self.open[eid] = _Episode(state, secret, client, time.monotonic())
+        return eid, secret
+
+    def get_open(self, eid: Any, secret: Any) -> State:
+        ep = self.open.get(eid) if isinstance(eid, str) else None
+        if ep is None:
             why = f"expired after {self.idle_timeout_s:g}s idle" if eid in self.expired else "closed, or the server restarted"
-            raise web.HTTPNotFound(text=_json_error(f"no open episode {eid!r} ({why})"))
-        self.touched[eid] = time.monotonic()
-        return self.open[eid]
+            raise _refuse(web.HTTPNotFound, f"no open episode {eid!r} ({why})")
+        _check_secret(eid, ep, secret)
+        ep.touched = time.monotonic()
+        return ep.state
 
     def idle(self, now: float) -> list[str]:
         """Open episodes untouched for longer than the idle timeout."""
         if self.idle_timeout_s is None:
             return []
-        return [eid for eid, t in self.touched.items() if now - t > self.idle_timeout_s]
+        return [eid for eid, ep in self.open.items() if now - ep.touched > self.idle_timeout_s]
 
     def expire(self, eid: str) -> State | None:
-        state = self.open.pop(eid, None)
-        self.touched.pop(eid, None)
-        if state is not None:
-            self.num_expired += 1
-            self.expired[eid] = None
-            while len(self.expired) > self.keep_closed:
-                self.expired.popitem(last=False)
-        return state
+        ep = self.open.pop(eid, None)
+        if ep is None:
+            return None
+        self.release(ep.client)
+        self.num_expired += 1
+        self.expired[eid] = None
+        while len(self.expired) > self.keep_closed:
+            self.expired.popitem(last=False)
+        return ep.state
 
-    def close(self, eid: str) -> State | None:
-        self.touched.pop(eid, None)
-        state = self.open.pop(eid, None)
-        if state is not None:
-            self.closed[eid] = state
-            while len(self.closed) > self.keep_closed:
-                self.closed.popitem(last=False)
-        return state
+    def close(self, eid: Any, secret: Any) -> tuple[State, bool]:
+        """(the episode's state, whether it was open until now); 404/403 as :meth:`get_open`."""
+        ep = self.open.get(eid) if isinstance(eid, str) else None
+        if ep is None:  # already closed: cleanup is idempotent
+            kept = self.closed.get(eid) if isinstance(eid, str) else None
+            if kept is None:
+                return self.get_open(eid, secret), False  # raises the 404 naming why
+            _check_secret(eid, kept, secret)
+            return kept.state, False
+        _check_secret(eid, ep, secret)
+        del self.open[eid]
+        self.release(ep.client)
+        self.closed[eid] = ep
+        while len(self.closed) > self.keep_closed:
+            self.closed.popitem(last=False)
+        return ep.state, True
+
+    def take_for_scoring(self, eid: Any, secret: Any) -> tuple[State | None, str | None]:
+        """(the state to score, None) or (None, why not); a closed episode is forgotten once scored."""
+        ep = (self.closed.get(eid) or self.open.get(eid)) if isinstance(eid, str) else None
+        if ep is None:
+            return None, f"env server has no state for episode {eid!r} (evicted or restarted)"
+        if not _secret_ok(ep, secret):
+            return None, f"episode {eid!r} was opened by another client (wrong episode_secret)"
+        self.closed.pop(eid, None)
+        return ep.state, None
+
+
+def _secret_ok(ep: _Episode, secret: Any) -> bool:
+    return isinstance(secret, str) and hmac.compare_digest(ep.secret.encode(), secret.encode())
+
+
+def _check_secret(eid: str, ep: _Episode, secret: Any) -> None:
+    if not _secret_ok(ep, secret):
+        raise _refuse(web.HTTPForbidden, f"episode {eid!r} was opened by another client (wrong episode_secret)")
+
+
+def _refuse(cls: type[web.HTTPException], message: str) -> web.HTTPException:
+    return cls(text=_json_error(message), content_type="application/json")
 
 
 def _json_error(message: str) -> str:
-    import json
-
     return json.dumps({"error": message})
 
 
@@ -119,31 +196,47 @@ def _failed(e: BaseException) -> web.Response:
     return web.json_response({"error": error_text(e), "error_kind": error_kind_of(e)})
 
 
-def _tasks(env: Environment, split: str) -> list[Task] | None:
-    if split == "train":
-        return list(env.dataset())
-    if split == "eval":
-        held = env.eval_dataset()
-        return None if held is None else list(held)
-    raise web.HTTPBadRequest(text=_json_error(f"split must be 'train' or 'eval', not {split!r}"))
+class _Tasks:
+    """The server's own tasks, by split and by id: the only tasks its episodes run."""
 
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+        self.splits: dict[str, list[Task] | None] = {}
+        self._by_id: dict[str, Task] | None = None
 
-def _info(env: Environment, cache: dict[str, list[Task] | None]) -> dict[str, Any]:
-    """What a client needs to run the env like a local one: limits, tools, rubric, task counts."""
-    for split in ("train", "eval"):
-        if split not in cache:
+    def split(self, name: str) -> list[Task] | None:
+        if name not in ("train", "eval"):
+            raise _refuse(web.HTTPBadRequest, f"split must be 'train' or 'eval', not {name!r}")
+        if name not in self.splits:
             try:
-                cache[split] = _tasks(env, split)
+                rows = self.env.dataset() if name == "train" else self.env.eval_dataset()
             except NotImplementedError:
-                cache[split] = None
+                rows = None
+            self.splits[name] = None if rows is None else list(rows)
+        return self.splits[name]
+
+    def by_id(self, task_id: Any) -> Task:
+        """The task named ``task_id``; 404 for a task the server does not hold (a client cannot
+        bring its own task, answer or info: that would let it choose its own reward)."""
+        if self._by_id is None:
+            self._by_id = {t.id: t for name in ("train", "eval") for t in self.split(name) or []}
+        task = self._by_id.get(task_id) if isinstance(task_id, str) else None
+        if task is None:
+            raise _refuse(web.HTTPNotFound, f"no task {task_id!r} on this server: a served environment runs only its own "
+                          "tasks; name one by its id from GET /tasks")  # fmt: skip
+        return task
+
+
+def _info(env: Environment, tasks: _Tasks) -> dict[str, Any]:
+    """What a client needs to run the env like a local one: limits, tools, rubric, task counts."""
+    counts = {name: (None if (rows := tasks.split(name)) is None else len(rows)) for name in ("train", "eval")}
     return {
         "protocol": PROTOCOL, "name": env.name, "version": str(env.version), "max_turns": env.max_turns,
         "max_total_tokens": env.max_total_tokens, "max_seq_len": env.max_seq_len, "timeout_s": env.timeout_s,
         "on_length": env.on_length, "reward_range": env.reward_range, "max_reward": env.max_reward,
         "tools": env.tool_schemas(), "system_prompt": getattr(env, "system_prompt", None),
         "rubric": [{"name": f.name, "weight": f.weight} for f in getattr(env.rubric, "funcs", [])],
-        "num_tasks": {k: (None if v is None else len(v)) for k, v in cache.items()},
-        "reference_policy": env.reference_policy() is not None,
+        "num_tasks": counts, "reference_policy": env.reference_policy() is not None,
     }  # fmt: skip
 
 
@@ -160,12 +253,32 @@ async def _reap(env: Environment, episodes: _Episodes) -> None:
                     await asyncio.shield(env.cleanup(state))
 
 
-def make_app(env: Environment, *, keep_closed: int = 4096, idle_timeout_s: float | None = 600.0) -> web.Application:
-    """The aiohttp application serving ``env`` (routes in the module docstring).
+def _key_middleware(key: str) -> Any:
+    """Every route but ``/health`` needs ``Authorization: Bearer KEY`` (constant-time check)."""
 
-    ``idle_timeout_s``: an open episode with no call for this long is expired (None: never)."""
-    episodes = _Episodes(keep_closed, idle_timeout_s)
-    cache: dict[str, list[Task] | None] = {}
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path != "/health" and not auth.matches(key, auth.bearer(request.headers.get("Authorization"))):
+            return web.json_response(
+                {"error": f"missing or wrong API key: send 'Authorization: Bearer KEY' (clients read {auth.KEY_ENV})"},
+                status=401, headers={"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
+        return await handler(request)
+
+    return check
+
+
+def make_app(
+    env: Environment, *, keep_closed: int = 4096, idle_timeout_s: float | None = 600.0, api_key: str | None = None,
+    max_open: int = 1024, max_open_per_client: int = 512,
+) -> web.Application:  # fmt: skip
+    """The aiohttp application serving ``env`` (routes and rules in the module docstring).
+
+    ``idle_timeout_s``: an open episode with no call for this long is expired (None: never).
+    ``api_key``: required on every route but ``/health`` (None: open).  ``max_open`` /
+    ``max_open_per_client``: open episodes at once, in all and per client address."""
+    episodes = _Episodes(keep_closed, idle_timeout_s, max_open, max_open_per_client)
+    tasks = _Tasks(env)
     routes = web.RouteTableDef()
 
     @routes.get("/health")
@@ -177,40 +290,51 @@ def make_app(env: Environment, *, keep_closed: int = 4096, idle_timeout_s: float
 
     @routes.get("/info")
     async def info(_: web.Request) -> web.Response:
-        return web.json_response(_info(env, cache))
+        return web.json_response(_info(env, tasks))
 
     @routes.get("/tasks")
-    async def tasks(request: web.Request) -> web.Response:
-        split = request.query.get("split", "train")
+    async def task_page(request: web.Request) -> web.Response:
         try:
             offset, limit = int(request.query.get("offset", 0)), int(request.query.get("limit", MAX_TASK_PAGE))
         except ValueError as e:
-            raise web.HTTPBadRequest(text=_json_error(f"offset and limit must be integers: {e}")) from e
-        if split not in cache:
-            cache[split] = _tasks(env, split)
-        rows = cache[split]
+            raise _refuse(web.HTTPBadRequest, f"offset and limit must be integers: {e}") from e
+        rows = tasks.split(request.query.get("split", "train"))
         if rows is None:
             return web.json_response({"tasks": [], "total": None})
-        page = rows[offset : offset + min(max(limit, 0), MAX_TASK_PAGE)]
+        page = rows[max(offset, 0) : max(offset, 0) + min(max(limit, 0), MAX_TASK_PAGE)]
         return web.json_response({"tasks": [t.to_dict() for t in page], "total": len(rows)})
 
     @routes.post("/reset")
     async def reset(request: web.Request) -> web.Response:
-        body = await _body(request, "task")
+        body = await _body(request, "task_id")
+        task = tasks.by_id(body["task_id"])
+        client = request.remote or "?"
+        episodes.reserve(client)
         try:
-            state = await env.setup(Task.from_dict(body["task"]))
+            state = await env.setup(task)
         except Exception as e:
+            episodes.release(client)
             return _failed(e)
-        eid = episodes.add(state)
-        return web.json_response(
-            {"episode_id": eid, "messages": messages_to_dicts(state.messages), "metrics": state.metrics, "done": state.done}
-        )
+        except BaseException:  # cancelled (the client went away): the slot is not kept
+            episodes.release(client)
+            raise
+        eid, secret = episodes.add(state, client)
+        return web.json_response({
+            "episode_id": eid, "episode_secret": secret, "messages": messages_to_dicts(state.messages),
+            "metrics": state.metrics, "done": state.done,
+        })  # fmt: skip
 
     @routes.post("/step")
     async def step(request: web.Request) -> web.Response:
         body = await _body(request, "episode_id", "assistant")
-        state = episodes.get_open(body["episode_id"])
-        state.turn = int(body.get("turn", state.turn + 1))
+        state = episodes.get_open(body["episode_id"], body.get("episode_secret"))
+        try:
+            turn = int(body.get("turn", state.turn + 1))
+        except (TypeError, ValueError) as e:
+            raise _refuse(web.HTTPBadRequest, f"turn must be an integer: {e}") from e
+        if turn < state.turn:
+            raise _refuse(web.HTTPBadRequest, f"turn {turn} is before the episode's turn {state.turn} (turns only count up)")
+        state.turn = turn
         try:
             sent = Message.from_dict(body["assistant"])
             assistant = env.parse_assistant(sent.content, state) if body.get("parse") else sent
@@ -228,32 +352,39 @@ def make_app(env: Environment, *, keep_closed: int = 4096, idle_timeout_s: float
     @routes.post("/close")
     async def close(request: web.Request) -> web.Response:
         body = await _body(request, "episode_id")
-        state = episodes.close(body["episode_id"])
-        if state is None:  # already closed: cleanup is idempotent
-            kept = episodes.closed.get(body["episode_id"])
-            return web.json_response({"metrics": kept.metrics if kept is not None else {}})
-        try:
-            await asyncio.shield(env.cleanup(state))
-        except Exception as e:
-            return _failed(e)
+        state, was_open = episodes.close(body["episode_id"], body.get("episode_secret"))
+        if was_open:
+            try:
+                await asyncio.shield(env.cleanup(state))
+            except Exception as e:
+                return _failed(e)
         return web.json_response({"metrics": state.metrics})
 
     @routes.post("/score")
     async def score(request: web.Request) -> web.Response:
         body = await _body(request, "episodes")
+        if not isinstance(body["episodes"], list) or not all(isinstance(i, dict) for i in body["episodes"]):
+            raise _refuse(web.HTTPBadRequest, "episodes must be a list of {episode_id, episode_secret, trajectory}")
         return web.json_response({"scores": await _score(env, episodes, body["episodes"])})
 
     @routes.post("/demonstrations")
     async def demonstrations(request: web.Request) -> web.Response:
         body = await _body(request, "n")
         try:
-            convs = env.demonstrations(int(body["n"]), int(body.get("seed", 0)))
+            n, seed = int(body["n"]), int(body.get("seed", 0))
+        except (TypeError, ValueError) as e:
+            raise _refuse(web.HTTPBadRequest, f"n and seed must be integers: {e}") from e
+        if not 0 <= n <= MAX_DEMONSTRATIONS:
+            raise _refuse(web.HTTPBadRequest, f"n must be in [0, {MAX_DEMONSTRATIONS}], not {n}")
+        try:
+            convs = env.demonstrations(n, seed)
         except Exception as e:
             return _failed(e)
         return web.json_response({"conversations": [messages_to_dicts(c) for c in convs]})
 
-    _reference_route(routes, env)
-    app = web.Application(client_max_size=64 * 2**20)
+    _reference_route(routes, env, tasks)
+    middlewares = [_key_middleware(api_key)] if api_key else []
+    app = web.Application(client_max_size=64 * 2**20, middlewares=middlewares)
     app.add_routes(routes)
     if idle_timeout_s is not None:
         app.cleanup_ctx.append(lambda _: _reaper(env, episodes))
@@ -269,34 +400,36 @@ async def _reaper(env: Environment, episodes: _Episodes) -> Any:
         await task
 
 
-def _reference_route(routes: web.RouteTableDef, env: Environment) -> None:
+def _reference_route(routes: web.RouteTableDef, env: Environment, tasks: _Tasks) -> None:
     """``POST /reference``: the env's reference policy plays one turn (``agentrl env test URL``)."""
 
     @routes.post("/reference")
     async def reference(request: web.Request) -> web.Response:
-        body = await _body(request, "task", "messages")
+        body = await _body(request, "task_id", "messages")
+        task = tasks.by_id(body["task_id"])
         policy = env.reference_policy()
         if policy is None:
             return web.json_response({"error": f"{env.name} has no reference policy", "error_kind": "env"})
         try:
-            msg = policy(Task.from_dict(body["task"]), [Message.from_dict(m) for m in body["messages"]])
+            msg = policy(task, [Message.from_dict(m) for m in body["messages"]])
         except Exception as e:
             return _failed(e)
         return web.json_response({"message": msg.to_dict()})
 
 
 async def _score(env: Environment, episodes: _Episodes, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Score one group with the env's rubric, each episode on the state the server kept."""
+    """Score one group with the env's rubric, each episode on the state the server kept: its
+    messages and its task (the answer the rubric compares to is the server's, not the client's)."""
     from agentrl.rubrics import score_episodes
 
     trajs: list[Trajectory] = []
     for item in items:
         traj = Trajectory.from_dict(item["trajectory"])
-        eid = item.get("episode_id")
-        state = episodes.closed.pop(eid, None) or episodes.open.get(eid)
+        state, why = episodes.take_for_scoring(item.get("episode_id"), item.get("episode_secret"))
         if state is None:
-            traj.error, traj.error_kind = f"env server has no state for episode {eid!r} (evicted or restarted)", "env"
+            traj.error, traj.error_kind = why, "env"
         else:
+            traj.task = state.task
             traj.messages = state.messages  # the server's own messages: parsed tool calls, env objects
         traj.state = state
         trajs.append(traj)
@@ -304,13 +437,39 @@ async def _score(env: Environment, episodes: _Episodes, items: list[dict[str, An
     return [{"reward": t.reward, "metrics": t.metrics, "error": t.error, "error_kind": t.error_kind} for t in trajs]
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, keyed: bool) -> str | None:
+    """The warning for binding ``host`` (None on loopback)."""
+    if is_loopback(host):
+        return None
+    if keyed:
+        return (f"warning: the env server listens on {host}, beyond this machine; every route but /health needs "
+                "the API key, but episodes run tools (and sandbox commands) for whoever holds it")  # fmt: skip
+    return (f"warning: the env server listens on {host} with NO API key: anyone who reaches this port can open "
+            f"episodes and run the env's tools (and sandbox commands); set --api-key or {auth.KEY_ENV}, or bind "
+            "127.0.0.1")  # fmt: skip
+
+
 async def serve(
-    env: Environment, *, host: str = "127.0.0.1", port: int = 8765, on_ready: Any = None, idle_timeout_s: float | None = 600.0
-) -> None:
+    env: Environment, *, host: str = "127.0.0.1", port: int = 8765, on_ready: Any = None,
+    idle_timeout_s: float | None = 600.0, api_key: str | None = None, max_open: int = 1024,
+    max_open_per_client: int = 512,
+) -> None:  # fmt: skip
     """Serve ``env`` until cancelled (``agentrl env serve``); ``on_ready(url)`` once listening."""
     from agentrl.errors import AgentrlError
 
-    runner = web.AppRunner(make_app(env, idle_timeout_s=idle_timeout_s), access_log=None)
+    app = make_app(env, idle_timeout_s=idle_timeout_s, api_key=api_key, max_open=max_open,
+                   max_open_per_client=max_open_per_client)  # fmt: skip
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
         try:
@@ -324,4 +483,4 @@ async def serve(
         await runner.cleanup()
 
 
-__all__ = ["PROTOCOL", "make_app", "serve"]
+__all__ = ["PROTOCOL", "exposure_warning", "is_loopback", "make_app", "serve"]

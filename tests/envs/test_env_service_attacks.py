@@ -1,0 +1,321 @@
+"""`agentrl env serve` under attack: each test is an attack a review made on the env service.
+
+Real parts: a real aiohttp server (in process, or the real CLI in a subprocess), real HTTP
+clients (aiohttp sessions standing in for a second, hostile client; the real RemoteEnvironment
+for the honest one), real bwrap sandboxes where an env has them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from agentrl.envs.remote import RemoteEnvironment
+from agentrl.envs.serve import make_app
+from agentrl.errors import AgentrlError
+from agentrl.plugins import load_environment
+from agentrl.types import Trajectory
+
+ROOT = Path(__file__).resolve().parents[2]
+CALC = str(ROOT / "environments/calc")
+sys.path.insert(0, str(Path(__file__).parent))
+from test_env_service import _free_port, serve  # noqa: E402  (the CLI-server helper)
+
+
+@asynccontextmanager
+async def served(env, **app_kwargs):
+    """``env`` served on 127.0.0.1 by the real app; yields its URL."""
+    runner = web.AppRunner(make_app(env, **app_kwargs))
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
+    async with session.post(url, json=body) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def get(session: aiohttp.ClientSession, url: str) -> tuple[int, dict]:
+    async with session.get(url) as r:
+        return r.status, await r.json(content_type=None)
+
+
+def calc(n: int = 10):
+    return load_environment(CALC, num_train=n)
+
+
+def tool_call(expression: str) -> dict:
+    text = f'<tool_call>\n{json.dumps({"name": "calculator", "arguments": {"expression": expression}})}\n</tool_call>'
+    return {"role": "assistant", "content": text}
+
+
+async def test_another_client_cannot_step_close_or_score_an_episode_it_did_not_open():
+    """Attack: ids were ep0, ep1..., and any client could step, close and score any episode.
+    Client B holds A's episode id (a leaked log line) but not A's secret: every call is refused,
+    and A's episode is untouched (A steps, closes and scores it afterwards)."""
+    env = calc()
+    async with served(env) as url:
+        a = await asyncio.to_thread(RemoteEnvironment, url)
+        task = a.eval_dataset()[0]
+        state = await a.setup(task)
+        eid = state["episode_id"]
+        async with aiohttp.ClientSession() as b:
+            for secret in (None, "", "x" * 32, state["episode_secret"][:-1] + "A"):
+                body = {"episode_id": eid, "assistant": tool_call("1+1"), "parse": True}
+                if secret is not None:
+                    body["episode_secret"] = secret
+                status, out = await post(b, f"{url}/step", body)
+                assert status == 403 and "opened by another client" in out["error"], (status, out)
+                status, out = await post(b, f"{url}/close", {"episode_id": eid, "episode_secret": secret})
+                assert status == 403, (status, out)
+            traj = {"task": task.to_dict(), "messages": [], "sequences": []}
+            status, out = await post(b, f"{url}/score", {"episodes": [{"episode_id": eid, "trajectory": traj}]})
+            assert status == 200 and "opened by another client" in out["scores"][0]["error"], out
+        # A's episode was neither stepped nor closed by B: A plays it out and it scores 1.0
+        reply = await a.step(state, a.parse_assistant(tool_call(task.prompt[-1].content[8:-1])["content"], state))
+        assert [m.role for m in reply] == ["tool"], reply
+        await a.step(state, a.parse_assistant(reply[0].content, state))  # the answer: the tool's result
+        await a.cleanup(state)
+        t = Trajectory(task=task, messages=list(state.messages))
+        t.state = state
+        await a.rubric.score_group([t])
+        assert t.error is None and t.reward == 1.0, (t.error, t.reward)
+        await a.aclose()
+
+
+async def test_episode_ids_and_secrets_cannot_be_guessed():
+    """Attack: sequential ids (ep0, ep1...) let a client name the next client's episode."""
+    async with served(calc()) as url:
+        async with aiohttp.ClientSession() as s:
+            _, page = await get(s, f"{url}/tasks?split=eval&limit=1")
+            tid = page["tasks"][0]["id"]
+            opened = [await post(s, f"{url}/reset", {"task_id": tid}) for _ in range(20)]
+    ids = [out["episode_id"] for _, out in opened]
+    secrets_ = [out["episode_secret"] for _, out in opened]
+    assert len(set(ids)) == len(set(secrets_)) == 20
+    assert not any(re.fullmatch(r"ep_?\d+", i) for i in ids), ids[:3]
+    assert all(len(i) >= 16 for i in ids) and all(len(x) >= 32 for x in secrets_)  # ≥ 96 / 192 random bits
+    assert not set(secrets_) & set(ids)
+
+
+async def test_open_episodes_are_capped_per_client_and_in_all_before_setup_runs():
+    """Attack: 3,000 episodes were accepted from one client, each holding env state (and, for a
+    sandbox env, a sandbox).  A second client address (127.0.0.2) shows the two caps apart; a
+    refused reset never runs the env's setup, and closing an episode frees its slot."""
+    env = calc()
+    setups = 0
+    orig = env.setup
+
+    async def counting_setup(task):
+        nonlocal setups
+        setups += 1
+        return await orig(task)
+
+    env.setup = counting_setup
+    async with served(env, max_open=3, max_open_per_client=2) as url:
+        one = aiohttp.ClientSession()
+        two = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0)))
+        try:
+            _, page = await get(one, f"{url}/tasks?split=eval&limit=1")
+            tid = page["tasks"][0]["id"]
+            first = [await post(one, f"{url}/reset", {"task_id": tid}) for _ in range(2)]
+            assert [s for s, _ in first] == [200, 200]
+            status, out = await post(one, f"{url}/reset", {"task_id": tid})
+            assert status == 429 and "--max-open-per-client" in out["error"] and "127.0.0.1" in out["error"], out
+            assert (await post(two, f"{url}/reset", {"task_id": tid}))[0] == 200
+            status, out = await post(two, f"{url}/reset", {"task_id": tid})
+            assert status == 429 and "3 open episodes (its --max-open)" in out["error"], out
+            assert setups == 3
+            eid, secret = first[0][1]["episode_id"], first[0][1]["episode_secret"]
+            assert (await post(one, f"{url}/close", {"episode_id": eid, "episode_secret": secret}))[0] == 200
+            assert (await post(two, f"{url}/reset", {"task_id": tid}))[0] == 200
+            _, health = await get(one, f"{url}/health")
+            assert health["open"] == 3
+        finally:
+            await one.close()
+            await two.close()
+
+
+async def test_a_client_cannot_set_the_answer():
+    """Attack: /reset took the whole task from the client, answer included, and /score scored
+    against the trajectory's task: a client named its own answer and got reward 1 for it."""
+    env = calc()
+    async with served(env) as url:
+        remote = await asyncio.to_thread(RemoteEnvironment, url)
+        task = remote.eval_dataset()[0]
+        forged = {**task.to_dict(), "answer": 7, "id": "task_mine"}
+        async with aiohttp.ClientSession() as s:
+            status, out = await post(s, f"{url}/reset", {"task": forged})
+            assert status == 400 and "task_id" in out["error"], out
+            status, out = await post(s, f"{url}/reset", {"task_id": "task_mine", "task": forged})
+            assert status == 404 and "runs only its own tasks" in out["error"], out
+            status, opened = await post(s, f"{url}/reset", {"task_id": task.id})
+            eid, secret = opened["episode_id"], opened["episode_secret"]
+            await post(s, f"{url}/step", {"episode_id": eid, "episode_secret": secret, "parse": True,
+                                          "assistant": {"role": "assistant", "content": "It is 7."}})  # fmt: skip
+            await post(s, f"{url}/close", {"episode_id": eid, "episode_secret": secret})
+            traj = {"task": forged, "messages": [], "sequences": []}
+            status, out = await post(s, f"{url}/score", {"episodes": [
+                {"episode_id": eid, "episode_secret": secret, "trajectory": traj}]})  # fmt: skip
+        assert task.answer != 7
+        assert status == 200 and out["scores"][0]["error"] is None and out["scores"][0]["reward"] == 0.0, out
+        await remote.aclose()
+
+
+def test_with_a_key_every_route_but_health_needs_it(tmp_path):
+    """Attack: no auth, so anyone who reached the port ran the env's tools.  Started with
+    AGENTRL_API_KEY, the CLI server refuses calls without it (401), answers /health, and the
+    client that reads the same variable works; binding beyond loopback warns."""
+    import os
+
+    key = "arl-test-key-0123456789"
+    old = os.environ.get("AGENTRL_API_KEY")
+    os.environ["AGENTRL_API_KEY"] = key
+    try:
+        proc, url = serve(CALC, {"num_train": 5})
+    finally:
+        if old is None:
+            del os.environ["AGENTRL_API_KEY"]
+        else:
+            os.environ["AGENTRL_API_KEY"] = old
+    try:
+        def status(route: str, headers: dict, data: bytes | None = None) -> int:
+            req = urllib.request.Request(f"{url}{route}", headers={"Content-Type": "application/json", **headers},
+                                         data=data)  # fmt: skip
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        for route, data in (("/info", None), ("/tasks", None), ("/reset", b'{"task_id": "x"}'),
+                            ("/demonstrations", b'{"n": 1}')):  # fmt: skip
+            assert status(route, {}, data) == 401, route
+            assert status(route, {"Authorization": "Bearer wrong"}, data) == 401, route
+            assert status(route, {"Authorization": key}, data) == 401, route  # not a Bearer header
+        assert status("/health", {}) == 200
+        assert status("/info", {"Authorization": f"Bearer {key}"}) == 200
+        with pytest.raises(AgentrlError, match="requires an API key: set AGENTRL_API_KEY"):
+            RemoteEnvironment(url)
+        with pytest.raises(AgentrlError, match="refused the API key"):
+            RemoteEnvironment(url, api_key="wrong")
+        assert RemoteEnvironment(url, api_key=key).name == "calc"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    from agentrl.envs.serve import exposure_warning
+
+    assert exposure_warning("127.0.0.1", keyed=False) is None and exposure_warning("::1", keyed=False) is None
+    assert "NO API key" in exposure_warning("0.0.0.0", keyed=False)
+    assert "beyond this machine" in exposure_warning("10.1.2.3", keyed=True)
+
+
+def test_the_cli_warns_when_it_binds_beyond_loopback():
+    port = _free_port()
+    cmd = [sys.executable, "-m", "agentrl.cli", "env", "serve", CALC, "--port", str(port), "--host", "0.0.0.0",
+           "--env-args", '{"num_train": 2}', "--api-key", "arl-some-key-0123456789"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stderr.readline() for _ in range(2)]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert "(API key required)" in lines[0] and "warning: the env server listens on 0.0.0.0" in lines[1], lines
+
+
+def test_a_power_tower_in_a_tool_call_is_an_error_reply_and_health_stays_up():
+    """Attack: calc's exponent check passed (((9**64)**64)**64)**64; the tool timed out, but
+    its thread kept computing and froze /health for 145 s.  Now the tool refuses it at once;
+    /health, asked while the call is in flight, answers."""
+    proc, url = serve(CALC, {"num_train": 5})
+    try:
+        remote = RemoteEnvironment(url)
+
+        async def attack():
+            state = await remote.setup(remote.eval_dataset()[0])
+            msg = remote.parse_assistant(tool_call("(((9**64)**64)**64)**64")["content"], state)
+            step = asyncio.create_task(remote.step(state, msg))
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            async with aiohttp.ClientSession() as s:
+                health = await asyncio.wait_for(get(s, f"{url}/health"), timeout=20)
+            reply = await asyncio.wait_for(step, timeout=20)
+            await remote.cleanup(state)
+            await remote.aclose()
+            return health, reply, time.monotonic() - t0
+
+        health, reply, _ = asyncio.run(attack())
+        assert health[0] == 200 and reply[0].role == "tool" and "too large" in reply[0].content, (health, reply)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+async def test_an_abandoned_sandbox_episode_expires_and_frees_its_sandbox():
+    """Attack: two never-closed episodes took every sandbox of a 2-sandbox env, so every other
+    client waited forever.  The per-client cap keeps one client to one sandbox here, and its
+    abandoned episode is expired after the idle timeout, giving its sandbox back."""
+    from agentrl.envs.sandbox_env import SandboxEnv
+    from agentrl.rubrics import Rubric
+    from agentrl.sandbox import SandboxLimits, why_unavailable
+
+    if why := why_unavailable("bwrap"):
+        pytest.skip(f"bwrap sandbox unavailable: {why}")
+    limits = SandboxLimits(timeout_s=3.0, cpu_s=1, memory_bytes=256 << 20, pids=24, output_bytes=64 << 10,
+                           disk_bytes=16 << 20)  # fmt: skip
+    env = SandboxEnv(dataset=["go"], rubric=Rubric([lambda completion: 1.0]), sandbox_backend="bwrap",
+                     sandbox_limits=limits, max_sandboxes=2, max_turns=3)  # fmt: skip
+    try:
+        async with served(env, max_open_per_client=1, idle_timeout_s=1.0) as url:
+            hostile = aiohttp.ClientSession()
+            try:
+                _, page = await get(hostile, f"{url}/tasks")
+                tid = page["tasks"][0]["id"]
+                assert (await post(hostile, f"{url}/reset", {"task_id": tid}))[0] == 200
+                status, out = await post(hostile, f"{url}/reset", {"task_id": tid})
+                assert status == 429, out  # it cannot take the second sandbox
+            finally:
+                await hostile.close()
+            honest = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0)))
+            try:
+                status, opened = await asyncio.wait_for(post(honest, f"{url}/reset", {"task_id": tid}), timeout=60)
+                assert status == 200, opened
+                stats = env.pool().snapshot()
+                assert (stats.live, stats.idle) == (2, 0)  # both sandboxes held
+                for _ in range(100):  # the hostile episode goes idle; the reaper expires it
+                    await asyncio.sleep(0.1)
+                    await post(honest, f"{url}/step", {"episode_id": opened["episode_id"], "parse": True,
+                                                       "episode_secret": opened["episode_secret"],
+                                                       "assistant": {"role": "assistant", "content": "hi"}})  # fmt: skip
+                    _, health = await get(honest, f"{url}/health")
+                    if health["expired"]:
+                        break
+                assert (health["open"], health["expired"]) == (1, 1), health
+                stats = env.pool().snapshot()
+                assert (stats.live, stats.idle) == (2, 1)  # the expired episode's sandbox is back in the pool
+                # and a new client gets it (the pool never holds more than 2)
+                third = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.3", 0)))
+                try:
+                    status, out = await asyncio.wait_for(post(third, f"{url}/reset", {"task_id": tid}), timeout=30)
+                    assert status == 200, out
+                finally:
+                    await third.close()
+            finally:
+                await honest.close()
+    finally:
+        await env.close()
