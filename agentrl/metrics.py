@@ -266,12 +266,13 @@ def truncate_jsonl(path: str | Path, keep: Any) -> None:
 class LiveProgress:
     """One status line: step/steps, reward, eval, tok/s, staleness, buffer depth."""
 
-    def __init__(self, total_steps: int, enabled: bool = True) -> None:
+    def __init__(self, total_steps: int, enabled: bool = True, max_wall_s: float | None = None) -> None:
         from rich.console import Console
 
         self.console = Console(stderr=True)
         self.enabled = enabled
         self.total = total_steps
+        self.max_wall_s = max_wall_s or None  # run.max_wall_s: the run stops there, whatever the steps
         self._live = None
         self._last_eval: float | None = None
         self._first_step: int | None = None  # the first step this process ran (a resumed run starts later)
@@ -306,7 +307,8 @@ class LiveProgress:
             self.console.print(text, highlight=False)
 
     def eta(self, row: dict[str, Any]) -> str:
-        """Time left (ETA) at this process's mean step time so far (RL loop wall time / steps run)."""
+        """Time left (ETA): at this process's mean step time so far (RL loop wall time / steps
+        run), or to ``run.max_wall_s`` when that comes first."""
         if self._first_step is None:
             self._first_step = row["step"]
         done = row["step"] - self._first_step + 1
@@ -314,7 +316,12 @@ class LiveProgress:
         wall = row.get("time/rl_wall_s")
         if not wall or done <= 0:
             return "-"
-        return format_seconds(wall / done * max(left, 0))
+        by_steps = wall / done * max(left, 0)
+        if self.max_wall_s is not None and left > 0:
+            by_budget = max(self.max_wall_s - row.get("time/wall_s", 0.0), 0.0)
+            if by_budget < by_steps:
+                return f"{format_seconds(by_budget)} of run.max_wall_s"
+        return format_seconds(by_steps)
 
     def close(self) -> None:
         if self._live is not None:

@@ -43,6 +43,8 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> Path:
     # 1) run dir
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, cfg, resume)
+    if resume:  # at once: the engine and the trainer take a while to start
+        say(resume_note(run_dir, cfg))
     threads = torch_threads(cfg)
     import torch
 
@@ -50,10 +52,50 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> Path:
     # 2) warm start
     from agentrl.recipes.sft import warm_start
 
-    start_model = warm_start(cfg, progress=progress)
+    try:
+        start_model = warm_start(cfg, progress=progress)
+    except KeyboardInterrupt:
+        say("interrupted during the SFT warm start: it is saved only when it finishes, so the next run "
+            "starts it again (no RL step had run)")
+        raise
     # 3-7) everything that runs inside the event loop
-    asyncio.run(_run(cfg, run_dir, start_model, resume=resume, threads=threads, show=progress))
+    try:
+        asyncio.run(_run(cfg, run_dir, start_model, resume=resume, threads=threads, show=progress))
+    except KeyboardInterrupt:
+        say(interrupted_note(run_dir, cfg))
+        raise
     return run_dir
+
+
+def say(text: str) -> None:
+    """A line on stderr, progress display or not (what the user must know to carry on)."""
+    from rich.console import Console
+
+    Console(stderr=True).print(text, highlight=False, soft_wrap=True)
+
+
+def resume_note(run_dir: Path, cfg: Config) -> str:
+    from agentrl.trainer.checkpoint import checkpoint_step, latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir)
+    where = (f"resuming {run_dir} from checkpoint step {checkpoint_step(ckpt)}" if ckpt is not None
+             else f"--resume: no complete checkpoint in {run_dir}; starting from step 0")
+    if cfg.run.max_wall_s:  # time/wall_s counts this process only
+        where += f"; run.max_wall_s ({cfg.run.max_wall_s:g}s) starts again now"
+    return where
+
+
+def interrupted_note(run_dir: Path, cfg: Config) -> str:
+    """What an interrupted run kept, and how to continue it."""
+    from agentrl.trainer.checkpoint import checkpoint_step, latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        every = cfg.trainer.checkpoint_every
+        return (f"interrupted before the first checkpoint (trainer.checkpoint_every = {every}): "
+                "--resume would start again from step 0")
+    return (f"interrupted: the last complete checkpoint is step {checkpoint_step(ckpt)} ({ckpt}); run the same "
+            "command with --resume to continue from it (steps after it are redone)")
 
 
 def torch_threads(cfg: Config) -> int:
@@ -72,7 +114,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
 
 async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, threads: int, show: bool) -> None:
     t_start = time.perf_counter()
-    live = LiveProgress(cfg.trainer.steps, enabled=show)
+    live = LiveProgress(cfg.trainer.steps, enabled=show, max_wall_s=cfg.run.max_wall_s)
     # 3) env
     from agentrl.plugins import load_environment
 
@@ -160,8 +202,6 @@ def _restore(cfg: Config, trainer: Any, train_tasks: list[Task], run_dir: Path, 
         state.start_step = saved["step"]
         offsets = saved.get("logs", {})
         live.note(f"resumed from {ckpt} at step {state.start_step}")
-    elif resume:
-        live.note(f"no complete checkpoint in {run_dir}; starting from step 0")
     if resume:  # everything written after the checkpoint is redone: cut the logs back to it
         for name in LOGS:
             path = run_dir / f"{name}.jsonl"
