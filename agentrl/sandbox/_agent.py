@@ -34,17 +34,22 @@ nothing of the user's runs, and a request is never read while user code could be
 
 import base64
 import ctypes
+import fcntl
 import json
 import os
 import resource
 import selectors
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
 
 CHUNK = 1 << 16
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
+CLONE_NEWNET = 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 1
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
 MS_REC, MS_PRIVATE = 16384, 1 << 18
 PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_CAP_AMBIENT = 4, 24, 38, 22, 47
@@ -82,6 +87,7 @@ class State:
     tmpfs_modes = {}  # path -> mode to restore on reset
     tmpfs_times = {}  # path -> (atime_ns, mtime_ns) as mounted, restored on reset
     sysctls = {}  # per-exec-namespace sysctls (best effort, where /proc/sys is writable)
+    fresh_net = False  # each exec gets a network namespace of its own (no network asked for)
 
 
 def _check(rc, what):
@@ -150,6 +156,7 @@ def op_init(req, mode):
         if os.path.isdir(path):
             _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=4,mode=555")
     State.sysctls = dict(req.get("sysctls") or {})
+    State.fresh_net = bool(req.get("fresh_net"))
     _drop_privileges()
     bpf = base64.b64decode(req.get("seccomp") or "")
     if not bpf or len(bpf) % 8:
@@ -216,10 +223,16 @@ def _probe(req):
     return {"nspid": nspid}
 
 
+_AT_MOST_GIVEN = ("RLIMIT_MSGQUEUE", "RLIMIT_SIGPENDING")  # capped at what the sandbox got, never raised
+
+
 def _set_limits(limits):
     for name, value in limits.items():
         if value is None:
             continue
+        if name in _AT_MOST_GIVEN:
+            given = resource.getrlimit(getattr(resource, name))[1]
+            value = value if given == resource.RLIM_INFINITY else min(value, given)
         hard = value + 1 if name == "RLIMIT_CPU" else value  # soft: SIGXCPU, hard: SIGKILL
         resource.setrlimit(getattr(resource, name), (value, hard))
 
@@ -260,9 +273,14 @@ def _exec_command(argv, env, cwd, limits, fds):
 def _ns_child(argv, env, cwd, limits, fds, status_w):
     """The forked child: new user + pid + IPC namespaces, then init (pid 1) and the command."""
     uid, gid = os.getuid(), os.getgid()
-    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWIPC) != 0:
-        raise AgentError(f"unshare(user, pid, ipc): {os.strerror(ctypes.get_errno())}")
+    # without a network, a network namespace per exec too: no TIME_WAIT socket, port or
+    # loopback state of one exec (or episode) is seen by the next
+    net = CLONE_NEWNET if State.fresh_net else 0
+    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWIPC | net) != 0:
+        raise AgentError(f"unshare(user, pid, ipc{', net' if net else ''}): {os.strerror(ctypes.get_errno())}")
     _write_id_maps(uid, gid)
+    if net:
+        _loopback_up()
     for key, value in State.sysctls.items():  # best effort: /proc/sys is read-only in containers
         try:
             with open("/proc/sys/" + key.replace(".", "/"), "w") as f:
@@ -285,6 +303,14 @@ def _ns_child(argv, env, cwd, limits, fds, status_w):
         os.write(status_w, report.encode())
         os._exit(0)  # the kernel now kills whatever is left in the namespace
     os._exit(0)
+
+
+def _loopback_up():
+    """``lo`` of a new network namespace starts down: bring it up (we hold CAP_NET_ADMIN there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sh14x", b"lo", 0))
+        flags = struct.unpack("16sh14x", ifreq)[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh14x", b"lo", flags | IFF_UP))
 
 
 def _spawn_isolated(argv, env, cwd, limits):

@@ -81,6 +81,16 @@ class SandboxLimits:
     """Open file descriptors per process (RLIMIT_NOFILE)."""
     cpus: float = 1.0
     """CPU bandwidth of the whole sandbox, in cores (cgroup cpu quota; 0 = unlimited)."""
+    mqueue_bytes: int = 256 << 10
+    """POSIX message-queue bytes per exec (RLIMIT_MSGQUEUE; a queue with the default
+    attributes takes about 80 KiB).  Never above what the host gives the sandbox."""
+    pending_signals: int = 1024
+    """Queued signals per exec (RLIMIT_SIGPENDING)."""
+    inotify_instances: int = 32
+    """inotify instances per exec (``user.max_inotify_instances`` of the exec's own user
+    namespace; applied where ``/proc/sys`` is writable: bwrap)."""
+    inotify_watches: int = 8192
+    """inotify watches per exec (``user.max_inotify_watches``, like ``inotify_instances``)."""
     network: bool = False
     """Outbound network: a network namespace of its own behind a user-mode NAT (bwrap:
     slirp4netns; docker: the engine's default network).  The host's loopback and abstract
@@ -94,6 +104,8 @@ class SandboxLimits:
             "RLIMIT_NOFILE": int(self.open_files),
             "RLIMIT_NPROC": int(self.pids) if nproc else None,
             "RLIMIT_CORE": 0,
+            "RLIMIT_MSGQUEUE": int(self.mqueue_bytes),
+            "RLIMIT_SIGPENDING": int(self.pending_signals),
         }
 
     def sandbox_memory_bytes(self) -> int:
@@ -117,6 +129,8 @@ class SandboxLimits:
         seccomp and the cgroup are the real guards)."""
         return {
             "user.max_user_namespaces": 0,
+            "user.max_inotify_instances": int(self.inotify_instances),
+            "user.max_inotify_watches": int(self.inotify_watches),
             "kernel.shmmax": int(self.disk_bytes),
             "kernel.shmall": max(1, int(self.disk_bytes) // 4096),
             "kernel.shmmni": 64,
@@ -236,6 +250,10 @@ class AgentSandbox:
         self.id = f"agentrl-{os.getpid()}-{secrets.token_hex(4)}"
         self.info: dict[str, Any] = {}
         """What the agent reported at start (isolation mode, probe)."""
+        self.host_uid: int | None = None
+        """The host uid the sandbox's processes run as (their own, see
+        :mod:`agentrl.sandbox.uids`, where the backend can give one; None: unknown)."""
+        self._uid_lease: Any = None
         self._token = secrets.token_hex(16)  # every request carries it; the agent refuses others
         self._lock = asyncio.Lock()
         self._started = False
@@ -274,6 +292,7 @@ class AgentSandbox:
             "tmpfs": self.limits.tmpfs([self.workdir, "/tmp", "/dev/shm"]),
             "seccomp": base64.b64encode(bpf).decode(),
             "sysctls": self.limits.exec_sysctls(),
+            "fresh_net": not self.limits.network,
         }
 
     def _nproc_rlimit(self) -> bool:
@@ -322,7 +341,23 @@ class AgentSandbox:
             try:
                 await asyncio.shield(self._stop())
             finally:
+                self._release_uid()
                 unregister(self)
+
+    def _lease_uid(self) -> int:
+        """A host uid of this sandbox's own, held until it is closed."""
+        from agentrl.sandbox.uids import lease_uid
+
+        if self._uid_lease is None:
+            self._uid_lease = lease_uid()
+        self.host_uid = self._uid_lease.uid
+        return self.host_uid
+
+    def _release_uid(self) -> None:
+        """After the sandbox's processes are gone (a reused uid starts with nothing counted)."""
+        lease, self._uid_lease = self._uid_lease, None
+        if lease is not None:
+            lease.release()
 
     async def __aenter__(self) -> AgentSandbox:
         await self.start()

@@ -5,8 +5,11 @@ tmpfs), the /bin, /lib ... links, a few harmless /etc files, synthetic /etc/host
 /etc/passwd and /etc/group, a new /proc and minimal /dev, and three size- *and* inode-capped
 tmpfs — /work (cwd, $HOME), /tmp, /dev/shm — mounted by the agent; everything else is absent
 and the root is read-only.  New user, pid, net, ipc, uts (and cgroup) namespaces.  When the
-host runs as root, bwrap itself runs as ``nobody`` so that nothing in the sandbox maps to
-root.  ``--die-with-parent`` ties the sandbox's life to this process, even under SIGKILL.
+host runs as root, bwrap itself runs as a host uid of the sandbox's own
+(:mod:`agentrl.sandbox.uids`): nothing in the sandbox maps to root, and per-user kernel
+counters (inotify, message queues, queued signals) are not shared with any other sandbox
+or host process.  ``--die-with-parent`` ties the sandbox's life to this process, even
+under SIGKILL.
 
 Limits: a cgroup per sandbox (memory incl. tmpfs and shm, processes, CPU quota) wherever
 this host delegates one (:mod:`agentrl.sandbox.cgroup`; ``agentrl sandbox doctor`` says);
@@ -37,7 +40,6 @@ from agentrl.sandbox.base import (
     encode_request,
 )
 
-NOBODY = 65534
 SANDBOX_UID = 65532  # inside; not the overflow id (65534), which unmapped owners show as
 AGENT_PATH = "/.agentrl/agent.py"
 _ETC = [
@@ -141,8 +143,11 @@ class BwrapSandbox(AgentSandbox):
             if self.limits.network:
                 info_r, fds["info"] = os.pipe()
             kwargs: dict[str, Any] = {}
-            if drop:
-                kwargs.update(user=NOBODY, group=NOBODY, extra_groups=[])
+            if drop:  # root may pick any uid: one of the sandbox's own (per-user kernel counters)
+                uid = self._lease_uid()
+                kwargs.update(user=uid, group=uid, extra_groups=[])
+            else:  # bwrap cannot change uid: sandboxes share ours (per-exec caps still hold)
+                self.host_uid = os.getuid()
             try:
                 self._proc = await asyncio.create_subprocess_exec(
                     *self._argv(fds),

@@ -2,7 +2,10 @@
 
 Works with Docker and with podman's Docker-compatible service (what CI runs, see
 ``.ci/docker-engine``).  The container: read-only root, ``network_mode="none"`` (podman
-ignores ``network_disabled``), all capabilities dropped, no-new-privileges, uid 65532, and
+ignores ``network_disabled``), all capabilities dropped, no-new-privileges, a uid of its own
+(leased from :mod:`agentrl.sandbox.uids` on this host, so that per-user kernel counters
+are not shared with other containers; with a remote engine, leases only coordinate the
+sandboxes this host starts), and
 the engine's cgroup limits for the whole container: memory (swap off; tmpfs counts), pids,
 CPU quota.  The engine's seccomp profile applies to everything, and each command gets ours
 on top (filters stack).
@@ -44,7 +47,6 @@ from agentrl.sandbox.base import (
 )
 
 DEFAULT_IMAGE = "local/base:latest"
-SANDBOX_UID = 65532  # not the overflow id (65534) that files of unmapped owners show as
 AGENT_DIR = "/.agentrl"
 HOSTS = "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 _STDOUT, _STDERR = 1, 2  # stream ids in the attach protocol's frame headers
@@ -141,6 +143,7 @@ class DockerSandbox(AgentSandbox):
         import docker.types
 
         lim = self.limits
+        uid = self._lease_uid()  # a host uid of its own: per-user kernel counters are not shared
         disk = f"size={lim.disk_bytes},mode=1777"
         memory = lim.sandbox_memory_bytes()
         try:
@@ -149,7 +152,7 @@ class DockerSandbox(AgentSandbox):
                 command=["python3", "-I", "-S", "-c", AGENT_SOURCE, self.agent_mode],
                 name=self.id,
                 labels={LABEL: "1", "agentrl.owner": owner_label()},
-                user=f"{SANDBOX_UID}:{SANDBOX_UID}",
+                user=f"{uid}:{uid}",
                 working_dir="/",
                 read_only=True,
                 stdin_open=True,

@@ -9,6 +9,7 @@ conftest, plus a host-wide scan for the attacks' marker commands).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -768,3 +769,108 @@ async def test_reset_fails_when_a_root_keeps_its_marks(isolating_backend, limits
             assert r.stdout == "marked\n", r
         assert not first.alive and pool.stats.destroyed == 1 and pool.stats.reused == 0
         assert "reset could not clean" in first._broken and "/dev/shm" in first._broken, first._broken
+
+
+# ----------------------------------------------------------------------------- per-user kernel counters
+
+_EXHAUST = r"""
+import ctypes, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+libc.sigqueue.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+def until_error(make, most):
+    for n in range(most):
+        if make(n) < 0:
+            return n, ctypes.get_errno()
+    return most, 0
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGRTMIN})  # queued, never delivered
+print("inotify", *until_error(lambda i: libc.inotify_init(), 200))
+print("mqueue", *until_error(lambda i: rt.mq_open(f"/q{i}".encode(), 0o102, 0o600, None), 200))
+print("sigqueue", *until_error(lambda i: libc.sigqueue(os.getpid(), signal.SIGRTMIN, None), 10**6), flush=True)
+os.execvp("sleep", ["sleep", sys.argv[1]])  # holds them all (fds, queues, pending signals) until killed
+"""
+
+_CREATE_ONE = r"""
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+libc.sigqueue.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+def err(r):
+    return 0 if r >= 0 else ctypes.get_errno()
+print("inotify", err(libc.inotify_init()))
+name = f"/agentrl-probe-{os.getpid()}".encode()
+print("mqueue", err(rt.mq_open(name, 0o102, 0o600, None)))
+rt.mq_unlink(name)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGRTMIN})
+print("sigqueue", err(libc.sigqueue(os.getpid(), signal.SIGRTMIN, None)))
+"""
+
+
+def _formerly_shared_uid(backend: str) -> int:
+    """The host uid every sandbox of this backend used to run as."""
+    if backend == "docker":
+        return 65532
+    return 65534 if os.geteuid() == 0 else os.getuid()
+
+
+async def test_one_sandbox_cannot_exhaust_per_user_kernel_counters(isolating_backend, limits):
+    """inotify instances, message-queue bytes and queued signals are counted per host user:
+    one sandbox using up all it can leaves another sandbox, and host processes of the uid
+    sandboxes used to share, able to create each."""
+    import shutil
+
+    lim = dataclasses.replace(limits, timeout_s=60.0)
+    mark = str(int(MARK) + 1)
+    async with make_sandbox(isolating_backend, lim) as hog, make_sandbox(isolating_backend, lim) as other:
+        hogging = asyncio.ensure_future(run(hog, ["python3", "-c", _EXHAUST, mark]))
+        try:
+            for _ in range(300):  # until the hog holds everything (it sleeps then)
+                if host_processes_matching(f"sleep {mark}") or hogging.done():
+                    break
+                await asyncio.sleep(0.1)
+            assert host_processes_matching(f"sleep {mark}"), "the hog never got to hold its counters"
+            r = await run(other, ["python3", "-c", _CREATE_ONE])
+            assert r.stdout.split() == ["inotify", "0", "mqueue", "0", "sigqueue", "0"], r
+            uid = _formerly_shared_uid(isolating_backend)
+            if uid == os.getuid() or os.geteuid() == 0:
+                python = shutil.which("python3", path="/usr/bin:/bin")
+                host = subprocess.run([python, "-I", "-c", _CREATE_ONE], capture_output=True, text=True, timeout=30,
+                                      user=uid, group=uid, extra_groups=[], cwd="/")  # fmt: skip
+                assert host.stdout.split() == ["inotify", "0", "mqueue", "0", "sigqueue", "0"], (uid, host)
+        finally:
+            for pid in host_processes_matching(f"sleep {mark}"):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            r = await hogging
+    counts = dict((line.split()[0], line.split()[1:]) for line in r.stdout.splitlines())
+    assert set(counts) == {"inotify", "mqueue", "sigqueue"}, r
+    assert all(errno_ != "0" for _, errno_ in counts.values()), r  # it used up every one it could
+    # ... which is the sandbox's own share, not the host's per-user maximum
+    assert int(counts["sigqueue"][0]) == lim.pending_signals, r
+    assert int(counts["mqueue"][0]) <= lim.mqueue_bytes // (10 * 8192), r  # default queue: 10 x 8 KiB
+    if isolating_backend == "bwrap":  # the exec's own user namespace limit (/proc/sys is read-only in docker)
+        assert int(counts["inotify"][0]) == lim.inotify_instances, r
+
+
+_TIME_WAIT = r"""
+import socket
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(64)
+for _ in range(50):  # the side that closes first keeps its end in TIME_WAIT for a minute
+    c = socket.create_connection(srv.getsockname()); s, _ = srv.accept(); c.close(); s.close()
+"""
+_SOCKETS_SEEN = "cat /proc/net/tcp /proc/net/tcp6 /proc/net/udp 2>/dev/null | grep -vc local_address"
+
+
+async def test_no_socket_state_reaches_the_next_exec_or_episode(isolating_backend, limits):
+    """Without a network, every exec has a network namespace of its own: TIME_WAIT sockets
+    (and the ports they hold) of one exec are not seen by the next, nor by the next episode."""
+    async with SandboxPool(isolating_backend, limits, max_live=1) as pool:
+        async with pool.acquire() as first:
+            r = await run(first, ["python3", "-c", _TIME_WAIT + "print(open('/proc/net/tcp').read().count(' 06 '))"])
+            assert int(r.stdout) >= 50, r  # they exist while the exec runs
+            r = await run(first, _SOCKETS_SEEN)
+            assert r.stdout == "0\n", r
+        async with pool.acquire() as second:
+            assert second is first
+            r = await run(second, _SOCKETS_SEEN)
+            assert r.stdout == "0\n", r

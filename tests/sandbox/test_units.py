@@ -89,3 +89,55 @@ def test_control_characters_are_escaped():
     assert escape_controls("a\x1b[31mb\x00\x07\r\n\t\u202e\x9b") == "a\\x1b[31mb\\x00\\x07\n\t\\u202e\\x9b"
     r = ExecResult(exit_code=0, stdout="\x1b]0;title\x07ok\n", stderr="")
     assert r.as_text() == "\\x1b]0;title\\x07ok\n"
+
+
+def test_uid_leases_are_distinct_across_processes_and_end_with_them(tmp_path, monkeypatch):
+    """Two holders (here: this process and a child) never get the same uid; a holder's
+    death frees its uid; accounts in the range are skipped."""
+    import pwd
+
+    from agentrl.sandbox import uids
+
+    first = next(u for u in range(5000, 6000) if _no_account(pwd, u) and _no_account(pwd, u + 1))
+    monkeypatch.setenv("AGENTRL_SANDBOX_UIDS", f"{first}-{first + 2}")
+    monkeypatch.setattr(uids, "lock_dir", lambda: str(tmp_path))
+    a = uids.lease_uid()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from agentrl.sandbox import uids; "
+         f"uids.lock_dir = lambda: {str(tmp_path)!r}; l = uids.lease_uid(); print(l.uid, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        b = int(child.stdout.readline())
+        assert (a.uid, b) == (first, first + 1)
+        c = uids.lease_uid()  # the last one
+        assert c.uid == first + 2
+        with pytest.raises(uids.SandboxError, match="in use"):
+            uids.lease_uid()
+    finally:
+        child.stdin.close()
+        child.wait(10)
+    d = uids.lease_uid()  # the child died: its uid is free again
+    assert d.uid == first + 1
+    for lease in (a, c, d):
+        lease.release()
+    assert uids.lease_uid().uid == first
+
+
+def _no_account(pwd, uid: int) -> bool:  # noqa: ANN001
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return True
+    return False
+
+
+def test_uid_range_setting_is_checked(monkeypatch):
+    from agentrl.sandbox import uids
+
+    monkeypatch.setenv("AGENTRL_SANDBOX_UIDS", "5-10")
+    with pytest.raises(uids.SandboxError, match="1000 <= FIRST"):
+        uids.uid_range()
+    monkeypatch.setenv("AGENTRL_SANDBOX_UIDS", "many")
+    with pytest.raises(uids.SandboxError, match="FIRST-LAST"):
+        uids.uid_range()
