@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agentrl.errors import ContextLengthExceeded, EndpointError, MalformedResponse, error_kind_of
-from agentrl.tool_format import DEFAULT_PARSER, get_parser
+from agentrl.tool_format import DEFAULT_PARSER, get_parser, is_mistral_id
 from agentrl.types import (
     Completion,
     Message,
@@ -285,8 +286,18 @@ class _Episode:
         assert self.state is not None
         if c.tool_calls and not self.token_exact:  # a chat endpoint already split out the tool calls
             calls = [tc if isinstance(tc, ToolCall) else ToolCall.from_dict(tc) for tc in c.tool_calls]
-            return Message("assistant", c.text or "", tool_calls=calls)
-        return self.env.parse_assistant(c.text or "", self.state)
+            msg = Message("assistant", c.text or "", tool_calls=calls)
+            written = {tc.id for tc in calls if is_mistral_id(tc.id)}  # the model's own ids come back as it wrote them
+        else:
+            msg = self.env.parse_assistant(c.text or "", self.state)
+            written = {tc.id for tc in msg.tool_calls if tc.id and tc.id in (c.text or "")}
+        # ids the model did not write are numbered (turn, position), not drawn at random: the
+        # same seed gives the same transcript, ids included (a Mistral-shaped id keeps its shape)
+        for k, tc in enumerate(msg.tool_calls):
+            if tc.id not in written:
+                numbered = f"call_{self.state.turn}_{k}"
+                tc.id = hashlib.sha256(numbered.encode()).hexdigest()[:9] if is_mistral_id(tc.id) else numbered
+        return msg
 
     # ------------------------------------------------------------------ env tokens
 

@@ -251,7 +251,7 @@ def mistral_call_id() -> str:
     return "".join(random.choices(_ID_CHARS, k=9))
 
 
-def _is_mistral_id(value: Any) -> bool:
+def is_mistral_id(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 9 and value.isalnum() and value.isascii()
 
 
@@ -272,7 +272,7 @@ class MistralParser(ToolParser):
         objs = []
         for tc in tool_calls:
             obj: dict[str, Any] = {"name": tc.name, "arguments": arguments_object(tc.arguments)}
-            if _is_mistral_id(tc.id):
+            if is_mistral_id(tc.id):
                 obj["id"] = tc.id
             objs.append(obj)
         return f"{content}{self.BOT} {json.dumps(objs, ensure_ascii=False)}"
@@ -336,7 +336,7 @@ class MistralParser(ToolParser):
 
     def _add(self, obj: Any, calls: list[ToolCall], errors: list[str]) -> None:
         own = obj.get("id") if isinstance(obj, dict) else None
-        call, err = call_from_object(obj, ("arguments", "parameters"), own if _is_mistral_id(own) else mistral_call_id())
+        call, err = call_from_object(obj, ("arguments", "parameters"), own if is_mistral_id(own) else mistral_call_id())
         if call is not None:
             calls.append(call)
         else:

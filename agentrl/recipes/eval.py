@@ -218,7 +218,10 @@ async def evaluate(
     """Phases 2, 4 and 5: run ``rollouts`` episodes on each of the first ``num_tasks`` held-out tasks."""
     out = Path(out_dir)
     sampling = sampling or SamplingParams(max_tokens=256, temperature=0.0)
-    _check_meta(out, {"env": env.name, "env_version": env.version, "env_args": env_args or {}, "model": model}, resume)
+    # how the episodes were sampled (the seed included): what a rerun needs to reproduce them
+    meta = {"env": env.name, "env_version": env.version, "env_args": env_args or {}, "model": model,
+            "sampling": dataclasses.asdict(sampling), "max_turns": max_turns}
+    _check_meta(out, meta, resume)
     tasks = held_out_tasks(env, num_tasks)
     done = {key for key, rec in read_results(out).items() if rec["error"] is None} if resume else set()
     todo = {i: [r for r in range(rollouts) if (i, r) not in done] for i in range(len(tasks))}
