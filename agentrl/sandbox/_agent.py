@@ -20,7 +20,9 @@ Modes:
   3. proves that a command really runs isolated (a probe exec) — or fails: fail closed.
 
 Every command then runs as pid 2 of fresh user + pid + IPC namespaces (pid 1 is a tiny
-init forked from this agent), under rlimits and the host-generated seccomp filter, so:
+init forked from this agent), inside the episode's own network namespace when the sandbox
+has no network (a new one at each reset), under rlimits and the host-generated seccomp
+filter, so:
   - ``kill -9 -1``/``pkill`` cannot reach the agent, and SysV shm, message queues and POSIX
     message queues vanish with the exec;
   - no nested user namespace (seccomp denies it; where ``/proc/sys`` is writable the
@@ -87,7 +89,8 @@ class State:
     tmpfs_modes = {}  # path -> mode to restore on reset
     tmpfs_times = {}  # path -> (atime_ns, mtime_ns) as mounted, restored on reset
     sysctls = {}  # per-exec-namespace sysctls (best effort, where /proc/sys is writable)
-    fresh_net = False  # each exec gets a network namespace of its own (no network asked for)
+    fresh_net = False  # each episode gets a network namespace of its own (no network asked for)
+    episode_net = None  # (user ns fd, net ns fd) of the current episode's network namespace
 
 
 def _check(rc, what):
@@ -158,6 +161,7 @@ def op_init(req, mode):
     State.sysctls = dict(req.get("sysctls") or {})
     State.fresh_net = bool(req.get("fresh_net"))
     _drop_privileges()
+    new_episode_net()
     bpf = base64.b64decode(req.get("seccomp") or "")
     if not bpf or len(bpf) % 8:
         raise AgentError("no seccomp filter: refusing to run commands unfiltered")
@@ -273,14 +277,14 @@ def _exec_command(argv, env, cwd, limits, fds):
 def _ns_child(argv, env, cwd, limits, fds, status_w):
     """The forked child: new user + pid + IPC namespaces, then init (pid 1) and the command."""
     uid, gid = os.getuid(), os.getgid()
-    # without a network, a network namespace per exec too: no TIME_WAIT socket, port or
-    # loopback state of one exec (or episode) is seen by the next
-    net = CLONE_NEWNET if State.fresh_net else 0
-    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWIPC | net) != 0:
-        raise AgentError(f"unshare(user, pid, ipc{', net' if net else ''}): {os.strerror(ctypes.get_errno())}")
+    if State.episode_net is not None:  # the episode's network: enter its owner, then it
+        user_fd, net_fd = State.episode_net
+        for fd, kind, name in ((user_fd, CLONE_NEWUSER, "user"), (net_fd, CLONE_NEWNET, "net")):
+            if _libc.setns(fd, kind) != 0:
+                raise AgentError(f"setns({name}) into the episode's network: {os.strerror(ctypes.get_errno())}")
+    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWIPC) != 0:
+        raise AgentError(f"unshare(user, pid, ipc): {os.strerror(ctypes.get_errno())}")
     _write_id_maps(uid, gid)
-    if net:
-        _loopback_up()
     for key, value in State.sysctls.items():  # best effort: /proc/sys is read-only in containers
         try:
             with open("/proc/sys/" + key.replace(".", "/"), "w") as f:
@@ -303,6 +307,55 @@ def _ns_child(argv, env, cwd, limits, fds, status_w):
         os.write(status_w, report.encode())
         os._exit(0)  # the kernel now kills whatever is left in the namespace
     os._exit(0)
+
+
+def new_episode_net():
+    """Without a network, each episode gets a network namespace of its own: no TIME_WAIT
+    socket, held port or loopback state of one episode reaches the next.
+
+    A short-lived child makes it (user + net namespace, ``lo`` up) and the agent keeps it
+    alive by fds; every exec of the episode enters it (the agent owns that user namespace,
+    so it may, without any capability of its own).  The previous episode's namespace goes
+    with its last fd.  Called only while no user process exists.
+    """
+    if State.episode_net is not None:
+        for fd in State.episode_net:
+            os.close(fd)
+        State.episode_net = None
+    if not State.fresh_net:
+        return
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+    hold_r, hold_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ready_r)
+            os.close(hold_w)
+            uid, gid = os.getuid(), os.getgid()
+            if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "unshare(user, net)")
+            _write_id_maps(uid, gid)
+            _loopback_up()
+            _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # so that the agent may open our namespaces
+            os.write(ready_w, b"ok")
+            os.read(hold_r, 1)  # until the agent holds them
+        except BaseException as e:
+            os.write(ready_w, f"{type(e).__name__}: {e}".encode()[:500])
+        os._exit(0)
+    os.close(ready_w)
+    os.close(hold_r)
+    try:
+        msg = os.read(ready_r, 4096)
+        if msg != b"ok":
+            raise AgentError(f"could not make the episode's network namespace: {msg.decode(errors='replace')}")
+        fds = []
+        for name in ("user", "net"):
+            fds.append(os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
+        State.episode_net = tuple(fds)
+    finally:
+        os.close(hold_w)
+        os.close(ready_r)
+        os.waitpid(pid, 0)
 
 
 def _loopback_up():

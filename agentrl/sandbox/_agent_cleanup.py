@@ -354,6 +354,8 @@ def _root_leftovers():
 
 def op_reset(req, mode):
     kill_user_processes(mode)
+    if mode != "serve-local":
+        new_episode_net()
     dirs = req["dirs"]
     for d in dirs:
         empty_tree(d)

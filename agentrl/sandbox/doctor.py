@@ -60,7 +60,8 @@ async def _live(backend: str) -> str:
     async with make_sandbox(backend) as sb:
         r = await sb.exec("id -u; grep -E '^(Seccomp|NoNewPrivs|CapEff):' /proc/self/status | tr -s '\\t\\n' '  '")
         cgroup = "per-sandbox cgroup" if sb._memory_cgroup() else "per-process rlimits only"
-        return f"{sb.info.get('isolation', '?')}, {cgroup}; uid {r.stdout.split()[0]}; {' '.join(r.stdout.split()[1:])}"
+        return (f"{sb.info.get('isolation', '?')}, {cgroup}; uid {r.stdout.split()[0]} (host uid {sb.host_uid}); "
+                f"{' '.join(r.stdout.split()[1:])}")  # fmt: skip
 
 
 def doctor(*, live: bool = True) -> DoctorReport:
@@ -69,6 +70,7 @@ def doctor(*, live: bool = True) -> DoctorReport:
     from agentrl.sandbox import seccomp as sc
     from agentrl.sandbox.bwrap import slirp_path
     from agentrl.sandbox.cgroup import detect
+    from agentrl.sandbox.uids import uid_range
 
     rep = DoctorReport()
     rep.add(OK, "host", f"{platform.system()} {platform.release()} {platform.machine()}, uid {os.geteuid()}")
@@ -109,6 +111,14 @@ def doctor(*, live: bool = True) -> DoctorReport:
     rep.add(OK if slirp else WARN, "network=True (bwrap)",
             f"slirp4netns at {slirp}: own network namespace, outbound NAT, host loopback unreachable" if slirp
             else "slirp4netns not installed: network=True is refused (apt-get install slirp4netns)")  # fmt: skip
+
+    first, last = uid_range()
+    if os.geteuid() == 0:
+        rep.add(OK, "per-user counters (bwrap)", f"each sandbox runs as a host uid of its own ({first}-{last})")
+    else:
+        rep.add(WARN, "per-user counters (bwrap)", f"not root: bwrap sandboxes share uid {os.geteuid()}; per-exec "
+                "caps bound each one's share of inotify instances, message queues and queued signals, not their "
+                "sum (run as root for a uid per sandbox)")  # fmt: skip
 
     why_docker = why_unavailable("docker")
     rep.add(OK if why_docker is None else WARN, "docker backend", why_docker or f"engine at {os.environ.get('DOCKER_HOST', 'the default socket')}")

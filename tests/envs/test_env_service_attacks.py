@@ -306,7 +306,11 @@ async def test_an_abandoned_sandbox_episode_expires_and_frees_its_sandbox():
                     if health["expired"]:
                         break
                 assert (health["open"], health["expired"]) == (1, 1), health
-                stats = env.pool().snapshot()
+                for _ in range(100):  # expiry is counted first; the reaper's cleanup (a sandbox reset) follows
+                    stats = env.pool().snapshot()
+                    if stats.idle:
+                        break
+                    await asyncio.sleep(0.1)
                 assert (stats.live, stats.idle) == (2, 1)  # the expired episode's sandbox is back in the pool
                 # and a new client gets it (the pool never holds more than 2)
                 third = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.3", 0)))
