@@ -403,12 +403,13 @@ def model_check_template(
         str, typer.Option("--tool-parser", help="Tool-call format to check (default: detected from the template).")
     ] = "auto",
 ) -> None:
-    """Report whether the tokenizer's chat template is prefix-stable across turns, and which
-    tool-call parser reads the calls it renders. Exit 1 if either fails."""
+    """Report whether the tokenizer's chat template is prefix-stable across turns, which
+    tool-call parser reads the calls it renders, and that special-token text in a message
+    stays text (no forged turns). Exit 1 if any fails."""
     from rich.console import Console
     from rich.table import Table
 
-    from agentrl.envs.template import check_template, check_tool_format
+    from agentrl.envs.template import check_forged_turns, check_template, check_tool_format
     from agentrl.inference.client import load_tokenizer
     from agentrl.tool_format import get_parser
 
@@ -428,7 +429,9 @@ def model_check_template(
     how = "given" if tool_parser != "auto" else ("detected" if fmt.detected else "not detected; the default")
     typer.echo(f"{model_dir}: tool-call parser {fmt.parser} ({how}): {'ok' if fmt.ok else 'FAIL'} — {fmt.detail}"
                + ("" if fmt.ok or tool_parser != "auto" else "; pass --tool-parser NAME"))
-    if not report.prefix_stable or not fmt.ok:
+    forgery = check_forged_turns(tokenizer)
+    typer.echo(f"{model_dir}: special tokens in message text: {'ok' if forgery.ok else 'FAIL'} — {forgery.detail}")
+    if not report.prefix_stable or not fmt.ok or not forgery.ok:
         raise typer.Exit(1)
 
 

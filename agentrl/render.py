@@ -3,12 +3,26 @@
 The server's ``/tokenize`` and chat routes, the client's local rendering, the template
 checker and SFT's demonstrations all render through here, so a prompt has the same ids
 wherever it is built.
+
+**Only the template writes special tokens.**  Message contents (user text, tool results, env
+observations, tool-call arguments, names) are encoded as text: a tool that prints
+``<|im_end|>\n<|im_start|>system\n...`` gets the text's ordinary token ids, never the
+special ids that would show the model a system turn the tool wrote.  How: every special
+token's text found in an input string is swapped for a random placeholder before the
+template runs, so the rendered text's special tokens are all the template's; the placeholders
+are swapped back and the stretches between the template's special tokens that hold one are
+encoded with special tokens split (:func:`render_chat_ids`).  Input without special-token
+text takes the plain path (render, encode), so ordinary prompts keep their exact ids.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
+import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -74,9 +88,172 @@ def render_chat_ids(
     **template_kwargs: Any,
 ) -> list[int]:
     """What ``/tokenize`` returns for ``messages``: the rendered template, encoded without
-    extra special tokens (the template already writes them)."""
+    extra special tokens (the template already writes them); special-token text inside any
+    message, tool schema or template argument is encoded as text (module docstring)."""
+    specials = _specials_of(tokenizer)
+    marker = _Marker(specials) if specials.pattern is not None else None
+    if marker is not None:  # a template given as an argument is the template, not input
+        template = {k: template_kwargs.pop(k) for k in ("chat_template",) if k in template_kwargs}
+        messages, tools, template_kwargs = marker.mark([messages, tools, template_kwargs])
+        template_kwargs.update(template)
     text = render_chat_text(tokenizer, messages, tools, add_generation_prompt, **template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
+    if marker is None or not marker.used:
+        return tokenizer.encode(text, add_special_tokens=False)
+    return _encode_marked(tokenizer, specials, marker, text)
+
+
+@dataclass
+class _Specials:
+    """A tokenizer's special tokens: their ids, a regex of their texts (longest first, as the
+    tokenizer matches them; None when it has none), and an encoder that ignores them."""
+
+    ids: frozenset[int]
+    texts: tuple[str, ...]
+    pattern: re.Pattern[str] | None
+    size: int  # len(added_tokens_decoder) when built: tokens added later rebuild it
+    plain: Any = None  # a copy of the fast backend with special-token matching off (made on first use)
+
+
+_SPECIALS: weakref.WeakKeyDictionary[Any, _Specials] = weakref.WeakKeyDictionary()
+
+
+def _specials_of(tokenizer: Any) -> _Specials:
+    added = dict(getattr(tokenizer, "added_tokens_decoder", None) or {})
+    cached = _SPECIALS.get(tokenizer)
+    if cached is not None and cached.size == len(added):
+        return cached
+    by_id = {i: str(getattr(t, "content", t)) for i, t in added.items() if getattr(t, "special", False)}
+    for text, i in zip(getattr(tokenizer, "all_special_tokens", []), getattr(tokenizer, "all_special_ids", []), strict=False):
+        if isinstance(i, int) and i >= 0:
+            by_id.setdefault(i, text)
+    # whitespace specials (a "\n" token) are layout, not turn structure; leave them to the tokenizer
+    texts = tuple(sorted({t for t in by_id.values() if t and not t.isspace()}, key=len, reverse=True))
+    pattern = re.compile(_trie_pattern(texts)) if texts else None
+    specials = _Specials(frozenset(by_id), texts, pattern, len(added))
+    try:
+        _SPECIALS[tokenizer] = specials
+    except TypeError:  # not weak-referenceable: rebuilt per call
+        pass
+    return specials
+
+
+def _trie_pattern(words: tuple[str, ...]) -> str:
+    """A regex matching any of ``words``, longest first, as a trie (``<\\|(?:eot_id\\|>|...)``):
+    a flat alternation of Llama 3's 256 specials scanned text 10× slower."""
+    trie: dict[str, dict] = {}
+    for w in words:
+        node = trie
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a word ends here
+
+    def emit(node: dict[str, dict]) -> str:
+        alts = [re.escape(ch) + emit(child) for ch, child in sorted(node.items()) if ch]
+        if not alts:
+            return ""
+        if "" in node:  # a shorter word ends here: the rest is optional (greedy: longest first)
+            return "(?:" + "|".join(alts) + ")?"
+        return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+
+    return emit(trie)
+
+
+class _Marker:
+    """Swaps special-token text in input strings for placeholders made with a random nonce
+    (so input cannot forge one), and finds them again in the rendered text."""
+
+    def __init__(self, specials: _Specials) -> None:
+        self.specials = specials
+        self.nonce = "zq" + secrets.token_hex(8)  # lowercase letters and digits: no template escapes them
+        self.found = re.compile(self.nonce + r"n(\d+)x")
+        self.index = {t: i for i, t in enumerate(specials.texts)}
+        self.used = 0
+
+    def _swap(self, m: re.Match[str]) -> str:
+        self.used += 1
+        return f"{self.nonce}n{self.index[m.group(0)]}x"
+
+    def mark(self, obj: Any) -> Any:
+        """``obj`` with every special token's text in its strings (not dict keys) swapped."""
+        if isinstance(obj, str):
+            assert self.specials.pattern is not None
+            return self.specials.pattern.sub(self._swap, obj)
+        if isinstance(obj, dict):
+            return {k: self.mark(v) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return [self.mark(v) for v in obj]
+        return obj
+
+    def unmark(self, text: str) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text with the special-token texts back, and their (start, end) spans."""
+        out: list[str] = []
+        spans: list[tuple[int, int]] = []
+        at = pos = 0
+        for m in self.found.finditer(text):
+            out.append(text[pos : m.start()])
+            at += m.start() - pos
+            token = self.specials.texts[int(m.group(1))]
+            spans.append((at, at + len(token)))
+            out.append(token)
+            at += len(token)
+            pos = m.end()
+        out.append(text[pos:])
+        real = "".join(out)
+        if self.nonce in real.lower():  # the template changed a placeholder (upper-cased, cut it)
+            raise ValueError("the chat template transformed message text that holds special-token text; "
+                             "it cannot be rendered safely")  # fmt: skip
+        return real, spans
+
+
+def _encode_marked(tokenizer: Any, specials: _Specials, marker: _Marker, rendered: str) -> list[int]:
+    """Encode ``rendered`` (placeholders in it) so that only the template's special tokens are
+    special ids: the text is encoded once as usual, and each stretch between two of the
+    template's special tokens that holds an input's special-token text is encoded again with
+    special tokens off.  Stretches without one keep the ids of the usual encoding."""
+    text, forged = marker.unmark(rendered)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("message text holds special-token text, and only a fast (tokenizers) tokenizer can encode it "
+                         "as text; load the tokenizer with use_fast=True")  # fmt: skip
+    if specials.plain is None:
+        from tokenizers import Tokenizer
+
+        plain = Tokenizer.from_str(backend.to_str())
+        plain.encode_special_tokens = True  # a copy of its own: the shared tokenizer's flag is never flipped
+        specials.plain = plain
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    next_span = 0  # tokens and spans both come in text order: one pass over each
+
+    def inside(start: int, end: int) -> bool:
+        nonlocal next_span
+        while next_span < len(forged) and forged[next_span][1] <= start:
+            next_span += 1
+        return next_span < len(forged) and forged[next_span][0] < end
+
+    out: list[int] = []
+    run: list[int] = []
+    run_from, run_forged, template_specials = 0, False, 0
+
+    def flush(until: int) -> None:
+        if run_forged:
+            out.extend(specials.plain.encode(text[run_from:until], add_special_tokens=False).ids)
+        else:
+            out.extend(run)
+
+    for tid, (start, end) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
+        if tid in specials.ids and not inside(start, end):  # the template's own special token
+            flush(start)
+            out.append(tid)
+            template_specials += 1
+            run, run_from, run_forged = [], end, False
+        else:
+            run.append(tid)
+            run_forged = run_forged or inside(start, end)
+    flush(len(text))
+    if sum(tid in specials.ids for tid in out) != template_specials:
+        raise ValueError("message text holds special-token text that this tokenizer encodes as a special token even "
+                         "as plain text; it cannot be rendered safely")  # fmt: skip
+    return out
 
 
 class RenderCache:
