@@ -378,6 +378,7 @@ def env_test(
                 environment, client, num_episodes=num_episodes, sampling=SamplingParams(max_tokens=max_tokens)
             )
         finally:
+            await environment.close()
             if client is not None:
                 await client.close()
 

@@ -191,6 +191,14 @@ class Environment:
     async def cleanup(self, state: State) -> None:
         """Release per-episode resources. Always runs; must be idempotent."""
 
+    async def close(self) -> None:
+        """Release what lasts across episodes (sandbox pools, sessions, the rubric's own):
+        every command calls it once, inside the event loop its episodes ran in (idempotent).
+        Left open, a pool's child processes outlive the loop and print tracebacks at exit."""
+        close = getattr(self.rubric, "close", None)
+        if close is not None:
+            await close()
+
     def demonstrations(self, n: int, seed: int = 0) -> list[list[Message]]:
         """``n`` full solved conversations for warm-start SFT (optional)."""
         raise NotImplementedError(f"{type(self).__name__} provides no demonstrations")

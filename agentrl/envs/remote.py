@@ -155,6 +155,9 @@ class RemoteEnvironment(Environment):
         if self._session is not None and not self._session.closed:
             await self._session.close()
 
+    async def close(self) -> None:
+        await self.aclose()
+
     # ------------------------------------------------------------------ hooks
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:

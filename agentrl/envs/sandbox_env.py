@@ -119,3 +119,4 @@ class SandboxEnv(ToolEnv):
         pool = self._pools.pop(loop, None)
         if pool is not None:
             await pool.close()
+        await super().close()

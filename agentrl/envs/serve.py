@@ -481,6 +481,7 @@ async def serve(
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
+        await env.close()
 
 
 __all__ = ["PROTOCOL", "exposure_warning", "is_loopback", "make_app", "serve"]

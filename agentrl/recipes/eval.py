@@ -349,6 +349,7 @@ def run(
                     on_episode=lambda k: progress.advance(bar, k),
                 )
         finally:
+            await env.close()
             await client.close()
 
     try:

@@ -139,7 +139,10 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
             if state is not None and hasattr(state.trainer, "close"):  # a trainer actor (before Ray may stop)
                 await asyncio.to_thread(state.trainer.close)
         finally:
-            await engines.close()
+            try:
+                await env.close()
+            finally:
+                await engines.close()
 
 
 # ----------------------------------------------------------------------------- 5) state

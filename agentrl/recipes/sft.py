@@ -319,6 +319,7 @@ class GreedyEvaluator:
                 timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns,
             )
         finally:
+            await self.env.close()  # its sandbox pools belong to this evaluation's event loop
             await client.close()
         return mean_reward(trajs)
 

@@ -106,3 +106,11 @@ def test_env_test_flags_tasks_without_an_answer(tmp_path):
     out = " ".join(r.stdout.split())  # the table wraps long details
     assert "8 of 8 tasks have no answer, but reward function(s) sold ask for answer" in out, r.stdout
     assert "its task has no answer" in out, r.stdout  # the episodes' own error says it too
+
+
+def test_env_test_of_a_sandboxed_env_ends_without_tracebacks():
+    """Friction 7: `agentrl env test code` passed, then printed `RuntimeError: Event loop is
+    closed` twice (sandbox pools outlived the event loop: nothing closed the environment)."""
+    r = agentrl("env", "test", "code", "-n", "2", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr[-3000:]
