@@ -7,7 +7,7 @@ Two families:
   exits with code 2.
 - :class:`EpisodeFailure`: something went wrong inside one episode.  It never crashes a
   run: the episode loop (``agentrl.episode``) records it on the trajectory as ``error``
-  with an ``error_kind`` (the boundary it crossed, STYLE.md #8) and the ledger counts the
+  with an ``error_kind`` (the boundary it crossed) and the ledger counts the
   episode as errored.  Exceptions of other types raised inside an episode are classified
   by where they were raised (an env hook → ``env``, the policy client → ``endpoint``).
 """

@@ -4,7 +4,7 @@ Task → (Environment.rollout) → Trajectory → Group → (Trainer).  Everythi
 dataclass that round-trips through JSON (``to_dict`` / ``from_dict``) so rollouts can be
 written to ``rollouts.jsonl`` and read back exactly.
 
-Token provenance (DESIGN.md): a :class:`TokenSequence` holds the exact token ids the
+Token provenance: a :class:`TokenSequence` holds the exact token ids the
 engine sampled (never re-tokenized from text) interleaved with env/tool tokens.  Per token:
 ``loss_mask`` (1 = sampled by the policy, 0 = forced prompt/env tokens), ``logprobs``
 (μ, the behaviour logprob reported by the engine; 0.0 where mask is 0) and ``versions``

@@ -1,4 +1,4 @@
-"""The Environment contract: the hooks an environment author implements (DESIGN.md).
+"""The Environment contract: the hooks an environment author implements.
 
     dataset() -> Iterable[Task]            eval_dataset() -> Iterable[Task] | None
     async setup(task) -> State             async step(state, assistant_msg) -> list[Message]

@@ -29,7 +29,7 @@ trust band (a few tokens with huge r never dominate); ``seq_rejection`` drops wh
 whose ratio to the behaviour policy is off (MILES off-policy sequence masking / verl's
 rollout-correction rejection): ``geo`` keeps exp(mean log ρ) ∈ [seq_low, seq_high], ``k3`` keeps
 mean(ρ − 1 − log ρ) ≤ seq_high, ``veto`` drops a trajectory with any ρ_t < seq_low, where ρ = π_prox/μ.
-Formulas and peers' thresholds: shared/reference/losses-staleness-weight-sync.md §1.
+The README's "The gradient" section shows the default's formula and its options.
 """
 
 from __future__ import annotations
