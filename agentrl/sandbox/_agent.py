@@ -20,9 +20,9 @@ Modes:
   3. proves that a command really runs isolated (a probe exec) — or fails: fail closed.
 
 Every command then runs as pid 2 of fresh user + pid + IPC namespaces (pid 1 is a tiny
-init forked from this agent), inside the episode's own network namespace when the sandbox
-has no network (a new one at each reset), under rlimits and the host-generated seccomp
-filter, so:
+init forked from this agent; under bwrap it mounts a /proc of that pid namespace), inside
+the episode's own network namespace when the sandbox has no network (a new one at each
+reset), under rlimits and the host-generated seccomp filter, so:
   - ``kill -9 -1``/``pkill`` cannot reach the agent, and SysV shm, message queues and POSIX
     message queues vanish with the exec;
   - no nested user namespace (seccomp denies it; where ``/proc/sys`` is writable the
@@ -91,6 +91,7 @@ class State:
     sysctls = {}  # per-exec-namespace sysctls (best effort, where /proc/sys is writable)
     fresh_net = False  # each episode gets a network namespace of its own (no network asked for)
     episode_net = None  # (user ns fd, net ns fd) of the current episode's network namespace
+    own_proc = False  # each exec mounts a /proc of its own pid namespace (bwrap)
 
 
 def _check(rc, what):
@@ -160,6 +161,7 @@ def op_init(req, mode):
             _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=4,mode=555")
     State.sysctls = dict(req.get("sysctls") or {})
     State.fresh_net = bool(req.get("fresh_net"))
+    State.own_proc = bool(req.get("own_proc"))
     _drop_privileges()
     new_episode_net()
     bpf = base64.b64decode(req.get("seccomp") or "")
@@ -213,17 +215,21 @@ def _drop_privileges():
 
 
 def _probe(req):
-    """Run one command the normal way and check it is filtered and namespaced (fail closed)."""
+    """Run commands the normal way and check they are filtered and namespaced (fail closed)."""
     limits = {"RLIMIT_CPU": 5, "RLIMIT_NOFILE": 64, "RLIMIT_CORE": 0}
-    r = run_command(["cat", "/proc/self/status"], b"", 10.0, "/", {"PATH": "/usr/bin:/bin"}, limits, 1 << 16, "serve")
+    env = {"PATH": "/usr/bin:/bin"}
+    r = run_command(["cat", "/proc/self/status"], b"", 10.0, "/", env, limits, 1 << 16, "serve")
     text = base64.b64decode(r["stdout"]).decode(errors="replace")
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
     nspid = fields.get("NSpid", "").split()
     seccomp_on = fields.get("Seccomp", "").strip() == "2"
-    if r["exit_code"] != 0 or not seccomp_on or len(nspid) < 2 or nspid[-1] != "2":
-        err = base64.b64decode(r["stderr"]).decode(errors="replace")
+    ns = run_command(["readlink", "/proc/self/ns/pid"], b"", 10.0, "/", env, limits, 1 << 16, "serve")
+    pid_ns = base64.b64decode(ns["stdout"]).decode(errors="replace").strip()
+    own_pid_ns = pid_ns.startswith("pid:") and pid_ns != os.readlink("/proc/self/ns/pid")
+    if r["exit_code"] != 0 or not seccomp_on or not nspid or nspid[-1] != "2" or not own_pid_ns:
+        err = base64.b64decode(r["stderr"] + ns["stderr"]).decode(errors="replace")
         raise AgentError(f"command isolation probe failed (exit {r['exit_code']}, seccomp={seccomp_on}, "
-                         f"NSpid={nspid}): {err.strip()[:300]}")  # fmt: skip
+                         f"NSpid={nspid}, pid namespace {pid_ns or '?'}): {err.strip()[:300]}")  # fmt: skip
     return {"nspid": nspid}
 
 
@@ -293,6 +299,8 @@ def _ns_child(argv, env, cwd, limits, fds, status_w):
             pass
     init = os.fork()
     if init == 0:  # pid 1 of the new pid namespace
+        if State.own_proc:
+            _own_proc()
         command = os.fork()
         if command == 0:
             os.close(status_w)
@@ -356,6 +364,16 @@ def new_episode_net():
         os.close(hold_w)
         os.close(ready_r)
         os.waitpid(pid, 0)
+
+
+def _own_proc():
+    """In the exec's init: a mount namespace whose /proc shows this exec's pid namespace only,
+    so pid numbers (``/proc/self``, ``ls /proc``) start afresh with every exec and nothing of
+    the agent or of bwrap shows.  The kernel allows it because bwrap's /proc is fully
+    visible (nothing mounted over parts of it)."""
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        raise AgentError(f"unshare(mount) for the exec's /proc: {os.strerror(ctypes.get_errno())}")
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
 def _loopback_up():

@@ -85,6 +85,11 @@ class BwrapSandbox(AgentSandbox):
         self._child_pid: int | None = None
         self._info_r: int | None = None
 
+    def _init_request(self) -> dict[str, Any]:
+        req = super()._init_request()
+        req["own_proc"] = True  # bwrap's /proc is fully visible: each exec may mount its own
+        return req
+
     def _drop(self) -> bool:
         return os.geteuid() == 0
 

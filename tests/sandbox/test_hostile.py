@@ -873,3 +873,23 @@ async def test_no_socket_state_reaches_the_next_episode(isolating_backend, limit
             assert second is first
             r = await run(second, _SOCKETS_SEEN)
             assert r.stdout == "0\n", r
+
+
+_PIDS = "import os; print(os.readlink('/proc/self'), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+_FORKS = "import os\nfor _ in range(300):\n    p = os.fork()\n    if p == 0: os._exit(0)\n    os.waitpid(p, 0)"
+
+
+async def test_pid_numbers_do_not_count_across_episodes(isolating_backend, limits):
+    """300 forks in one episode (a number for the next to read) leave the pid numbers the
+    next episode sees through /proc as they were: each exec has its own /proc."""
+    if isolating_backend == "docker":
+        pytest.skip("docker: /proc is the container's, whose masked paths forbid mounting another (README: what still reaches the next episode)")
+    async with SandboxPool(isolating_backend, limits, max_live=1) as pool:
+        async with pool.acquire() as first:
+            seen = await run(first, ["python3", "-c", _PIDS])
+            r = await run(first, ["python3", "-c", _FORKS])
+            assert r.ok, r
+        async with pool.acquire() as second:
+            assert second is first
+            again = await run(second, ["python3", "-c", _PIDS])
+    assert seen.ok and again.stdout == seen.stdout, (seen, again)
