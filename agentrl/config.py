@@ -53,6 +53,26 @@ class InferenceConfig(Section):
     max_batch_size: int = Field(_ENGINE.max_batch_size, ge=1, description="Embedded engine: sequences decoded together.")
     max_model_len: int = Field(_ENGINE.max_model_len, ge=16, description="Longest prompt+completion the engine accepts.")
     device: str = Field(_ENGINE.device, description="Embedded engine device: auto | cpu | cuda | cuda:N (auto/cuda: spread over free GPUs, see cluster.num_inference).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        _ENGINE.dtype, description="Embedded engine: weights and K/V dtype (auto: the checkpoint's)."
+    )
+    prefill_token_budget: int = Field(
+        _ENGINE.prefill_token_budget, ge=1, description="Embedded engine: prompt tokens prefilled together in one step."
+    )
+    enable_prefix_caching: bool = Field(
+        _ENGINE.enable_prefix_caching, description="Embedded engine: reuse the K/V of earlier prompts and turns."
+    )
+    prefix_cache_tokens: int = Field(
+        _ENGINE.prefix_cache_tokens, ge=0,
+        description="Embedded engine: tokens of K/V the prefix cache keeps (0: max_batch_size × max_model_len).",
+    )
+    prefix_block_size: int = Field(
+        _ENGINE.prefix_block_size, ge=1, description="Embedded engine: tokens per cached block (prefixes reused in whole blocks)."
+    )
+    keep_prefix_cache_on_weight_update: bool = Field(
+        _ENGINE.keep_prefix_cache_on_weight_update,
+        description="Embedded engine: keep cached K/V across a weight push (faster, but older weights computed it).",
+    )
     weight_transport: Literal["shm", "disk", "http"] = Field(
         "shm", description="How weights reach the engines: shm (same host), disk (a shared filesystem), or http "
         "(streamed in checksummed chunks to engines on other hosts; engines on the trainer's host keep shm).",
@@ -68,6 +88,12 @@ class InferenceConfig(Section):
     )
     request_timeout_s: float = Field(120.0, gt=0, description="Per-request client timeout.")
     max_retries: int = Field(3, ge=0, description="Client retries on transient endpoint errors.")
+
+    def engine_args(self) -> EngineArgs:
+        """The embedded engine's settings from this section (every field EngineArgs has)."""
+        from dataclasses import fields
+
+        return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
 
     @field_validator("tool_parser")
     @classmethod

@@ -309,6 +309,7 @@ class Engine:
                 "max_batch_size": self.max_batch_size,
                 "max_model_len": self.max_model_len,
                 "device": str(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."),
             }
 
     def close(self) -> None:

@@ -78,11 +78,11 @@ class Engines:
 
 def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
     """Start the engines on the warm start (or connect to ``inference.base_url``)."""
-    from agentrl.inference import EngineArgs, PolicyClient, engine_devices, open_policy
+    from agentrl.inference import PolicyClient, engine_devices, open_policy
     from agentrl.weights import make_weight_sync
 
     ic: InferenceConfig = cfg.inference
-    args = EngineArgs(max_batch_size=ic.max_batch_size, max_model_len=ic.max_model_len, device=ic.device)
+    args = ic.engine_args()
     n = cfg.cluster.num_inference if cfg.cluster.backend == "local" and not ic.base_url else 1
     # the engines' default share (half the cores) is split between them; a set trainer.num_threads is per engine
     per_engine = threads if cfg.trainer.num_threads else max(1, threads // n)

@@ -287,14 +287,13 @@ class GreedyEvaluator:
     """
 
     def __init__(self, base: Path, env: Any, cfg: Config) -> None:
-        from agentrl.inference import EngineArgs, open_policy
+        from agentrl.inference import open_policy
         from agentrl.recipes.rl import torch_threads
 
         self.env, self.cfg = env, cfg
         self.tasks = list(env.eval_dataset() or env.dataset())[: cfg.sft.eval_tasks]
         ic = cfg.inference
-        args = EngineArgs(max_batch_size=ic.max_batch_size, max_model_len=ic.max_model_len, device=ic.device)
-        self.policy = open_policy(base, args=args, env={"OMP_NUM_THREADS": str(torch_threads(cfg))},
+        self.policy = open_policy(base, args=ic.engine_args(), env={"OMP_NUM_THREADS": str(torch_threads(cfg))},
                                   tool_parser=ic.tool_parser)
 
     def score(self, model: Any, version: int) -> float:
