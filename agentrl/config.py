@@ -225,6 +225,7 @@ class EvalConfig(Section):
     every: int = Field(10, ge=0, description="Evaluate on held-out tasks every N steps (0 = never).")
     num_tasks: int = Field(200, ge=1, description="Held-out tasks per evaluation.")
     temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 = greedy).")
+    concurrency: int = Field(64, ge=1, description="Held-out episodes in flight at once (also SFT's evaluations).")
 
 
 class ClusterConfig(Section):

@@ -316,13 +316,14 @@ class HeldOut:
     def __init__(self, manager: RolloutManager, tasks: list[Task], ec: EvalConfig, max_tokens: int,
                  record: Callable[[int, list[Any]], None] | None = None):
         self.manager, self.tasks, self.every, self.record = manager, tasks, ec.every, record
+        self.concurrency = ec.concurrency
         self.sampling = SamplingParams(max_tokens=max_tokens, temperature=ec.temperature)
         self.running: asyncio.Task | None = None
         self.pending: dict[str, Any] | None = None
 
     async def evaluate(self, version: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        trajs = await self.manager.evaluate(self.tasks, self.sampling)
+        trajs = await self.manager.evaluate(self.tasks, self.sampling, concurrency=self.concurrency)
         if self.record is not None:
             self.record(version, trajs)
         return {

@@ -315,7 +315,7 @@ class GreedyEvaluator:
             ro = self.cfg.rollout
             trajs = await evaluate_tasks(
                 self.env, client, self.tasks, SamplingParams(max_tokens=ro.max_tokens, temperature=0.0),
-                timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns,
+                timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns, concurrency=self.cfg.eval.concurrency,
             )
         finally:
             await self.env.close()  # its sandbox pools belong to this evaluation's event loop

@@ -1,0 +1,48 @@
+"""``eval.concurrency`` bounds the held-out episodes in flight (it was fixed at 64; issue 23)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from agentrl.buffer import StalenessBuffer
+from agentrl.config import EvalConfig
+from agentrl.envs.check import ScriptedClient
+from agentrl.plugins import load_environment
+from agentrl.recipes.rl import HeldOut
+from agentrl.rollout import RolloutManager, TaskSampler
+from agentrl.types import SamplingParams
+
+
+class HeldAtTheEndpoint(ScriptedClient):
+    """Every model call waits at a gate the test opens; counts the calls waiting there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting, self.peak, self.gate = 0, 0, asyncio.Event()
+
+    async def complete(self, prompt_ids, sampling, n=1):
+        self.waiting += 1
+        self.peak = max(self.peak, self.waiting)
+        try:
+            await self.gate.wait()
+        finally:
+            self.waiting -= 1
+        return await super().complete(prompt_ids, sampling, n)
+
+
+async def test_eval_concurrency_bounds_the_held_out_episodes_in_flight():
+    env = load_environment("calc", num_train=20, num_eval=20)
+    client = HeldAtTheEndpoint()
+    tasks = list(env.eval_dataset())
+    manager = RolloutManager(env, client, StalenessBuffer(1, 1), TaskSampler(list(env.dataset()), seed=0),
+                             SamplingParams(max_tokens=8))
+    held_out = HeldOut(manager, tasks, EvalConfig(concurrency=3), max_tokens=8)
+    run = asyncio.create_task(held_out.evaluate(0))
+    while client.waiting < 3 and not run.done():
+        await asyncio.sleep(0)
+    for _ in range(200):  # rounds of the event loop in which more episodes would have reached the gate
+        await asyncio.sleep(0)
+    assert client.waiting == 3, client.waiting
+    client.gate.set()
+    result = await run
+    assert client.peak == 3 and result["eval/errored"] == 0
