@@ -54,7 +54,8 @@ class InferenceConfig(Section):
     max_model_len: int = Field(_ENGINE.max_model_len, ge=16, description="Longest prompt+completion the engine accepts.")
     device: str = Field(_ENGINE.device, description="Embedded engine device: auto | cpu | cuda | cuda:N (auto/cuda: spread over free GPUs, see cluster.num_inference).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        _ENGINE.dtype, description="Embedded engine: weights and K/V dtype (auto: the checkpoint's)."
+        _ENGINE.dtype, description="Embedded engine: weights and K/V dtype (auto: the checkpoint's, but bfloat16 for "
+        "a float32 model with hidden size >= 512 on a CPU with native bf16: agentrl/precision.py, measured faster there)."
     )
     prefill_token_budget: int = Field(
         _ENGINE.prefill_token_budget, ge=1, description="Embedded engine: prompt tokens prefilled together in one step."
@@ -204,7 +205,11 @@ class TrainerConfig(Section):
         "engine (r*(in+out) numbers per matrix); merged = the merged matrices (vLLM always gets these).",
     )
     device: str = Field("auto", description="Trainer device: auto | cpu | cuda | cuda:N (auto/cuda: GPU 0).")
-    num_threads: int = Field(0, ge=0, description="Torch CPU threads for the trainer and the embedded engine each (0 = half the cores).")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Trainer and SFT compute: bfloat16 = autocast over float32 weights; auto = bfloat16 for a "
+        "model with hidden size >= 512 on a CPU with native bf16 (agentrl/precision.py), else float32.",
+    )
+    num_threads: int = Field(0, ge=0, description="Torch CPU threads for the trainer and the embedded engine each (0 = one each).")
 
 
 class SFTConfig(Section):
@@ -233,7 +238,7 @@ class ClusterConfig(Section):
     num_inference: int = Field(
         1, ge=1, description="Embedded inference engines to start, each its own process. With the local backend, "
         "inference.device auto|cuda and several GPUs, they spread over the GPUs trainer.device leaves; otherwise they "
-        "share inference.device. Unless trainer.num_threads is set, they split half the cores."
+        "share inference.device. Unless trainer.num_threads is set, each takes one torch thread."
     )
     ray_address: str | None = Field(
         None, description="Existing Ray cluster to join, e.g. 'auto' or 'HEAD_IP:6379' (None = start a local one)."

@@ -69,14 +69,11 @@ def hermes_template(default_system: str = "") -> str:
     """
     if any(c in default_system for c in "\\\"{}%#"):
         raise ValueError("default_system must not hold quotes, backslashes or Jinja delimiters")
-    instructions = (
-        "\\n\\n# Tools\\n\\nYou may call one or more functions to answer. Their signatures are inside "
-        "<tools></tools>:\\n<tools>"
-    )
+    # short on purpose: every prompt carries it, and a 135M model learns the format from SFT anyway
+    instructions = "\\n\\nYou can call these tools:\\n<tools>"
     how = (
-        "\\n</tools>\\n\\nTo call a function, reply with a JSON object holding its name and arguments "
-        'inside <tool_call></tool_call> tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
-        '\\"arguments\\": <arguments-object>}\\n</tool_call>'
+        '\\n</tools>\\nTo call one, write <tool_call>\\n{\\"name\\": <tool name>, '
+        '\\"arguments\\": <JSON object>}\\n</tool_call>'
     )
     return (
         "{%- macro text(c) -%}"

@@ -142,7 +142,7 @@ def test_imported_template_is_hermes_and_prefix_stable(imported):
     tools = [{"type": "function", "function": {"name": "calculator", "description": "Add.",
                                                "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
     text = render_chat_text(tok, [{"role": "user", "content": "hi"}], tools)
-    assert text.startswith("<|im_start|>system\nYou help.\n\n# Tools") and '"name": "calculator"' in text
+    assert text.startswith("<|im_start|>system\nYou help.\n\nYou can call these tools:") and '"name": "calculator"' in text
     assert render_chat_text(tok, [{"role": "user", "content": "hi"}]).startswith("<|im_start|>system\nYou help.<|im_end|>")
 
 

@@ -16,7 +16,7 @@ class EngineArgs:
     max_batch_size: int = 64  # sequences decoded together (KV-cache slots)
     max_model_len: int = 1024  # longest prompt + completion, in tokens
     device: str = "auto"  # auto | cpu | cuda[:i]
-    dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (the checkpoint's; float32 ones in bf16 where agentrl.precision says so) | float32 | bfloat16 | float16
     prefill_token_budget: int = 4096  # prompt tokens prefilled together in one step
     enable_prefix_caching: bool = True  # reuse K/V of earlier prompts/turns (vLLM's name)
     prefix_cache_tokens: int = 0  # tokens of K/V the prefix cache keeps; 0 = max_batch_size * max_model_len

@@ -41,7 +41,10 @@ def _one_line(e: BaseException) -> str:
 
 
 def load_model(model_dir: Path, dtype: str, device: torch.device) -> tuple[Any, Any]:
-    """(model in eval mode on ``device``, tokenizer) from a local HF causal-LM directory."""
+    """(model in eval mode on ``device``, tokenizer) from a local HF causal-LM directory.
+
+    ``dtype`` auto: the checkpoint's, except that a float32 checkpoint runs in bf16 where
+    :func:`agentrl.precision.use_bf16` says bf16 is native and faster (a wide model on a bf16 CPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype != "auto" and dtype not in DTYPES:
@@ -53,6 +56,11 @@ def load_model(model_dir: Path, dtype: str, device: torch.device) -> tuple[Any, 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES.get(dtype, "auto"))
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise EngineStartError(f"cannot load {str(model_dir)!r} as a causal LM: {_one_line(e)}") from e
+    if dtype == "auto" and model.dtype == torch.float32:
+        from agentrl.precision import use_bf16
+
+        if use_bf16("auto", model.config.get_text_config().hidden_size, device.type):
+            model = model.to(torch.bfloat16)
     return model.to(device).eval(), tokenizer
 
 

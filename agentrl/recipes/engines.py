@@ -84,8 +84,8 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
     ic: InferenceConfig = cfg.inference
     args = ic.engine_args()
     n = cfg.cluster.num_inference if cfg.cluster.backend == "local" and not ic.base_url else 1
-    # the engines' default share (half the cores) is split between them; a set trainer.num_threads is per engine
-    per_engine = threads if cfg.trainer.num_threads else max(1, threads // n)
+    # one torch thread per engine by default; a set trainer.num_threads is per engine
+    per_engine = threads
     thread_env = {"OMP_NUM_THREADS": str(per_engine)}
     if cfg.cluster.backend == "ray" and not ic.base_url:
         from agentrl.distributed.ray_backend import open_ray_policy

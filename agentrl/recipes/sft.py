@@ -99,6 +99,14 @@ def cache_inputs(cfg: Config, base: Path, env: Any, data: list[tuple[list[int], 
         "seed": cfg.run.seed,
         "device": resolve_device(cfg.trainer.device).type,  # CPU and CUDA kernels round differently
     }
+    if cfg.trainer.dtype != "float32":  # (float32 runs keep the keys they had before bf16 existed)
+        from transformers import AutoConfig
+
+        from agentrl.precision import use_bf16
+
+        hidden = AutoConfig.from_pretrained(base).get_text_config().hidden_size
+        if use_bf16(cfg.trainer.dtype, hidden, inputs["device"]):
+            inputs["dtype"] = "bfloat16"
     if cfg.sft.target_reward is not None:  # early stopping reads greedy held-out rollouts
         inputs["eval"] = {"max_tokens": cfg.rollout.max_tokens, "max_turns": cfg.rollout.max_turns}
     return json.loads(json.dumps(inputs, sort_keys=True, default=str))  # as the manifest will read back
@@ -178,7 +186,7 @@ def warm_start(cfg: Config, *, progress: bool = True) -> Path:
     evaluator = GreedyEvaluator(base, env, cfg) if cfg.sft.target_reward is not None else None
     try:
         train_sft(base, env, cfg.sft, seed=cfg.run.seed, out_dir=tmp, device=cfg.trainer.device,
-                  progress=progress, evaluator=evaluator, data=data)
+                  dtype=cfg.trainer.dtype, progress=progress, evaluator=evaluator, data=data)
     finally:
         if evaluator is not None:
             evaluator.close()
@@ -215,16 +223,18 @@ def demonstration_data(env: Any, base: Path, sft: SFTConfig, seed: int) -> list[
 
 
 def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path, device: str = "auto",
-              progress: bool = True, evaluator: Any = None,
+              dtype: str = "float32", progress: bool = True, evaluator: Any = None,
               data: list[tuple[list[int], list[int]]] | None = None, max_wall_s: float | None = None) -> Path:
     """SFT loop over ``data`` (default: :func:`demonstration_data`); with an ``evaluator`` it
     stops once greedy reward ≥ ``sft.target_reward``, with ``max_wall_s`` once that many
-    seconds have passed (continued SFT on a time budget)."""
+    seconds have passed (continued SFT on a time budget). ``dtype``: trainer.dtype (bf16 is
+    autocast over float32 weights)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.metrics import StepProgress
+    from agentrl.precision import use_bf16
     from agentrl.trainer.trainer import resolve_device
 
     torch.manual_seed(seed)
@@ -235,6 +245,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     dev = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(dev)
     model.train()
+    bf16 = use_bf16(dtype, model.config.get_text_config().hidden_size, dev.type)
     opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)
     pad = model.config.pad_token_id or 0
     warmup = max(1, sft.steps // 20)
@@ -248,8 +259,9 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
             ids = torch.tensor([i + [pad] * (T - len(i)) for i, _ in batch], device=dev)
             mask = torch.tensor([m + [0] * (T - len(m)) for _, m in batch], dtype=torch.float32, device=dev)
             attn = torch.tensor([[1] * len(i) + [0] * (T - len(i)) for i, _ in batch], device=dev)
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+                logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
             m = mask[:, 1:].reshape(-1)
             loss = (nll * m).sum() / m.sum()
             opt.zero_grad(set_to_none=True)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agentrl.precision import use_bf16
 from agentrl.trainer.checkpoint import rng_state, set_rng_state
 from agentrl.trainer.logprobs import head_of, token_logprobs_from_hidden
 from agentrl.trainer.losses import LossSpec, add_stats, policy_loss, summarize, token_weights
@@ -99,6 +100,8 @@ class Trainer:
         self.pad_id = model.config.pad_token_id or 0
         self.vocab_size = model.config.vocab_size
         self.model_config = model.config
+        # bf16 autocast over float32 weights where agentrl.precision measured it faster (wide models, bf16 CPUs)
+        self.bf16 = use_bf16(cfg.dtype, model.config.get_text_config().hidden_size, self.device.type)
         # a group's prompt runs once per micro-batch (agentrl.trainer.packing) where the attention allows it
         self.share_prompt = cfg.share_prompt and packable(model.config, head_of(model)[0].forward)
         self.lora = cfg.lora_rank > 0
@@ -232,13 +235,15 @@ class Trainer:
         sel = x["mask"] > 0
         rows = [(r.ids, r.mask) for r in mb] if self.share_prompt else []
         packs = choose(rows, self.model_config.hidden_size, self.cfg.micro_batch_tokens) if rows else None
-        if packs:  # some rows share a prompt, and one forward over the packs costs less
-            pk = pack(rows, packs, self.pad_id, self.device)
-            mask = attention_mask(pk, self.model_config, next(self.model.parameters()).dtype)
-            hidden = decoder(input_ids=pk.ids, position_ids=pk.positions, attention_mask=mask).last_hidden_state
-            hidden = hidden.reshape(-1, hidden.shape[-1])[pk.hidden_at]
-        else:
-            hidden = decoder(input_ids=x["ids"], attention_mask=x["attn"]).last_hidden_state[:, :-1][sel]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            if packs:  # some rows share a prompt, and one forward over the packs costs less
+                pk = pack(rows, packs, self.pad_id, self.device)
+                mask = attention_mask(pk, self.model_config, torch.bfloat16 if self.bf16 else torch.float32)
+                hidden = decoder(input_ids=pk.ids, position_ids=pk.positions, attention_mask=mask).last_hidden_state
+                hidden = hidden.reshape(-1, hidden.shape[-1])[pk.hidden_at]
+            else:
+                hidden = decoder(input_ids=x["ids"], attention_mask=x["attn"]).last_hidden_state[:, :-1][sel]
+        hidden = hidden.float()  # the LM head and the softmax stay in float32
         return token_logprobs_from_hidden(
             hidden, logits_fn, x["ids"][:, 1:][sel], x["support"][sel], self.sampling.temperature,
             vocab=self.vocab_size,
