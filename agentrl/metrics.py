@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -250,17 +249,6 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
-
-
-def truncate_jsonl(path: str | Path, keep: Any) -> None:
-    """Rewrite ``path`` keeping only rows for which ``keep(row)`` is true (used on resume)."""
-    p = Path(path)
-    if not p.is_file():
-        return
-    rows = [r for r in read_jsonl(p) if keep(r)]
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, p)
 
 
 class LiveProgress:

@@ -228,13 +228,6 @@ def build_tiny_model(
     return out
 
 
-def count_parameters(model_dir: str | Path) -> int:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    return sum(p.numel() for p in model.parameters())
-
-
 # ----------------------------------------------------------------------------- other families
 
 FAMILY_WINDOW = 16  # sliding windows are short, so prompts + completions cross them

@@ -242,11 +242,6 @@ class Turn:
     completion_tokens: int = 0  # from usage when the endpoint returns no token ids
 
 
-StopReason = Literal[
-    "done", "max_turns", "max_tokens", "prompt_too_long", "timeout", "error", "length", "no_tool_call"
-]
-
-
 @dataclass
 class Trajectory:
     """One finished episode.

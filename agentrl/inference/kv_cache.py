@@ -59,11 +59,6 @@ class SlotCache:
             self.k[:, dst, :, :length] = self.k[:, src, :, :length]
             self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
-    def bytes_per_token(self) -> int:
-        """K and V bytes one token takes over all layers."""
-        layers, _, kv_heads, _, head_dim = self.k.shape
-        return 2 * layers * kv_heads * head_dim * self.k.element_size()
-
 
 def attention_masks(
     positions: torch.Tensor,

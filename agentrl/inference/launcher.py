@@ -81,12 +81,6 @@ class EngineHandle:
         atexit.unregister(fresh.stop)
         self.restarts += 1
 
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
     def __enter__(self) -> EngineHandle:
         return self
 

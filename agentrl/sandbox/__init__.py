@@ -128,12 +128,3 @@ def make_sandbox(backend: str = "auto", limits: SandboxLimits | None = None, **o
     from agentrl.sandbox.local import LocalSandbox
 
     return LocalSandbox(limits, **options)  # type: ignore[arg-type]
-
-
-async def run_once(
-    cmd: str | list[str], *, backend: str = "auto", limits: SandboxLimits | None = None, stdin: bytes | str | None = None
-) -> ExecResult:
-    """Convenience: one command in a throwaway sandbox."""
-    async with make_sandbox(backend, limits) as sb:
-        return await sb.exec(cmd, stdin=stdin)
-
