@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import AgentrlError
-from agentrl.rollout import run_group
+from agentrl.rollout import gather_all, run_group
 from agentrl.types import SamplingParams, Task, Trajectory
 
 RESULTS = "results.jsonl"
@@ -240,7 +240,7 @@ async def evaluate(
             return traj
 
     async def group(i: int, slots: list[int]) -> None:
-        trajs = await asyncio.gather(*(slot(i, r) for r in slots))
+        trajs = await gather_all(*(slot(i, r) for r in slots))
         async with write_lock:
             for r, t in zip(slots, trajs, strict=True):
                 fh.write(json.dumps(episode_record(t, i, r, model), default=str) + "\n")
@@ -249,7 +249,8 @@ async def evaluate(
             on_episode(len(slots))
 
     try:
-        await asyncio.gather(*(group(i, rs) for i, rs in todo.items()))
+        # no episode outlives a cancelled eval (Ctrl-C): the env and client close right after
+        await gather_all(*(group(i, rs) for i, rs in todo.items()))
     finally:
         fh.close()
     latest = read_results(out)
