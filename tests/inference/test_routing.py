@@ -19,9 +19,10 @@ class Engine:
     """An OpenAI-ish server on a free port: ``/tokenize`` returns ``[task number]`` so every
     completion request names its task; ``hold`` makes completions wait until set."""
 
-    def __init__(self) -> None:
+    def __init__(self, arrivals: asyncio.Queue | None = None) -> None:
         self.tasks: list[int] = []  # first prompt token of every completion served
         self.hold: asyncio.Event | None = None
+        self.arrivals = arrivals  # each completion request puts this engine on it as it arrives
 
     async def __aenter__(self) -> Engine:
         async def tokenize(request: web.Request) -> web.Response:
@@ -32,6 +33,8 @@ class Engine:
         async def completions(request: web.Request) -> web.Response:
             body = await request.json()
             self.tasks.append(body["prompt"][0])
+            if self.arrivals is not None:
+                self.arrivals.put_nowait(self)
             if self.hold is not None:
                 await self.hold.wait()
             await asyncio.sleep(0.01)
@@ -58,16 +61,19 @@ class ThreeTurns(Environment):
 async def test_a_busy_engine_gets_no_new_requests_until_it_frees_up():
     """Least outstanding: while engine A holds a request, every new one goes to B (round robin
     alone would send half of them to A)."""
-    async with Engine() as a, Engine() as b, PolicyClient([a.url, b.url], "m", max_retries=0) as pc:
+    arrivals: asyncio.Queue = asyncio.Queue()
+    async with Engine(arrivals) as a, Engine(arrivals) as b, PolicyClient([a.url, b.url], "m", max_retries=0) as pc:
         a.hold = asyncio.Event()
         b.hold = None
         stuck = []
         for _ in range(10):
             call = asyncio.create_task(pc.complete([1], SamplingParams()))
-            await asyncio.sleep(0.05)
-            if not call.done():
+            served_by = await asyncio.wait_for(arrivals.get(), 30)  # the request reached an engine
+            if served_by is b:
+                await call  # B answers; the next request sees A still holding one
+            else:
                 stuck.append(call)
-        assert len(a.tasks) == 1 and len(b.tasks) == 9 and len(stuck) == 1
+        assert len(a.tasks) == 1 and len(b.tasks) == 9 and len(stuck) == 1 and not stuck[0].done()
         a.hold.set()
         await asyncio.gather(*stuck)
         assert [ep.in_flight for ep in pc.endpoints] == [0, 0]

@@ -87,8 +87,8 @@ async def test_a_stopped_manager_returns_only_after_every_episode_finished():
     manager = RolloutManager(env, _Slow(), buffer, TaskSampler(list(env.dataset())), SamplingParams(),
                              group_size=4, max_in_flight=16)
     runner = asyncio.create_task(manager.run())
-    while env.started < 16:
-        await asyncio.sleep(0.01)
+    while env.started < 16:  # every episode is in its model call
+        await asyncio.sleep(0)
     manager.stop()
     await runner
     # plain gather let the group end with its first cancelled episode: the slow siblings were
@@ -98,7 +98,7 @@ async def test_a_stopped_manager_returns_only_after_every_episode_finished():
 
 
 async def test_a_tool_call_never_outlives_its_episode_even_when_cancelled_twice():
-    finished = []
+    started, cleaning, finished = asyncio.Event(), asyncio.Event(), []
 
     async def slow_tool(x: int) -> int:
         """A tool that needs a moment to clean up when cancelled.
@@ -106,9 +106,11 @@ async def test_a_tool_call_never_outlives_its_episode_even_when_cancelled_twice(
         Args:
             x: anything
         """
+        started.set()
         try:
             await asyncio.sleep(60)
         finally:
+            cleaning.set()
             await asyncio.sleep(0.2)  # e.g. killing the command in its sandbox
             finished.append(x)
         return x
@@ -116,13 +118,12 @@ async def test_a_tool_call_never_outlives_its_episode_even_when_cancelled_twice(
     env = ToolEnv(tools=[slow_tool], rubric=Rubric([lambda completion: 1.0]))
     client = ScriptedClient(lambda p: '<tool_call>\n{"name": "slow_tool", "arguments": {"x": 1}}\n</tool_call>')
     episode = asyncio.create_task(env.rollout(client, Task([Message("user", "go")]), SamplingParams(max_tokens=200)))
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(started.wait(), 30)  # the tool runs (else the test would prove nothing)
     episode.cancel()
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(cleaning.wait(), 30)
     episode.cancel()  # a second cancellation while the first is being handled (a stop during a wall limit, ...)
     with pytest.raises(asyncio.CancelledError):
         await episode
     # with asyncio.wait_for the second cancel abandoned the tool's task, still running on its own
     assert asyncio.all_tasks() == {asyncio.current_task()}
-    await asyncio.sleep(0.3)
     assert finished == []  # its cleanup was cut by the second cancel, inside the episode's own task

@@ -3,7 +3,6 @@
 import asyncio
 import socket
 import threading
-import time
 
 import pytest
 import uvicorn
@@ -44,16 +43,15 @@ class JudgeServer:
                 "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": verdict}}],
             }
 
+        # the server gets the bound, listening socket itself: no free-port-then-rebind race, and a
+        # request that comes before uvicorn serves waits in the backlog (no start-up polling)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
         self.port = sock.getsockname()[1]
-        sock.close()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
