@@ -10,9 +10,10 @@ observations, tool-call arguments, names) are encoded as text: a tool that print
 special ids that would show the model a system turn the tool wrote.  How: every special
 token's text found in an input string is swapped for a random placeholder before the
 template runs, so the rendered text's special tokens are all the template's; the placeholders
-are swapped back and the stretches between the template's special tokens that hold one are
-encoded with special tokens split (:func:`render_chat_ids`).  Input without special-token
-text takes the plain path (render, encode), so ordinary prompts keep their exact ids.
+are swapped back, the text is encoded as usual, and each special id that came from input is
+replaced by its text's ids with special tokens split (:func:`render_chat_ids`).  Input
+without special-token text takes the plain path (render, encode), so ordinary prompts keep
+their exact ids.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class _Specials:
     texts: tuple[str, ...]
     pattern: re.Pattern[str] | None
     size: int  # len(added_tokens_decoder) when built: tokens added later rebuild it
+    index: dict[str, int]  # text -> its position in ``texts`` (what a placeholder names)
     plain: Any = None  # a copy of the fast backend with special-token matching off (made on first use)
 
 
@@ -129,7 +131,7 @@ def _specials_of(tokenizer: Any) -> _Specials:
     # whitespace specials (a "\n" token) are layout, not turn structure; leave them to the tokenizer
     texts = tuple(sorted({t for t in by_id.values() if t and not t.isspace()}, key=len, reverse=True))
     pattern = re.compile(_trie_pattern(texts)) if texts else None
-    specials = _Specials(frozenset(by_id), texts, pattern, len(added))
+    specials = _Specials(frozenset(by_id), texts, pattern, len(added), {t: i for i, t in enumerate(texts)})
     try:
         _SPECIALS[tokenizer] = specials
     except TypeError:  # not weak-referenceable: rebuilt per call
@@ -165,13 +167,11 @@ class _Marker:
     def __init__(self, specials: _Specials) -> None:
         self.specials = specials
         self.nonce = "zq" + secrets.token_hex(8)  # lowercase letters and digits: no template escapes them
-        self.found = re.compile(self.nonce + r"n(\d+)x")
-        self.index = {t: i for i, t in enumerate(specials.texts)}
         self.used = 0
 
     def _swap(self, m: re.Match[str]) -> str:
         self.used += 1
-        return f"{self.nonce}n{self.index[m.group(0)]}x"
+        return f"{self.nonce}n{self.specials.index[m.group(0)]}x"
 
     def mark(self, obj: Any) -> Any:
         """``obj`` with every special token's text in its strings (not dict keys) swapped."""
@@ -189,7 +189,7 @@ class _Marker:
         out: list[str] = []
         spans: list[tuple[int, int]] = []
         at = pos = 0
-        for m in self.found.finditer(text):
+        for m in re.finditer(self.nonce + r"n(\d+)x", text):
             out.append(text[pos : m.start()])
             at += m.start() - pos
             token = self.specials.texts[int(m.group(1))]
@@ -207,9 +207,10 @@ class _Marker:
 
 def _encode_marked(tokenizer: Any, specials: _Specials, marker: _Marker, rendered: str) -> list[int]:
     """Encode ``rendered`` (placeholders in it) so that only the template's special tokens are
-    special ids: the text is encoded once as usual, and each stretch between two of the
-    template's special tokens that holds an input's special-token text is encoded again with
-    special tokens off.  Stretches without one keep the ids of the usual encoding."""
+    special ids.  The text is encoded once as usual; that encoding already splits the text at
+    every special token, the input's too, so each special id that came from input text is
+    replaced by the ids of that text encoded with special tokens off.  Everything else keeps
+    the usual encoding's ids."""
     text, forged = marker.unmark(rendered)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -231,25 +232,15 @@ def _encode_marked(tokenizer: Any, specials: _Specials, marker: _Marker, rendere
         return next_span < len(forged) and forged[next_span][0] < end
 
     out: list[int] = []
-    run: list[int] = []
-    run_from, run_forged, template_specials = 0, False, 0
-
-    def flush(until: int) -> None:
-        if run_forged:
-            out.extend(specials.plain.encode(text[run_from:until], add_special_tokens=False).ids)
-        else:
-            out.extend(run)
-
+    template_specials = 0
     for tid, (start, end) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
-        if tid in specials.ids and not inside(start, end):  # the template's own special token
-            flush(start)
+        if tid not in specials.ids:
+            out.append(tid)
+        elif inside(start, end):  # an input's special-token text: its text's ids instead
+            out.extend(specials.plain.encode(text[start:end], add_special_tokens=False).ids)
+        else:  # the template's own
             out.append(tid)
             template_specials += 1
-            run, run_from, run_forged = [], end, False
-        else:
-            run.append(tid)
-            run_forged = run_forged or inside(start, end)
-    flush(len(text))
     if sum(tid in specials.ids for tid in out) != template_specials:
         raise ValueError("message text holds special-token text that this tokenizer encodes as a special token even "
                          "as plain text; it cannot be rendered safely")  # fmt: skip
