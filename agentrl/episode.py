@@ -14,6 +14,11 @@ the sampled turn did not end with the template's end-of-turn token, a new
 :class:`~agentrl.types.TokenSequence` starts from a fresh rendering and
 ``metrics["template_breaks"]`` counts it.
 
+Program-driven envs (``HarnessEnv``: an env with ``run_program`` and a ``gateway``) turn the
+loop around: an agent program calls the model through an episode-scoped OpenAI-compatible
+gateway session (:mod:`agentrl.gateway`), which records every call token-exactly with the
+same bridge rule; the program's final answer becomes ``state["result"]``.
+
 Fates of an episode (the one timeout story, README "Fates, error kinds and exit codes"):
 
 - the env says done → ``stop_reason = "done"``; ``max_turns`` reached → ``"max_turns"``;
@@ -40,7 +45,14 @@ import hashlib
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from agentrl.errors import ContextLengthExceeded, EndpointError, MalformedResponse, error_kind_of
+from agentrl.errors import (
+    ContextLengthExceeded,
+    EndpointError,
+    EpisodeFailure,
+    MalformedResponse,
+    error_kind_of,
+)
+from agentrl.render import MAX_GLUE_TOKENS, bridge
 from agentrl.tool_format import DEFAULT_PARSER, get_parser, is_mistral_id
 from agentrl.types import (
     Completion,
@@ -56,10 +68,6 @@ from agentrl.types import (
 
 if TYPE_CHECKING:
     from agentrl.envs.base import Environment, State
-
-# Template tokens allowed between the sampled end-of-turn token and the next message
-# (Qwen renders "<|im_end|>" then "\n"); more than this means we found the wrong token.
-MAX_GLUE_TOKENS = 8
 
 
 class PolicyClientLike(Protocol):
@@ -154,7 +162,8 @@ class _Episode:
                 traj.timing["setup_s"] = time.perf_counter() - t0
                 traj.messages = self.state.messages
                 self.state.setdefault("tool_parser", self.tool_parser)
-                traj.stop_reason = await self._turns()
+                program = getattr(self.env, "run_program", None)
+                traj.stop_reason = await (self._program(program) if program is not None else self._turns())
         except TimeoutError as e:
             if wall.expired():
                 self._fail("timeout", f"episode exceeded its wall limit of {limit:g}s")
@@ -185,6 +194,35 @@ class _Episode:
                 self._fail("env", f"cleanup failed: {error_text(e)}")
         traj.metrics.update(state.metrics)
         traj.state = state  # transient (not serialized): rubric functions may ask for it
+
+    # ------------------------------------------------------------------ a program's calls
+
+    async def _program(self, program: Any) -> str:
+        """A program-driven env (``HarnessEnv``): the program calls the model through an
+        episode-scoped gateway session (:mod:`agentrl.gateway`); its calls become the episode's
+        turns and sequences, its final answer ``state["result"]``."""
+        env, state, traj = self.env, self.state, self.traj
+        assert state is not None
+        session = await env.gateway.open(
+            self.client, self.sampling, tool_parser=self.tool_parser, max_calls=self.max_turns,
+            max_total_tokens=env.max_total_tokens, max_seq_len=env.max_seq_len, token_exact=self.token_exact,
+        )  # fmt: skip
+        try:
+            state["result"] = await program(state, session)
+        except EpisodeFailure:
+            if session.failure is not None:  # the program failed because the endpoint did: say so
+                raise session.failure from None
+            raise
+        finally:
+            session.close()
+            traj.sequences, traj.turns = session.sequences, session.turns
+            state.turn = len(session.turns)
+            traj.timing["generation_s"] += session.generation_s
+            traj.timing["tokenize_s"] += session.tokenize_s
+            traj.metrics["template_breaks"] = float(session.template_breaks)
+            if session.transcript:
+                state.messages[:] = [Message.from_dict(m) for m in session.transcript]
+        return "max_turns" if session.hit_limit else "done"
 
     # ------------------------------------------------------------------ the turns
 
@@ -335,14 +373,7 @@ class _Episode:
         if not sampled:
             return None
         closed = await self._render(before, add_generation_prompt=False)
-        extended = await self._render(before + reply)
-        if extended[: len(closed)] != closed:
-            return None  # the template rewrites earlier turns once more messages follow
-        end_of_turn = sampled[-1]
-        for i in range(len(closed) - 1, max(len(closed) - 1 - MAX_GLUE_TOKENS, -1), -1):
-            if closed[i] == end_of_turn:
-                return closed[i + 1 :] + extended[len(closed) :]
-        return None  # the sampled turn did not end the way the template closes a turn
+        return bridge(closed, await self._render(before + reply), sampled)
 
 
 __all__ = ["MAX_GLUE_TOKENS", "PolicyClientLike", "error_text", "run_episode"]

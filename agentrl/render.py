@@ -247,6 +247,31 @@ def _encode_marked(tokenizer: Any, specials: _Specials, marker: _Marker, rendere
     return out
 
 
+# Template tokens allowed between the sampled end-of-turn token and the next message
+# (Qwen renders "<|im_end|>" then "\n"); more than this means we found the wrong token.
+MAX_GLUE_TOKENS = 8
+
+
+def bridge(closed: list[int], extended: list[int], sampled: list[int]) -> list[int] | None:
+    """The forced tokens that continue a sampled turn token-exactly; None at a template break.
+
+    ``closed``: the conversation through the sampled turn rendered without a generation prompt;
+    ``extended``: the same conversation plus the new messages, with the generation prompt;
+    ``sampled``: the turn's sampled ids.  The answer is the template's glue after the sampled
+    end-of-turn token, then everything ``extended`` adds: the sampled ids themselves are never
+    re-tokenized.  None when the template rewrites earlier turns once more messages follow, or
+    the sampled turn did not end the way the template closes a turn (the episode loop and the
+    gateway then start a new sequence).
+    """
+    if not sampled or extended[: len(closed)] != closed:
+        return None
+    end_of_turn = sampled[-1]
+    for i in range(len(closed) - 1, max(len(closed) - 1 - MAX_GLUE_TOKENS, -1), -1):
+        if closed[i] == end_of_turn:
+            return closed[i + 1 :] + extended[len(closed) :]
+    return None
+
+
 class RenderCache:
     """:func:`render_chat_ids` for one tokenizer, remembering its last ``size`` renderings by
     exact content: a group's episodes open with the same messages (often a long system prompt

@@ -2,7 +2,8 @@
 
 ``Environment`` (the hooks, ``envs/base.py``), ``SingleTurnEnv`` and ``MultiTurnEnv``,
 ``ToolEnv`` (Python functions as tools; ``with_latency`` makes one slow on purpose), ``SandboxEnv`` (``bash``/``python`` tools in a
-per-episode sandbox), ``GymEnv`` (a gymnasium environment played in text) and
+per-episode sandbox), ``HarnessEnv`` (an existing agent program, a command or an async
+function, calling the model through an episode-scoped OpenAI-compatible gateway), ``GymEnv`` (a gymnasium environment played in text) and
 ``as_gymnasium`` (the other way round); ``check_environment`` is the executable contract
 ``agentrl env test`` runs.  The episode loop itself is the framework's
 (``agentrl.episode``).
@@ -21,6 +22,7 @@ __all__ = [
     "Environment",
     "EpisodeError",
     "GymEnv",
+    "HarnessEnv",
     "MultiTurnEnv",
     "SandboxEnv",
     "ScriptedClient",
@@ -43,6 +45,10 @@ def __getattr__(name: str) -> Any:
         from agentrl.envs.sandbox_env import SandboxEnv
 
         return SandboxEnv
+    if name == "HarnessEnv":
+        from agentrl.envs.harness import HarnessEnv
+
+        return HarnessEnv
     if name == "GymEnv":
         from agentrl.envs.gym import GymEnv
 

@@ -13,10 +13,11 @@ Per-episode arguments a function may name:
     task         the Task                                 info       task.info
     state        the episode State (after rollout)        trajectory the Trajectory
     turns        number of model turns                    metrics    trajectory.metrics so far
+    result       an agent program's final answer (HarnessEnv; None for other envs)
     + any name given in ``Rubric(..., context={...})`` (shared objects, e.g. a judge)
 
 Group-level functions name plurals — ``completions``, ``answers``, ``prompts``, ``tasks``,
-``infos``, ``states``, ``trajectories``, ``messages_list`` — and return one value per
+``infos``, ``states``, ``trajectories``, ``messages_list``, ``results`` — and return one value per
 episode.  Weight 0 makes a function a logged metric only.  Functions run in the order
 given (an earlier one may cache something in ``state`` for a later one); one function is
 evaluated concurrently across the episodes of a group.  Sync functions run inline: keep
@@ -47,6 +48,7 @@ _PLURALS = {
     "states": "state",
     "trajectories": "trajectory",
     "messages_list": "messages",
+    "results": "result",
 }
 
 
@@ -89,6 +91,7 @@ def episode_args(traj: Trajectory) -> dict[str, Any]:
         "trajectory": traj,
         "turns": len(traj.turns),
         "metrics": traj.metrics,
+        "result": (getattr(traj, "state", None) or {}).get("result"),
     }
 
 

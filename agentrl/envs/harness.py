@@ -1,0 +1,235 @@
+"""HarnessEnv: train an existing agent program unchanged.
+
+    env = HarnessEnv(command=["python", "my_agent.py"], dataset=rows, rubric=Rubric([correct]))
+    env = HarnessEnv(agent=my_agent, dataset=rows, rubric=Rubric([correct]))
+
+    async def my_agent(client: openai.AsyncOpenAI, task: dict) -> str: ...
+    def correct(result, answer) -> float: ...
+
+Per episode the program talks to an episode-scoped OpenAI-compatible endpoint
+(:mod:`agentrl.gateway`): every call is rendered with the model's template, sampled by the
+run's policy and recorded token-exactly, so the episode trains like any other.
+
+**Command form.**  ``command`` runs with agentrl's own environment (minus the run's
+``AGENTRL_API_KEY``) plus ``OPENAI_BASE_URL`` (ending in ``/v1``), ``OPENAI_API_KEY`` (the
+episode's key) and ``AGENTRL_TASK`` (JSON ``{"id", "prompt", "info"}``: never the answer), in
+a session of its own, stdin closed.  Its final answer is the last non-empty line of its
+stdout.  After it exits (or at ``timeout_s``) every process still in its session is killed (a
+program that starts a session of its own escapes this sweep: run hostile code in a sandbox).
+
+**In-process form.**  ``agent(client, task)`` gets an ``openai.AsyncOpenAI`` bound to the
+episode's endpoint and the same task dict; its return value is the answer.
+
+Reward functions get the answer as ``result`` (besides ``completion``, ``messages``,
+``answer``, ``state``, ...).  Failures are the episode's, kind ``env``, with the program's
+stderr tail: a non-zero exit, ``timeout_s`` passed, or an exit without one model call.
+When a call failed at the endpoint first, the episode carries that failure (kind
+``endpoint``) instead.  ``max_turns`` caps the model calls of one episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from agentrl.auth import KEY_ENV
+from agentrl.envs.base import Environment, State
+from agentrl.episode import error_text
+from agentrl.errors import EpisodeError, EpisodeFailure
+from agentrl.gateway import Gateway, Session
+from agentrl.types import Message, Task, json_default, messages_to_dicts
+
+STDOUT_KEEP = 64 << 10  # bytes of stdout kept (the answer is its last line)
+STDERR_KEEP = 300  # characters of stderr quoted in an error
+
+Agent = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+
+
+def task_view(task: Task) -> dict[str, Any]:
+    """What the program sees of a task (``AGENTRL_TASK``): id, prompt messages, info; no answer."""
+    return {"id": task.id, "prompt": messages_to_dicts(task.prompt), "info": task.info}
+
+
+class HarnessEnv(Environment):
+    """An agent program (a command, or an async function) as an environment (module docstring)."""
+
+    name = "harness"
+
+    def __init__(
+        self,
+        command: Sequence[str] | None = None,
+        *,
+        agent: Agent | None = None,
+        timeout_s: float = 300.0,
+        cwd: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+        max_turns: int = 32,
+        **kwargs: Any,
+    ) -> None:
+        """``command``: argv of the program; or ``agent``: ``async def agent(client, task) -> str``.
+        ``timeout_s``: the program's wall limit (then it is killed, the episode errors with kind
+        ``env``).  ``cwd``/``env``: its working directory and extra environment variables."""
+        if (command is None) == (agent is None):
+            raise ValueError("HarnessEnv needs exactly one of command=[...] or agent=async_fn")
+        if command is not None and (isinstance(command, str) or not command):
+            raise ValueError(f"command must be a non-empty argv list, e.g. ['python', 'agent.py'], not {command!r}")
+        super().__init__(max_turns=max_turns, **kwargs)
+        self.command = [str(c) for c in command] if command is not None else None
+        self.agent = agent
+        self.program_timeout_s = float(timeout_s)
+        self.cwd = str(cwd) if cwd is not None else None
+        self.extra_env = dict(env or {})
+        self.gateway = Gateway()
+
+    @property
+    def program(self) -> str:
+        """The program in words, for errors."""
+        if self.command is not None:
+            return " ".join(self.command)[:80]
+        return getattr(self.agent, "__qualname__", repr(self.agent))
+
+    async def step(self, state: State, assistant_msg: Message) -> list[Message]:
+        raise EpisodeError("HarnessEnv episodes are driven by the program (run_program), not by step()")
+
+    async def close(self) -> None:
+        await self.gateway.close()
+        await super().close()
+
+    # ------------------------------------------------------------------ one episode
+
+    async def run_program(self, state: State, session: Session) -> str:
+        """Run the program against the episode's gateway session; returns its final answer."""
+        task = task_view(state.task)
+        if self.agent is not None:
+            return await self._run_agent(task, session)
+        return await self._run_command(task, session)
+
+    async def _run_agent(self, task: dict[str, Any], session: Session) -> str:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.key, max_retries=0)
+        wall = asyncio.timeout(self.program_timeout_s)
+        try:
+            async with wall:
+                result = await self.agent(client, task)  # type: ignore[misc]
+        except TimeoutError as e:
+            if wall.expired():
+                raise EpisodeError(f"the agent {self.program} did not finish within timeout_s={self.program_timeout_s:g}s") from None
+            raise EpisodeError(f"the agent {self.program} raised {error_text(e)}") from e
+        except EpisodeFailure:
+            raise
+        except Exception as e:
+            raise EpisodeError(f"the agent {self.program} raised {error_text(e)}") from e
+        finally:
+            await client.close()
+        if session.calls == 0:
+            raise EpisodeError(f"the agent {self.program} returned without calling the model")
+        return "" if result is None else str(result)
+
+    async def _run_command(self, task: dict[str, Any], session: Session) -> str:
+        assert self.command is not None
+        env = {k: v for k, v in os.environ.items() if k != KEY_ENV}  # the run's key stays with the run
+        env.update(self.extra_env)
+        env.update(OPENAI_BASE_URL=session.base_url, OPENAI_API_KEY=session.key,
+                   AGENTRL_TASK=json.dumps(task, default=json_default))  # fmt: skip
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True,
+            )  # fmt: skip
+        except OSError as e:
+            raise EpisodeError(f"cannot start the program {self.program}: {error_text(e)} (check command= and cwd=)") from None
+        out, err = bytearray(), bytearray()
+        readers = [asyncio.ensure_future(_drain(proc.stdout, out, STDOUT_KEEP)),
+                   asyncio.ensure_future(_drain(proc.stderr, err, STDOUT_KEEP))]  # fmt: skip
+        wall = asyncio.timeout(self.program_timeout_s)
+        try:
+            async with wall:
+                code = await proc.wait()
+        except TimeoutError:
+            code = None
+        finally:
+            kill_session(proc.pid)  # what it left behind, or all of it at the timeout
+            if proc.returncode is None:
+                try:
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), 5)
+                except (TimeoutError, asyncio.CancelledError):
+                    pass
+            done, pending = await asyncio.wait(readers, timeout=5)
+            for r in pending:
+                r.cancel()
+        tail = _tail(err)
+        if code is None:
+            raise EpisodeError(f"the program {self.program} did not finish within timeout_s={self.program_timeout_s:g}s "
+                               f"(its processes were killed); stderr: {tail}")  # fmt: skip
+        if code != 0:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            raise EpisodeError(f"the program {self.program} {how}; stderr: {tail}")
+        if session.calls == 0:
+            raise EpisodeError(f"the program {self.program} exited without calling the model at OPENAI_BASE_URL; "
+                               f"stderr: {tail}")  # fmt: skip
+        return last_line(out.decode(errors="replace"))
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of ``text`` (stripped), or ``""``."""
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+
+
+def _tail(err: bytes) -> str:
+    text = " ⏎ ".join(line for line in err.decode(errors="replace").splitlines() if line.strip())
+    return ("…" + text[-STDERR_KEEP:]) if len(text) > STDERR_KEEP else (text or "(empty)")
+
+
+async def _drain(stream: asyncio.StreamReader | None, keep: bytearray, limit: int) -> None:
+    """Read a pipe to its end, keeping its last ``limit`` bytes (a chatty program cannot fill memory)."""
+    if stream is None:
+        return
+    while chunk := await stream.read(1 << 16):
+        keep.extend(chunk)
+        if len(keep) > limit:
+            del keep[: len(keep) - limit]
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (the program started it with itself as leader),
+    its orphans included: they keep the session id when the leader is gone."""
+    for _ in range(5):  # again while it was forking during the sweep
+        found = [pid for pid in _session_members(sid) if pid != os.getpid()]
+        try:
+            os.killpg(sid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not found:
+            return
+
+
+def _session_members(sid: int) -> list[int]:
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    members = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()  # state ppid pgrp session ...
+        if len(fields) > 3 and fields[0] != "Z" and (int(fields[2]) == sid or int(fields[3]) == sid):
+            members.append(int(entry.name))
+    return members
+
+
+__all__ = ["HarnessEnv", "kill_session", "last_line", "task_view"]

@@ -1,0 +1,455 @@
+"""The gateway: an episode-scoped OpenAI-compatible chat endpoint for agent programs.
+
+An agent program written for the ``openai`` SDK (a CLI harness, an in-process coroutine)
+talks to ``{base_url}/chat/completions`` as it would to any provider; every call is
+rendered with the model's chat template, sampled through the run's policy client
+(token ids in and out) and recorded token-exactly: prompt and completion ids, the
+behaviour logprobs μ, the support and the weight version of every sampled token.
+
+One :class:`Gateway` (one loopback HTTP server) serves many episodes; :meth:`Gateway.open`
+gives each episode a :class:`Session` with its own path (``/episodes/<id>/v1``) and key
+(:func:`agentrl.auth.new_key`).  A call without that key (or for an unknown episode) is a
+401; a call after the episode ended is a 410.  The key lives only as long as its episode.
+
+**Sequences.**  A call *joins* a sequence when its messages extend that sequence's last call
+(its messages, then the assistant reply exactly as the gateway returned it, then anything
+new), with the same tools, and the template continues it token-exactly (the episode loop's
+rule, :func:`agentrl.render.bridge`): the sampled ids stay as sampled, the new messages are
+appended as forced tokens.  Any other call (the program edited history, summarised, forked,
+or called while the sequence it extends was busy with another call) starts a new sequence of
+the same episode; every sequence after the first counts in ``template_breaks``.  Concurrent
+calls never share a sequence, so interleaved calls stay apart.
+
+**Sampling.**  Temperature, top-p, top-k, min-p and the seed are the run's (the trainer
+rebuilds μ from them); the program's values are ignored.  ``max_tokens`` /
+``max_completion_tokens`` and ``stop`` are honoured within the run's per-turn budget and the
+episode's token limits.  ``n`` must be 1.  ``tool_choice``: ``"none"`` returns the text
+unparsed; ``"auto"``, ``"required"`` and a named function parse tool calls with the model's
+tool-call format but do not constrain decoding (a reply without a call stays text).
+``stream: true`` sends the finished reply as server-sent-event chunks (one content chunk,
+one per tool call), ``stream_options.include_usage`` adds the usage chunk.
+
+This module imports nothing above the policy-client protocol: envs and the episode loop use
+it without importing the inference package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+
+from agentrl.auth import bearer, matches, new_key
+from agentrl.errors import ContextLengthExceeded, EndpointError, EpisodeFailure
+from agentrl.render import bridge
+from agentrl.tool_format import get_parser
+from agentrl.types import Completion, SamplingParams, TokenSequence, ToolCall, Turn, new_id
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_BODY = 32 << 20  # bytes of one request (a long conversation with tool results)
+ENDED_KEPT = 4096  # ended episodes remembered, so a late call hears "ended" rather than 401
+
+
+class Refused(Exception):
+    """A call the gateway answers with an OpenAI-style error (status, message, code)."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclasses.dataclass
+class _Branch:
+    """The open end of one sequence: the call that last extended it."""
+
+    seq: TokenSequence | None  # None until its first call has sampled
+    messages: list[dict[str, Any]]  # that call's messages + the reply as returned
+    tools: list[dict[str, Any]] | None
+    sampled: list[int]  # that call's sampled ids ([] when it cannot be continued: cut off)
+    busy: bool = True
+
+
+class Session:
+    """One episode's view of the gateway: its URL, key and everything its calls recorded.
+
+    ``sequences`` / ``turns`` (one :class:`~agentrl.types.Turn` per call) are what the
+    episode keeps; ``transcript`` is the last call's messages and reply (the program's
+    conversation); ``failure`` is the first endpoint failure a call met (the program saw a
+    5xx); ``hit_limit`` says a call was refused for the episode's ``max_calls``.
+    """
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        client: Any,
+        sampling: SamplingParams,
+        *,
+        tool_parser: str,
+        max_calls: int,
+        max_total_tokens: int | None,
+        max_seq_len: int | None,
+        token_exact: bool,
+    ) -> None:
+        self.id, self.key = new_id(), new_key()
+        self.gateway, self.client, self.sampling = gateway, client, sampling
+        self.parser = get_parser(tool_parser)
+        self.max_calls, self.max_total_tokens, self.max_seq_len = max_calls, max_total_tokens, max_seq_len
+        self.token_exact = token_exact
+        self.sequences: list[TokenSequence] = []
+        self.turns: list[Turn] = []
+        self.transcript: list[dict[str, Any]] = []
+        self.template_breaks = 0
+        self.calls = 0  # calls admitted (sampling may still be under way)
+        self.sampled_total = 0
+        self.generation_s = self.tokenize_s = 0.0
+        self.failure: EpisodeFailure | None = None
+        self.hit_limit = False
+        self.closed = False
+        self._branches: list[_Branch] = []
+        self._lock = asyncio.Lock()
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL of this episode (ends in ``/v1``)."""
+        return f"{self.gateway.url}/episodes/{self.id}/v1"
+
+    def close(self) -> None:
+        """The episode is over: later calls are refused, calls still sampling are not recorded."""
+        if not self.closed:
+            self.closed = True
+            self.gateway._end(self)
+
+    # ------------------------------------------------------------------ one call
+
+    async def chat(self, body: dict[str, Any]) -> tuple[dict[str, Any], str, dict[str, int]]:
+        """Serve one chat-completion request: (assistant message, finish reason, usage)."""
+        messages, tools, max_tokens, stop, parse_tools = _read_request(body)
+        if self.calls >= self.max_calls:
+            self.hit_limit = True
+            raise Refused(400, f"this episode's limit of {self.max_calls} model calls is spent (max_turns)")
+        self.calls += 1
+        if not self.token_exact:
+            return await self._chat_untracked(messages, tools, max_tokens, stop, parse_tools)
+
+        async with self._lock:  # choosing a sequence and claiming it is one step for concurrent calls
+            branch, prompt = await self._place(messages, tools)
+        try:
+            sampling = self._sampling(max_tokens, stop, len(prompt))
+            t0 = time.perf_counter()
+            completion = await self._sample(prompt, sampling)
+            latency = time.perf_counter() - t0
+            if self.closed:
+                raise Refused(410, "the episode ended while this call was sampling")
+            return self._record(branch, messages, tools, prompt, completion, latency, parse_tools)
+        finally:
+            branch.busy = False
+            if branch.seq is None:  # its first call failed: nothing to extend
+                self._branches.remove(branch)
+
+    async def _place(self, messages: list[dict], tools: list[dict] | None) -> tuple[_Branch, list[int]]:
+        """The branch this call extends (claimed) and its full prompt ids; a new branch if none."""
+        t0 = time.perf_counter()
+        try:
+            prompt = await self._render(messages, tools, True)
+            for br in reversed(self._branches):
+                n = len(br.messages)
+                if br.busy or not br.sampled or br.tools != tools or len(messages) <= n or messages[:n] != br.messages:
+                    continue
+                forced = bridge(await self._render(br.messages, tools, False), prompt, br.sampled)
+                if forced is not None:
+                    assert br.seq is not None
+                    br.busy = True
+                    return br, br.seq.token_ids + forced
+            br = _Branch(None, [], tools, [])
+            self._branches.append(br)
+            return br, prompt
+        finally:
+            self.tokenize_s += time.perf_counter() - t0
+
+    async def _render(self, messages: list[dict], tools: list[dict] | None, gen: bool) -> list[int]:
+        try:
+            return await self.client.tokenize(messages=messages, tools=tools, add_generation_prompt=gen)
+        except ValueError as e:  # a message the template cannot render safely
+            raise Refused(400, f"cannot render these messages with the model's chat template: {e}") from None
+        except Exception as e:
+            raise self._endpoint_failed(e) from None
+
+    def _sampling(self, max_tokens: int | None, stop: list[str] | None, prompt_len: int) -> SamplingParams:
+        budget = self.sampling.max_tokens if max_tokens is None else min(max_tokens, self.sampling.max_tokens)
+        if self.max_total_tokens is not None:
+            budget = min(budget, self.max_total_tokens - self.sampled_total)
+        if self.max_seq_len is not None:
+            budget = min(budget, self.max_seq_len - prompt_len)
+        if budget <= 0:
+            raise Refused(400, "this episode's token budget is spent (max_total_tokens / max_seq_len)",
+                          "context_length_exceeded")  # fmt: skip
+        stops = list(self.sampling.stop or []) + list(stop or [])
+        return dataclasses.replace(self.sampling, max_tokens=budget, stop=stops or None)
+
+    async def _sample(self, prompt: list[int], sampling: SamplingParams) -> Completion:
+        try:
+            completions = await self.client.complete(prompt, sampling)
+        except ContextLengthExceeded as e:
+            raise Refused(400, str(e), "context_length_exceeded") from None
+        except Exception as e:
+            raise self._endpoint_failed(e) from None
+        if not completions:
+            raise Refused(502, "the inference endpoint returned no choices", "server_error")
+        return completions[0]
+
+    def _record(
+        self, br: _Branch, messages: list[dict], tools: list[dict] | None, prompt: list[int], c: Completion,
+        latency: float, parse_tools: bool,
+    ) -> tuple[dict[str, Any], str, dict[str, int]]:
+        ids, versions = list(c.token_ids or []), list(c.versions or [])
+        if br.seq is None:
+            self.template_breaks += bool(self.sequences)  # every sequence after the first
+            br.seq = TokenSequence()
+            self.sequences.append(br.seq)
+        br.seq.extend_forced(prompt[len(br.seq) :])
+        br.seq.extend_sampled(ids, list(c.logprobs), versions, list(c.support or []))
+        self.sampled_total += len(ids)
+        self.generation_s += latency
+        self.turns.append(Turn(len(prompt), ids, c.text, c.finish_reason, versions, latency, len(ids)))
+        reply, finish = self._reply(c.text or "", c.finish_reason, parse_tools)
+        br.messages, br.tools = [*messages, reply], tools
+        br.sampled = ids if c.finish_reason != "length" else []  # a cut-off turn has no end-of-turn token
+        self.transcript = br.messages
+        return reply, finish, {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                               "total_tokens": len(prompt) + len(ids)}  # fmt: skip
+
+    def _endpoint_failed(self, e: Exception) -> Refused:
+        """Remember the first endpoint failure (the episode's cause if the program then fails);
+        the program gets a 502.  An exception that names no boundary is the endpoint's."""
+        if not isinstance(e, EpisodeFailure):
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            e = EndpointError(f"{type(e).__name__}: {first}"[:500] if first else type(e).__name__)
+        self.failure = self.failure or e
+        return Refused(502, f"the inference endpoint failed: {e}", "server_error")
+
+    def _reply(self, text: str, finish: str | None, parse_tools: bool) -> tuple[dict[str, Any], str]:
+        """The assistant message the program gets (tool calls split out) and its finish reason."""
+        calls: list[ToolCall] = []
+        content = text
+        if parse_tools:
+            parsed = self.parser.parse(text)
+            if parsed.tool_calls:
+                content, calls = parsed.content, parsed.tool_calls
+        for k, tc in enumerate(calls):  # numbered by (call, position): unique in the episode, reproducible
+            tc.id = f"call_{len(self.turns)}_{k}"
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = [tc.to_dict() for tc in calls]
+        if finish == "length":
+            return msg, "length"
+        return msg, "tool_calls" if calls else "stop"
+
+    async def _chat_untracked(
+        self, messages: list[dict], tools: list[dict] | None, max_tokens: int | None, stop: list[str] | None,
+        parse_tools: bool,
+    ) -> tuple[dict[str, Any], str, dict[str, int]]:
+        """A chat-only endpoint (evaluation with ``token_exact=False``): passed through, calls
+        recorded as turns without token ids."""
+        sampling = self._sampling(max_tokens, stop, 0)
+        t0 = time.perf_counter()
+        try:
+            (c, *_) = await self.client.chat(messages, sampling, tools=tools if parse_tools else None)
+        except Exception as e:
+            raise self._endpoint_failed(e) from None
+        latency = time.perf_counter() - t0
+        if self.closed:
+            raise Refused(410, "the episode ended while this call was sampling")
+        self.generation_s += latency
+        self.sampled_total += c.completion_tokens
+        self.turns.append(Turn(c.prompt_tokens, [], c.text, c.finish_reason, [], latency, c.completion_tokens))
+        calls = [tc if isinstance(tc, ToolCall) else ToolCall.from_dict(tc) for tc in c.tool_calls]
+        msg: dict[str, Any] = {"role": "assistant", "content": c.text or ""}
+        if calls:
+            msg["tool_calls"] = [tc.to_dict() for tc in calls]
+        self.transcript = [*messages, msg]
+        finish = "length" if c.finish_reason == "length" else ("tool_calls" if calls else "stop")
+        usage = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+                 "total_tokens": c.prompt_tokens + c.completion_tokens}  # fmt: skip
+        return msg, finish, usage
+
+
+def _read_request(body: Any) -> tuple[list[dict], list[dict] | None, int | None, list[str] | None, bool]:
+    """Check a chat request: (messages, tools, max_tokens, stop, whether to parse tool calls)."""
+    if not isinstance(body, dict):
+        raise Refused(400, "the request body must be a JSON object")
+    if body.get("n", 1) not in (1, None):
+        raise Refused(400, "n must be 1: the gateway samples one reply per call", "invalid_request_error")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise Refused(400, "'messages' must be a non-empty list")
+    messages = [_message(m, i) for i, m in enumerate(raw)]
+    tools = body.get("tools") or None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise Refused(400, "'tools' must be a list of tool objects")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise Refused(400, "'max_tokens' must be a positive integer")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise Refused(400, "'stop' must be a string or a list of strings")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none", "required") and not isinstance(choice, dict):
+        raise Refused(400, "'tool_choice' must be 'auto', 'none', 'required' or a named function")
+    return messages, tools, max_tokens, stop, tools is not None and choice != "none"
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    """One message in the form the template gets and calls are compared in."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise Refused(400, f"messages[{i}] needs a role in {list(ROLES)}")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise Refused(400, f"messages[{i}]: only text content parts are supported")
+        content = "".join(str(p.get("text") or "") for p in content)
+    elif content is not None and not isinstance(content, str):
+        raise Refused(400, f"messages[{i}].content must be a string, text parts or null")
+    role = "system" if m["role"] == "developer" else m["role"]
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    calls = m.get("tool_calls")
+    if calls:
+        try:
+            out["tool_calls"] = [ToolCall.from_dict(tc).to_dict() for tc in calls]
+        except (KeyError, TypeError, AttributeError):
+            raise Refused(400, f"messages[{i}].tool_calls must be OpenAI tool-call objects") from None
+    for key in ("tool_call_id", "name"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    return out
+
+
+class Gateway:
+    """One loopback HTTP server for the episodes of one process (see the module docstring).
+
+    Started on the first :meth:`open` inside the running event loop (again if the loop
+    changed); :meth:`close` stops it (idempotent).
+    """
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.url = ""
+        self._sessions: dict[str, Session] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # id -> key of ended episodes
+        self._runner: web.AppRunner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def open(self, client: Any, sampling: SamplingParams, **limits: Any) -> Session:
+        """A new episode's session (``limits``: see :class:`Session`)."""
+        await self._start()
+        session = Session(self, client, sampling, **limits)
+        self._sessions[session.id] = session
+        return session
+
+    def _end(self, session: Session) -> None:
+        self._sessions.pop(session.id, None)
+        self._ended[session.id] = session.key
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._runner is not None and self._loop is loop:
+            return
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
+        app.router.add_get("/episodes/{episode}/v1/models", self._models)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, 0)
+        await site.start()
+        self._runner, self._loop = runner, loop
+        port = runner.addresses[0][1]
+        self.url = f"http://{self.host}:{port}"
+
+    async def close(self) -> None:
+        runner, self._runner = self._runner, None
+        for s in list(self._sessions.values()):
+            s.close()
+        if runner is not None and self._loop is asyncio.get_running_loop():
+            await runner.cleanup()
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _session(self, request: web.Request) -> Session:
+        """The caller's session; 401 without its key (an unknown episode looks the same), 410 once ended."""
+        eid = request.match_info["episode"]
+        token = bearer(request.headers.get("Authorization"))
+        session = self._sessions.get(eid)
+        if session is not None and matches(session.key, token):
+            return session
+        ended = self._ended.get(eid)
+        if ended is not None and matches(ended, token):
+            raise Refused(410, "this episode has ended: its gateway no longer serves calls")
+        raise Refused(401, "missing or wrong API key for this episode (use the OPENAI_API_KEY it was given)",
+                      "invalid_api_key")  # fmt: skip
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        try:
+            session = self._session(request)
+        except Refused as e:
+            return _error(e)
+        return web.json_response({"object": "list", "data": [
+            {"id": str(getattr(session.client, "model", "policy")), "object": "model", "owned_by": "agentrl"}]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            session = self._session(request)
+            try:
+                body = await request.json()
+            except ValueError:
+                raise Refused(400, "the request body is not JSON") from None
+            message, finish, usage = await session.chat(body)
+        except Refused as e:
+            return _error(e)
+        except Exception as e:  # a bug here must reach the program as an error, not a hang
+            return _error(Refused(500, f"the gateway failed: {type(e).__name__}: {e}"[:500], "server_error"))
+        cid, model, created = "chatcmpl-" + new_id(), str(body.get("model") or "policy"), int(time.time())
+        if not body.get("stream"):
+            return web.json_response({
+                "id": cid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "usage": usage,
+            })  # fmt: skip
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+        for chunk in _chunks(message, finish, usage, bool((body.get("stream_options") or {}).get("include_usage"))):
+            await response.write(b"data: " + json.dumps({**head, **chunk}).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _chunks(message: dict[str, Any], finish: str, usage: dict[str, int], with_usage: bool) -> Iterator[dict[str, Any]]:
+    """A finished reply as stream chunks: role, content, one chunk per tool call, finish (usage)."""
+
+    def delta(d: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        return {"choices": [{"index": 0, "delta": d, "finish_reason": finish_reason, "logprobs": None}]}
+
+    yield delta({"role": "assistant", "content": ""})
+    if message.get("content"):
+        yield delta({"content": message["content"]})
+    for k, tc in enumerate(message.get("tool_calls") or []):
+        yield delta({"tool_calls": [{"index": k, **tc}]})
+    yield delta({}, finish)
+    if with_usage:
+        yield {"choices": [], "usage": usage}
+
+
+def _error(e: Refused) -> web.Response:
+    return web.json_response({"error": {"message": str(e), "type": e.code, "code": e.code}}, status=e.status)
+
+
+__all__ = ["Gateway", "Refused", "Session"]

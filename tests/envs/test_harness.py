@@ -1,0 +1,344 @@
+"""HarnessEnv and the gateway: agent programs written with the real ``openai`` SDK, unchanged.
+
+The programs run as subprocesses (sync SDK, streaming, tools) or in-process (AsyncOpenAI);
+the policy is the scripted ChatML client here (exact, inspectable ids) and the real embedded
+engine in ``test_harness_engine.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import textwrap
+import time
+
+import aiohttp
+import pytest
+
+from agentrl.envs import HarnessEnv, ScriptedClient
+from agentrl.envs.check import IM_END, decode
+from agentrl.rubrics import Rubric
+from agentrl.types import SamplingParams
+
+SAMPLING = SamplingParams(max_tokens=200)
+ROWS = [{"id": "t1", "prompt": "What is 2+3?", "answer": "5", "info": {"level": 1}}]
+
+
+def program(tmp_path, body: str, name: str = "agent.py") -> list[str]:
+    path = tmp_path / name
+    path.write_text("import json, os, sys\nfrom openai import OpenAI\nTASK = json.loads(os.environ['AGENTRL_TASK'])\n"
+                    + textwrap.dedent(body))  # fmt: skip
+    return [sys.executable, str(path)]
+
+
+def tool_policy(prompt: str) -> str:
+    """Calls the calculator once, then answers with the tool's result."""
+    if "<|im_start|>tool\n" in prompt:
+        return "The answer is " + prompt.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
+    return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+
+
+async def run(env: HarnessEnv, client, task=None):
+    try:
+        return await env.rollout(client, task or env.dataset()[0], SAMPLING)
+    finally:
+        await env.close()
+
+
+def sampled_ids(seq) -> list[int]:
+    return [t for t, m in zip(seq.token_ids, seq.loss_mask, strict=True) if m]
+
+
+# ----------------------------------------------------------------------------- the token record
+
+
+async def test_a_linear_program_is_one_token_exact_sequence(tmp_path):
+    cmd = program(tmp_path, """
+        client = OpenAI()
+        messages = list(TASK["prompt"])
+        first = client.chat.completions.create(model="anything", messages=messages)
+        messages += [first.choices[0].message, {"role": "user", "content": "Sure?"}]
+        second = client.chat.completions.create(model="anything", messages=messages)
+        print("thinking...")
+        print(second.choices[0].message.content)
+        print()
+    """)
+    client = ScriptedClient(lambda p: f"reply {p.count('<|im_start|>user')}")
+    traj = await run(HarnessEnv(cmd, dataset=ROWS), client)
+    assert traj.error is None, traj.error
+    assert traj.stop_reason == "done" and traj.state["result"] == "reply 2"
+    assert len(traj.turns) == 2 and traj.metrics["template_breaks"] == 0
+    (seq,) = traj.sequences
+    # the second call's prompt is the first sequence continued: the first reply's sampled ids
+    # are kept as sampled, and the engine saw exactly the sequence's tokens
+    first, second = client.prompts
+    assert second[: len(first)] == first
+    assert seq.token_ids[: len(second)] == second
+    assert decode(sampled_ids(seq)) == "reply 1<|im_end|>reply 2<|im_end|>"
+    assert seq.logprobs == [-0.5 if m else 0.0 for m in seq.loss_mask]
+    assert [m.content for m in traj.messages] == ["What is 2+3?", "reply 1", "Sure?", "reply 2"]
+
+
+async def test_a_program_that_edits_history_starts_a_counted_new_sequence(tmp_path):
+    cmd = program(tmp_path, """
+        client = OpenAI()
+        messages = list(TASK["prompt"])
+        first = client.chat.completions.create(model="m", messages=messages)
+        # forks: the history the model wrote is summarised, not sent back
+        summary = [{"role": "user", "content": "Earlier you said: " + first.choices[0].message.content}]
+        second = client.chat.completions.create(model="m", messages=summary)
+        print(second.choices[0].message.content)
+    """)
+    client = ScriptedClient(lambda p: "ok")
+    traj = await run(HarnessEnv(cmd, dataset=ROWS), client)
+    assert traj.error is None, traj.error
+    assert len(traj.sequences) == 2 and traj.metrics["template_breaks"] == 1
+    assert [s.token_ids[: len(p)] for s, p in zip(traj.sequences, client.prompts, strict=True)] == client.prompts
+    assert "Earlier you said" not in decode(traj.sequences[0].token_ids)
+
+
+async def test_concurrent_calls_of_one_episode_stay_apart(tmp_path):
+    cmd = program(tmp_path, """
+        import asyncio
+        from openai import AsyncOpenAI
+
+        async def main():
+            client = AsyncOpenAI()
+            base = list(TASK["prompt"])
+            first = await client.chat.completions.create(model="m", messages=base)
+            base.append(first.choices[0].message)
+
+            async def branch(word):
+                msgs = base + [{"role": "user", "content": word}]
+                r = await client.chat.completions.create(model="m", messages=msgs)
+                return r.choices[0].message.content
+
+            print(await branch("warmup-done"))
+            print(" ".join(await asyncio.gather(*(branch(w) for w in ("alpha", "beta", "gamma")))))
+        asyncio.run(main())
+    """)
+
+    class SlowClient(ScriptedClient):
+        async def complete(self, prompt_ids, sampling, n=1):
+            await asyncio.sleep(0.2)  # the three branches are in flight together
+            return await super().complete(prompt_ids, sampling, n)
+
+    client = SlowClient(lambda p: "echo " + p.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0])
+    traj = await run(HarnessEnv(cmd, dataset=ROWS), client)
+    assert traj.error is None, traj.error
+    assert traj.state["result"] == "echo alpha echo beta echo gamma"
+    assert len(traj.turns) == 5
+    # each sequence holds one line of the conversation: no branch's tokens inside another's
+    texts = [decode(s.token_ids) for s in traj.sequences]
+    for word in ("alpha", "beta", "gamma"):
+        holders = [t for t in texts if word in t]
+        assert len(holders) == 1 and sum(w in holders[0] for w in ("alpha", "beta", "gamma")) == 1
+    assert traj.metrics["template_breaks"] == len(traj.sequences) - 1 >= 2
+    for seq in traj.sequences:  # every sampled turn ends its own turn: nothing interleaved
+        seq.validate()
+        assert decode(sampled_ids(seq)).count("<|im_end|>") == sum(1 for t in sampled_ids(seq) if t == IM_END)
+
+
+async def test_tools_streaming_and_the_async_sdk_in_process():
+    seen = {}
+
+    async def agent(client, task):
+        tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
+            "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+        messages = list(task["prompt"])
+        r = await client.chat.completions.create(model="m", messages=messages, tools=tools, tool_choice="auto")
+        msg = r.choices[0].message
+        seen["finish"] = r.choices[0].finish_reason
+        call = msg.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        messages += [msg, {"role": "tool", "tool_call_id": call.id, "content": str(eval(args["expression"]))}]
+        stream = await client.chat.completions.create(
+            model="m", messages=messages, tools=tools, stream=True, stream_options={"include_usage": True})
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            usage = chunk.usage or usage
+        seen["usage"] = usage
+        seen["task"] = task
+        return text
+
+    def correct(result, answer) -> float:
+        return float(result.endswith(answer))
+
+    env = HarnessEnv(agent=agent, dataset=ROWS, rubric=Rubric([correct]))
+    client = ScriptedClient(tool_policy)
+    traj = await run(env, client)
+    assert traj.error is None, traj.error
+    assert seen["finish"] == "tool_calls" and traj.state["result"] == "The answer is 5"
+    assert seen["usage"].completion_tokens == len(traj.turns[-1].completion_ids)
+    assert "answer" not in seen["task"] and seen["task"]["info"] == {"level": 1}
+    (seq,) = traj.sequences  # the tool result was bridged onto the sampled call
+    assert len(traj.turns) == 2 and traj.metrics["template_breaks"] == 0
+    await env.rubric.score(traj)
+    assert traj.reward == 1.0
+
+
+async def test_tool_choice_none_returns_the_text_unparsed():
+    async def agent(client, task):
+        tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+        r = await client.chat.completions.create(model="m", messages=task["prompt"], tools=tools, tool_choice="none")
+        assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+        return r.choices[0].message.content
+
+    traj = await run(HarnessEnv(agent=agent, dataset=ROWS), ScriptedClient(tool_policy))
+    assert traj.error is None, traj.error
+    assert "<tool_call>" in traj.state["result"]
+
+
+# ----------------------------------------------------------------------------- keys and limits
+
+
+async def test_the_episode_key_guards_the_gateway_and_ends_with_the_episode(monkeypatch):
+    monkeypatch.setenv("AGENTRL_API_KEY", "the-run-key")
+    got = {}
+
+    async def agent(client, task):
+        import openai
+
+        url = str(client.base_url).rstrip("/")
+        got["url"], got["key"] = url, client.api_key
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "m", "messages": task["prompt"]}
+            for name, headers in {"none": {}, "wrong": {"Authorization": "Bearer arl-wrong"},
+                                  "run key": {"Authorization": "Bearer the-run-key"},
+                                  "basic": {"Authorization": f"Basic {client.api_key}"}}.items():
+                async with http.post(url + "/chat/completions", json=body, headers=headers) as r:
+                    got[name] = r.status
+            other = url.rsplit("/episodes/", 1)[0] + "/episodes/ep_notthisone/v1"
+            async with http.post(other + "/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {client.api_key}"}) as r:
+                got["other episode"] = r.status
+        wrong = openai.AsyncOpenAI(base_url=url, api_key="arl-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.chat.completions.create(model="m", messages=task["prompt"])
+        await wrong.close()
+        r = await client.chat.completions.create(model="m", messages=task["prompt"])
+        return r.choices[0].message.content
+
+    env = HarnessEnv(agent=agent, dataset=ROWS)
+    try:
+        traj = await env.rollout(ScriptedClient(lambda p: "fine"), env.dataset()[0], SAMPLING)
+        assert traj.error is None, traj.error
+        assert {k: got[k] for k in ("none", "wrong", "run key", "basic", "other episode")} == dict.fromkeys(
+            ("none", "wrong", "run key", "basic", "other episode"), 401)
+        assert got["url"].endswith("/v1") and got["url"].startswith("http://127.0.0.1:")
+        async with aiohttp.ClientSession() as http:  # the episode is over: its key opens nothing
+            async with http.post(got["url"] + "/chat/completions", json={"model": "m", "messages": ROWS[0]["prompt"]},
+                                 headers={"Authorization": f"Bearer {got['key']}"}) as r:
+                assert r.status == 410
+    finally:
+        await env.close()
+
+
+async def test_the_program_gets_the_episode_key_never_the_runs_or_the_answer(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTRL_API_KEY", "the-run-key")
+    cmd = program(tmp_path, """
+        client = OpenAI()
+        client.chat.completions.create(model="m", messages=TASK["prompt"])
+        print(json.dumps({"run_key": os.environ.get("AGENTRL_API_KEY"), "task": TASK,
+                          "base": os.environ["OPENAI_BASE_URL"], "key": os.environ["OPENAI_API_KEY"][:4]}))
+    """)
+    traj = await run(HarnessEnv(cmd, dataset=ROWS), ScriptedClient(lambda p: "x"))
+    seen = json.loads(traj.state["result"])
+    assert seen["run_key"] is None and seen["key"] == "arl-"
+    assert seen["task"] == {"id": "t1", "prompt": [{"role": "user", "content": "What is 2+3?"}], "info": {"level": 1}}
+    assert seen["base"].endswith("/v1")
+
+
+async def test_max_turns_caps_the_calls_of_an_episode(tmp_path):
+    cmd = program(tmp_path, """
+        import openai
+        client = OpenAI(max_retries=0)
+        n = 0
+        try:
+            while True:
+                client.chat.completions.create(model="m", messages=TASK["prompt"])
+                n += 1
+        except openai.BadRequestError as e:
+            print(n, "max_turns" in str(e))
+    """)
+    traj = await run(HarnessEnv(cmd, dataset=ROWS, max_turns=3), ScriptedClient(lambda p: "x"))
+    assert traj.error is None and traj.state["result"] == "3 True" and traj.stop_reason == "max_turns"
+
+
+# ----------------------------------------------------------------------------- failures, named
+
+
+async def test_a_crashing_program_errors_the_episode_with_its_stderr(tmp_path):
+    cmd = program(tmp_path, """
+        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        print("Traceback: something broke in the harness", file=sys.stderr)
+        sys.exit(3)
+    """)
+    traj = await run(HarnessEnv(cmd, dataset=ROWS), ScriptedClient(lambda p: "x"))
+    assert traj.error_kind == "env" and traj.stop_reason == "error"
+    assert "exited with code 3" in traj.error and "something broke in the harness" in traj.error
+    assert len(traj.turns) == 1  # what it did sample is kept on the episode
+
+
+async def test_a_program_that_never_calls_the_model_is_named(tmp_path):
+    cmd = program(tmp_path, "print('no model needed'); print('oops', file=sys.stderr)")
+    traj = await run(HarnessEnv(cmd, dataset=ROWS), ScriptedClient(lambda p: "x"))
+    assert traj.error_kind == "env" and "without calling the model" in traj.error and "oops" in traj.error
+
+
+async def test_a_timeout_kills_the_whole_process_tree(tmp_path):
+    pids = tmp_path / "pids"
+    cmd = program(tmp_path, f"""
+        import subprocess, time
+        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        child = subprocess.Popen([sys.executable, "-c", "import os, time; os.fork(); time.sleep(600)"])
+        open({str(pids)!r}, "w").write(str(child.pid))
+        print("stuck", file=sys.stderr, flush=True)
+        time.sleep(600)
+    """)
+    t0 = time.monotonic()
+    traj = await run(HarnessEnv(cmd, dataset=ROWS, timeout_s=10), ScriptedClient(lambda p: "x"))
+    assert time.monotonic() - t0 < 60
+    assert traj.error_kind == "env" and "did not finish within timeout_s=10s" in traj.error and "stuck" in traj.error
+    child = int(pids.read_text())
+    from agentrl.envs.harness import _session_members
+
+    assert not _session_members(child) and not os.path.exists(f"/proc/{child}/cmdline") or _zombie(child)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+async def test_an_endpoint_failure_is_the_episodes_cause(tmp_path):
+    cmd = program(tmp_path, "OpenAI(max_retries=0).chat.completions.create(model='m', messages=TASK['prompt'])")
+    traj = await run(HarnessEnv(cmd, dataset=ROWS), ScriptedClient(fail=True))
+    assert traj.error_kind == "endpoint" and "scripted endpoint is down" in traj.error
+
+
+async def test_an_agent_that_raises_or_hangs_is_named():
+    async def raises(client, task):
+        await client.chat.completions.create(model="m", messages=task["prompt"])
+        raise KeyError("no such field")
+
+    async def hangs(client, task):
+        await asyncio.sleep(600)
+
+    traj = await run(HarnessEnv(agent=raises, dataset=ROWS), ScriptedClient(lambda p: "x"))
+    assert traj.error_kind == "env" and "KeyError" in traj.error and "raises" in traj.error
+    traj = await run(HarnessEnv(agent=hangs, dataset=ROWS, timeout_s=0.5), ScriptedClient(lambda p: "x"))
+    assert traj.error_kind == "env" and "timeout_s=0.5s" in traj.error
+
+
+def test_bad_arguments_say_what_to_pass():
+    with pytest.raises(ValueError, match="exactly one of"):
+        HarnessEnv(dataset=ROWS)
+    with pytest.raises(ValueError, match="argv list"):
+        HarnessEnv("python agent.py", dataset=ROWS)
