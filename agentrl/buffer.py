@@ -254,18 +254,22 @@ class StalenessBuffer:
             staleness=[x for g in groups for x in g.staleness(self.version)], max_staleness=self.max_staleness,
         )
 
-    def commit_step(self, new_version: int) -> list[str]:
-        """The batch in training was applied (and pushed): its episodes are trained."""
-        ids = [t.id for g in self._in_training for t in g.trajectories]
+    def commit_step(self, new_version: int, skipped: dict[str, str] | None = None) -> list[str]:
+        """The batch in training was applied (and pushed): its episodes are trained, except those the
+        trainer left out (``skipped``: episode id → reason, e.g. a non-finite μ), which are skipped."""
+        self._settle_skipped(skipped)
+        ids = [t.id for g in self._in_training for t in g.trajectories if t.id not in (skipped or {})]
         self.ledger.settle(ids, "trained", step=new_version - 1)
         self._in_training = []
         self.version = new_version
         self._changed.set()
         return ids
 
-    def skip_step(self, reason: str) -> list[str]:
-        """The batch's optimizer step was skipped (non-finite gradient): no new version."""
-        ids = [t.id for g in self._in_training for t in g.trajectories]
+    def skip_step(self, reason: str, skipped: dict[str, str] | None = None) -> list[str]:
+        """The batch's optimizer step was skipped (every update non-finite): no new version.  Episodes
+        in ``skipped`` settle with their own reason, the others with ``reason``."""
+        self._settle_skipped(skipped)
+        ids = [t.id for g in self._in_training for t in g.trajectories if t.id not in (skipped or {})]
         self.ledger.settle(ids, "skipped", step=self.version, reason=reason)
         self._in_training = []
         self._changed.set()
@@ -310,6 +314,10 @@ class StalenessBuffer:
         if len(keep) != len(self._ready):
             self._ready = keep
             self._changed.set()
+
+    def _settle_skipped(self, skipped: dict[str, str] | None) -> None:
+        for eid, why in (skipped or {}).items():
+            self.ledger.settle([eid], "skipped", step=self.version, reason=why)
 
     def _settle_filtered(self, trajs: list[Trajectory], reason: str) -> None:
         self.ledger.settle([t.id for t in trajs], "filtered", step=self.version, reason=reason)

@@ -151,14 +151,18 @@ class BufferConfig(Section):
 
 
 class LossConfig(Section):
-    name: Literal["icepop", "ppo", "decoupled_ppo", "tis", "cispo", "gspo", "topr"] = Field(
-        "icepop", description="Policy loss (formulas: agentrl/trainer/losses.py)."
+    name: str = Field(
+        "icepop", description="Policy loss: icepop | ppo | decoupled_ppo | tis | cispo | gspo | topr (formulas: "
+        "agentrl/trainer/losses.py, where a new one is registered)."
     )
     trust_low: float = Field(0.5, gt=0, description="IcePop band: mask tokens with π/μ below this.")
     trust_high: float = Field(2.0, gt=0, description="IcePop band: mask tokens with π/μ above this.")
-    clip_eps: float = Field(0.2, ge=0, description="PPO-style clip ε (ppo/decoupled_ppo/gspo).")
+    clip_eps: float | None = Field(
+        None, ge=0, description="PPO-style clip ε (ppo/decoupled_ppo/gspo); None = the loss's own: 0.2, GSPO 3e-4."
+    )
     clip_eps_high: float | None = Field(
-        None, description="Upper clip ε_h (None = clip_eps); CISPO caps its IS weight at 1 + ε_h."
+        None, description="Upper clip ε_h (None = clip_eps if set, else the loss's own: GSPO 4e-4); CISPO caps "
+        "its IS weight at 1 + ε_h."
     )
     tis_cap: float = Field(2.0, gt=0, description="TIS truncation cap C on the IS weight π/μ.")
     kl_coef: float = Field(0.0, ge=0, description="Coefficient of the k3 KL on log(π/μ), on tokens inside the trust band.")
@@ -168,9 +172,25 @@ class LossConfig(Section):
     )
     seq_low: float = Field(0.5, gt=0, description="seq_rejection lower bound (geo, veto).")
     seq_high: float = Field(2.0, gt=0, description="seq_rejection upper bound (geo), or the k3 threshold.")
-    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = Field(
-        "token_mean", description="How per-token losses are reduced."
+    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] | None = Field(
+        None, description="How per-token losses are reduced; None = the loss's own (token_mean; GSPO "
+        "seq_mean_token_mean)."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        # the loss registry (imports torch, so only here: when a config is validated)
+        from agentrl.trainer.losses import LOSSES
+
+        if v not in LOSSES:
+            import difflib
+
+            near = difflib.get_close_matches(v, list(LOSSES), n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(f"unknown loss {v!r}; {hint}choose from {', '.join(LOSSES)}")
+        return v
+
     std_normalize: bool = Field(False, description="Divide group-relative advantages by the group std.")
 
 

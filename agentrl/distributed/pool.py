@@ -76,11 +76,11 @@ class RemoteBuffer:
     async def take(self) -> Batch:
         return await self.actor.take.remote()
 
-    def commit_step(self, version: int) -> list[str]:
-        return ray.get(self.actor.commit_step.remote(version))
+    def commit_step(self, version: int, skipped: dict[str, str] | None = None) -> list[str]:
+        return ray.get(self.actor.commit_step.remote(version, skipped))
 
-    def skip_step(self, reason: str) -> list[str]:
-        return ray.get(self.actor.skip_step.remote(reason))
+    def skip_step(self, reason: str, skipped: dict[str, str] | None = None) -> list[str]:
+        return ray.get(self.actor.skip_step.remote(reason, skipped))
 
     def adapt(self, trainer_idle_frac: float, mismatch_kl: float) -> int:
         return ray.get(self.actor.adapt.remote(trainer_idle_frac, mismatch_kl))

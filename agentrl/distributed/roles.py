@@ -184,11 +184,11 @@ class BufferActorImpl:
     async def take(self) -> Batch:
         return await self.buffer.take()
 
-    async def commit_step(self, version: int) -> list[str]:
-        return self.buffer.commit_step(version)
+    async def commit_step(self, version: int, skipped: dict[str, str] | None = None) -> list[str]:
+        return self.buffer.commit_step(version, skipped)
 
-    async def skip_step(self, reason: str) -> list[str]:
-        return self.buffer.skip_step(reason)
+    async def skip_step(self, reason: str, skipped: dict[str, str] | None = None) -> list[str]:
+        return self.buffer.skip_step(reason, skipped)
 
     async def adapt(self, trainer_idle_frac: float, mismatch_kl: float) -> int:
         return self.buffer.adapt(trainer_idle_frac, mismatch_kl)

@@ -1,16 +1,17 @@
 """The μ contract: how the embedded engine samples a token and what logprob it reports.
 
-Per row, logits are divided by ``temperature``; then top-k, top-p (nucleus over the
-temperature-scaled distribution, always keeping the top token) and min-p (keep tokens whose
-probability is at least ``min_p`` times the top token's) are applied in that order.  Each
-filter keeps a *prefix* of the tokens sorted by scaled logit, so what survives is always the
-top ``K`` tokens: ``K`` is the token's **support**, reported with every sampled token.  The
-token is drawn from the softmax over its support, and the reported logprob μ is that
-distribution's log-probability of the drawn token (vLLM's ``processed_logprobs``).
+Per row, logits are divided by ``temperature``; then, in vLLM v1's order, min-p (keep tokens
+whose probability is at least ``min_p`` times the top token's), top-k, and top-p (nucleus over
+the distribution the first two left, always keeping the top token).  Each filter keeps a
+*prefix* of the tokens sorted by scaled logit, so what survives is always the top ``K`` tokens,
+a tie at the boundary kept whole (:mod:`agentrl.support`, the rule the trainer applies too):
+``K`` is the token's **support**, reported with every sampled token.  The token is drawn from
+the softmax over its support, and the reported logprob μ is that distribution's log-probability
+of the drawn token (vLLM's ``processed_logprobs``).
 
-The trainer mirrors this exactly (``agentrl.trainer.trainer``): π_θ of a token is the
+The trainer mirrors this exactly (:mod:`agentrl.trainer.logprobs`): π_θ of a token is the
 softmax of the trainer's own scaled logits renormalised over its top ``K`` tokens, so with
-identical weights π_θ/μ = 1 at any temperature, top-k, top-p and min-p.
+identical weights π_θ/μ = 1 at any temperature, top-k, top-p and min-p, ties included.
 
 ``temperature == 0`` is greedy and reports the raw (T = 1, unfiltered) log-softmax with
 support V.  A terminating eos token is sampled like any other.
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentrl import support as support_rule
 from agentrl.types import SamplingParams
 
 TOP_LOGPROB_FLOOR = -9999.0  # what vLLM reports for a top logprob of a token that cannot be drawn
@@ -66,15 +68,18 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tuple
         return scaled, torch.full((r,), v, dtype=torch.long, device=device)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(v, device=device)[None, :]
-    remove = ranks >= top_k[:, None]
+    # vLLM v1's order: 1) min-p on the temperature-scaled distribution, p_i ≥ min_p·p_max ⇔
+    # logit_i ≥ logit_max + log(min_p); 2) top-k; 3) top-p over what the first two kept
+    floor = sorted_logits[:, :1] + torch.log(min_p.clamp(min=1e-30))[:, None]
+    remove = (sorted_logits < floor) & (min_p[:, None] > 0) & (ranks > 0)
+    remove |= ~support_rule.kept(sorted_logits, torch.minimum(top_k, (~remove).sum(dim=-1)), sorted_logits)
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
     remove |= (before >= top_p[:, None]) & (ranks > 0)
-    # min-p: p_i ≥ min_p · p_max  ⇔  logit_i ≥ logit_max + log(min_p)
-    floor = sorted_logits[:, :1] + torch.log(min_p.clamp(min=1e-30))[:, None]
-    remove |= (sorted_logits < floor) & (min_p[:, None] > 0) & (ranks > 0)
-    support = (~remove).sum(dim=-1)
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    # a tie at the boundary is kept whole (agentrl.support: the trainer applies the same rule to K)
+    keep = support_rule.kept(sorted_logits, (~remove).sum(dim=-1), sorted_logits)
+    support = keep.sum(dim=-1)
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits), support
 
 

@@ -261,8 +261,10 @@ async def rl_loop(
         check_ledger(buffer, manager)        #    the counted live set = what is really held
         await on_step(report)                # 5) metrics, eval, checkpoint
 
-    A step whose every optimizer update had a non-finite gradient is skipped whole: no
-    version, no push, its episodes' fate is ``skipped``.
+    An episode the trainer left out (a non-finite μ or advantage, or every update holding it
+    non-finite: ``stats["skipped_ids"]``) gets the fate ``skipped`` with the trainer's reason; a
+    step whose every optimizer update was non-finite is skipped whole: no version, no push, its
+    episodes' fate is ``skipped``.
 
     ``guards``: background tasks the run depends on (the engine supervisor): one that ends
     while the trainer waits for data ends the loop with its exception.
@@ -285,14 +287,15 @@ async def rl_loop(
             t1 = time.perf_counter()
             stats = await train(batch)
             t2 = time.perf_counter()
-            if stats.get("skipped"):  # non-finite gradient: no version, no push; episodes skipped
-                buffer.skip_step(f"optimizer step {step} skipped: non-finite gradient (norm {stats.get('grad_norm')})")
+            left_out = stats.pop("skipped_ids", None) or {}  # episode id → why the trainer did not train it
+            if stats.get("skipped"):  # every update non-finite: no version, no push; episodes skipped
+                buffer.skip_step(f"optimizer step {step} skipped: every update had a non-finite gradient", left_out)
                 skipped += 1
                 check_ledger(buffer, manager)
                 continue
             version = step + 1
             push_s = await push(version) if version % push_every == 0 or version == steps else 0.0
-            trained_ids = buffer.commit_step(version)
+            trained_ids = buffer.commit_step(version, left_out)
             t3 = time.perf_counter()
             report = StepReport(step, version, batch, {**stats, "skipped_steps": float(skipped)}, trained_ids,
                                 t1 - t0, t2 - t1, push_s, t3 - t0)

@@ -2,7 +2,8 @@
 
 The engine reports, per sampled token, μ and the size ``K`` of the kept set it was drawn
 from (temperature, then top-k / top-p / min-p, which always keep the top ``K`` tokens by
-scaled logit: :mod:`agentrl.inference.sampling`).  The trainer mirrors that distribution:
+scaled logit, a tie at the boundary kept whole: :mod:`agentrl.support`, the rule both sides
+call).  The trainer mirrors that distribution:
 
     log π_θ(y) = z_y / T − logsumexp_{top K of z / T}       (K = 0 or K ≥ V: the full vocabulary)
 
@@ -26,18 +27,19 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from agentrl import support as support_rule
+
 
 def _chunk(logits: Tensor, tokens: Tensor, support: Tensor, inv_t: float) -> tuple[Tensor, Tensor, Tensor]:
     """(log π_θ of ``tokens``, entropy over the support, token outside the support) for one chunk."""
     z = logits.float() * inv_t  # [n, V]
     v = z.shape[-1]
     chosen = z.gather(-1, tokens[:, None]).squeeze(-1)
-    k = torch.where((support <= 0) | (support >= v), torch.full_like(support, v), support)
-    truncated = bool((k < v).any())
+    truncated = bool((~support_rule.full(support, v)).any())
     if truncated:
-        # the top-K set's logsumexp: the K-th largest value is the threshold, ties kept
+        # the top-K set's logsumexp, the set as the engine built it (agentrl.support: ties at the boundary kept)
         z_sorted = z.detach().sort(dim=-1, descending=True).values
-        kth = z_sorted.gather(-1, (k - 1)[:, None])
+        kth = support_rule.boundary(z_sorted, support)
         kept = z >= kth
         lse = torch.logsumexp(z.masked_fill(~kept, float("-inf")), dim=-1)
         outside = chosen.detach() < kth.squeeze(-1)

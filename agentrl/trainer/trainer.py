@@ -12,10 +12,15 @@ One :meth:`Trainer.step` per weight version:
    ``micro_batch_tokens``; per micro-batch a forward in eval mode (dropout off: the policy
    trains on the distribution it sampled), π_θ on the sampler's support
    (:mod:`agentrl.trainer.logprobs`), the pure loss (:mod:`agentrl.trainer.losses`), backward;
-4. per update: clip the global grad norm; a non-finite norm skips that update (no optimizer
-   step); the LR schedule steps once per weight version if any update applied.  A step whose
-   every update was skipped reports ``skipped`` so the caller bumps no version and pushes
-   nothing.
+4. per update: clip the global grad norm; a non-finite norm (or loss) skips that update (no
+   optimizer step, its statistics not logged); the LR schedule steps once per weight version
+   if any update applied.  A step whose every update was skipped reports ``skipped`` so the
+   caller bumps no version and pushes nothing.
+
+One rule for non-finite values: a trajectory with a non-finite μ or advantage is left out of
+the step before any forward, and so is one whose every update was skipped; both come back in
+``stats["skipped_ids"]`` with the reason (their fate is ``skipped``), the rest of the batch
+trains, and every logged statistic stays finite.
 
 Optional LoRA (peft): only adapters train; :meth:`named_tensors` returns just the merged
 weights of the adapted modules (W + s·B·A), so a push moves only what changed, and
@@ -57,7 +62,8 @@ class _Row:
     adv: float
     traj: int  # index of its trajectory in the step
     weight: float = 0.0
-    prox: list[float] | None = None  # π_prox per position (aligned with ids[1:])
+    prox: list[float] | None = None  # π_prox per position (aligned with ids[1:], len(ids) - 1 values)
+    prox_outside: list[bool] | None = None  # the token is outside π_prox's own top-K support
 
 
 def resolve_device(name: str) -> torch.device:
@@ -122,48 +128,75 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, groups: list[Group]) -> dict[str, float]:
-        """One weight version from these groups (module docstring); returns summed-then-averaged stats."""
+    def step(self, groups: list[Group]) -> dict[str, Any]:
+        """One weight version from these groups (module docstring); returns summed-then-averaged stats.
+
+        ``stats["skipped_ids"]`` maps the episodes this step did not train to the reason (a
+        non-finite μ or advantage, or every update holding it had a non-finite gradient): the
+        caller gives them the fate ``skipped``; the others trained.
+        """
         lr = self.scheduler.get_last_lr()[0]
-        per_group = [self._rows(g, first) for g, first in zip(groups, _offsets(groups), strict=True)]
+        skipped: dict[str, str] = {}
+        episode_ids = [t.id for g in groups for t in g.trajectories]
+        per_group = [self._rows(g, first, skipped) for g, first in zip(groups, _offsets(groups), strict=True)]
+        per_group = [rs for rs in per_group if rs]
         rows = [r for rs in per_group for r in rs]
         if not rows:
-            return {"loss": 0.0, "grad_norm": 0.0, "entropy": 0.0, "lr": lr, "skipped": 0.0, "updates": 0.0}
+            return {"loss": 0.0, "grad_norm": 0.0, "entropy": 0.0, "lr": lr, "updates": 0.0, "skipped_updates": 0.0,
+                    "skipped": float(bool(skipped)), "skipped_episodes": float(len(skipped)), "skipped_ids": skipped,
+                    **summarize({})}  # fmt: skip
         if self.spec.needs_prox:
             self._proximal(rows)
         totals: dict[str, float] = {}
         loss_sum = ent_sum = 0.0
         norms: list[float] = []
-        updates = skipped = 0
+        applied: set[int] = set()
+        failed: set[int] = set()
+        n_updates = 0
         for _ in range(self.cfg.epochs):
             for part in _split(per_group, self.cfg.minibatches):
-                loss, ent, grad_norm = self._update(part, totals)
-                loss_sum, ent_sum = loss_sum + loss, ent_sum + ent
-                norms.append(grad_norm)
-                if math.isfinite(grad_norm):
+                part_totals: dict[str, float] = {}
+                loss, ent, grad_norm = self._update(part, part_totals)
+                trajs = {r.traj for rs in part for r in rs}
+                n_updates += 1
+                if math.isfinite(grad_norm) and math.isfinite(loss):
                     self.optimizer.step()
-                    updates += 1
-                else:
-                    skipped += 1
+                    loss_sum, ent_sum = loss_sum + loss, ent_sum + ent
+                    norms.append(grad_norm)
+                    add_stats(totals, part_totals)
+                    applied |= trajs
+                else:  # this update only: its statistics are not logged, its episodes may train in another
+                    failed |= trajs
                 self.optimizer.zero_grad(set_to_none=True)
+        for k in sorted(failed - applied):
+            skipped[episode_ids[k]] = "every optimizer update holding it had a non-finite gradient"
+        updates = len(norms)
         if updates:
             self.scheduler.step()
         n = max(totals.get("tokens", 0.0), 1.0)
         return {
-            "loss": loss_sum / max(1, updates + skipped),
-            "grad_norm": norms[0] if len(norms) == 1 else max(norms),
+            "loss": loss_sum / max(1, updates),
+            "grad_norm": max(norms, default=0.0),
             "entropy": ent_sum / n,
             "lr": lr,
             "train_tokens": totals.get("tokens", 0.0) / max(1, self.cfg.epochs),
             "updates": float(updates),
-            "skipped_updates": float(skipped),
+            "skipped_updates": float(n_updates - updates),
             "skipped": float(updates == 0),  # the whole step: no version, no push, episodes skipped
+            "skipped_episodes": float(len(skipped)),
+            "skipped_ids": skipped,
             **summarize(totals),
         }
 
-    def _rows(self, group: Group, first_traj: int) -> list[_Row]:
+    def _rows(self, group: Group, first_traj: int, skipped: dict[str, str] | None = None) -> list[_Row]:
+        """The group's rows; a trajectory with a non-finite μ or advantage goes to ``skipped`` instead."""
         rows = []
         for k, t in enumerate(group.trajectories):
+            reason = nonfinite_reason(t)
+            if reason is not None:
+                if skipped is not None:
+                    skipped[t.id] = reason
+                continue
             for s in t.sequences:
                 if s.num_sampled:
                     support = s.support if len(s.support) == len(s.token_ids) else [0] * len(s.token_ids)
@@ -178,7 +211,7 @@ class Trainer:
         lens = {t: 0 for t in trajs}
         for r in rows:
             lens[r.traj] += sum(r.mask[1:])
-        for t, w in zip(trajs, token_weights([lens[t] for t in trajs], self.cfg.loss.aggregation), strict=True):
+        for t, w in zip(trajs, token_weights([lens[t] for t in trajs], self.spec.reduce), strict=True):
             for r in rows:
                 if r.traj == t:
                     r.weight = w
@@ -251,15 +284,21 @@ class Trainer:
 
     @torch.no_grad()
     def _proximal(self, rows: list[_Row]) -> None:
-        """π_prox: the current weights' logprobs of every loss token, before any update."""
+        """π_prox: the current weights' logprobs of every loss token, before any update.
+
+        Stored per row at the row's own length: an update's micro-batches pad to other lengths."""
         self.model.eval()
         for mb in self._micro_batches(rows):
             x = self._tensors(mb)
-            logp, _, _ = self._policy_logprobs(mb, x)
+            sel = x["mask"] > 0
+            logp, _, outside = self._policy_logprobs(mb, x)
             full = torch.zeros_like(x["mu"])
-            full[x["mask"] > 0] = logp.to(full.dtype)
-            for r, vals in zip(mb, full.tolist(), strict=True):
-                r.prox = vals
+            full[sel] = logp.to(full.dtype)
+            out = torch.zeros_like(sel)
+            out[sel] = outside
+            for r, vals, outs in zip(mb, full.tolist(), out.tolist(), strict=True):
+                n = len(r.ids) - 1
+                r.prox, r.prox_outside = vals[:n], outs[:n]
 
     def _micro_step(self, mb: list[_Row]) -> tuple[torch.Tensor, dict[str, float], float]:
         self.model.eval()  # dropout off: train on the distribution the engine sampled from
@@ -272,19 +311,21 @@ class Trainer:
         weight = torch.tensor([r.weight for r in mb], dtype=torch.float32, device=self.device)[rows_of]
         traj = torch.tensor([r.traj for r in mb], dtype=torch.long, device=self.device)[rows_of]
         _, traj = torch.unique(traj, return_inverse=True)  # dense trajectory index within the micro-batch
-        prox = None
+        prox = prox_outside = None
         if self.spec.needs_prox:
-            prox = torch.tensor([r.prox for r in mb], dtype=torch.float32, device=self.device)[sel]
-        # a token outside the trainer's own top-K has no probability under the replayed
-        # distribution: it stays in the denominator but gives no gradient (counted as masked)
-        mask = (~outside).to(torch.float32)
+            prox = self._padded([r.prox or [] for r in mb], n_pos, 0.0, torch.float32)[sel]
+            prox_outside = self._padded([r.prox_outside or [] for r in mb], n_pos, False, torch.bool)[sel]
+        mu = x["mu"][sel]
+        # a token outside the trainer's own top-K: π_θ = 0 under the replayed distribution (losses.py)
         loss, stats = policy_loss(
-            self.spec, torch.where(outside, x["mu"][sel], logp), x["mu"][sel], mask, adv, weight,
-            prox_logp=prox, seq=traj,
+            self.spec, logp, mu, torch.ones_like(mu), adv, weight, prox_logp=prox, seq=traj, outside=outside,
+            prox_outside=prox_outside,
         )
-        stats["tokens"] += float(outside.sum())
-        stats["masked"] += float(outside.sum())
         return loss, stats, float(ent.sum())
+
+    def _padded(self, vals: list[list[Any]], width: int, fill: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([list(v[:width]) + [fill] * (width - len(v[:width])) for v in vals], dtype=dtype,
+                            device=self.device)
 
     # ------------------------------------------------------------------ weights out
 
@@ -345,6 +386,18 @@ def _hf_name(peft_module_name: str) -> str:
     """``base_model.model.model.layers.0.self_attn.q_proj`` → ``model.layers.0.self_attn.q_proj``."""
     prefix = "base_model.model."
     return peft_module_name[len(prefix):] if peft_module_name.startswith(prefix) else peft_module_name
+
+
+def nonfinite_reason(traj: Any) -> str | None:
+    """Why this trajectory cannot be trained (a non-finite advantage or μ of a sampled token), or None."""
+    if not math.isfinite(traj.advantage):
+        return f"non-finite advantage {traj.advantage} (reward {traj.reward})"
+    for j, s in enumerate(traj.sequences):
+        lps = [lp for lp, m in zip(s.logprobs, s.loss_mask, strict=False) if m]
+        if not math.isfinite(sum(lps)):  # fast path: one sum over the sampled tokens
+            t, bad = next((t, lp) for t, lp in enumerate(lps) if not math.isfinite(lp))
+            return f"non-finite μ ({bad}) at sampled token {t} of sequence {j}: the engine reported it"
+    return None
 
 
 def _offsets(groups: list[Group]) -> list[int]:

@@ -151,6 +151,20 @@ async def test_a_skipped_step_settles_its_episodes_as_skipped_and_keeps_the_vers
     _check(buf)
 
 
+async def test_episodes_the_trainer_left_out_are_skipped_with_its_reason_the_rest_trained():
+    buf = StalenessBuffer(batch_groups=1, max_staleness=1)
+    g = _start(buf, [0], rewards=(0.0, 1.0, 0.5))
+    buf.put(g)
+    await buf.take()
+    bad = g.trajectories[1].id
+    trained = buf.commit_step(1, {bad: "non-finite μ (nan) at sampled token 0 of sequence 0"})
+    assert sorted(trained) == sorted(t.id for t in g.trajectories if t.id != bad)
+    assert (buf.ledger.trained, buf.ledger.skipped, buf.version) == (2, 1, 1)
+    assert [r["reason"] for r in buf.ledger.drain_records() if r["fate"] == "skipped"] == [
+        "non-finite μ (nan) at sampled token 0 of sequence 0"]
+    _check(buf)
+
+
 def test_state_roundtrip_marks_running_episodes_interrupted_and_returns_their_tasks():
     buf = StalenessBuffer(batch_groups=2, max_staleness=1)
     running, done = _start(buf, [0]), _start(buf, [0])

@@ -78,3 +78,38 @@ def test_the_trainers_hidden_state_path_equals_the_models_own_logits(family, tmp
         got, _, out_g = token_logprobs_from_hidden(hidden, logits_fn, tokens, support, 0.7, chunk_tokens=7)
     assert torch.equal(out_w, out_g)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(20, 1.0), (-1, 0.8), (20, 0.9)])
+def test_ties_at_the_support_boundary_are_broken_the_same_way_on_both_sides(top_k, top_p):
+    """bf16-rounded logits tie often: the engine's support and the trainer's replay must keep the
+    same tokens, so π_θ/μ = 1 at identical weights (it was 0.5–0.75 on tied rows)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(256, 400, generator=gen) * 2).to(torch.bfloat16).float()
+    params = [EngineSampling(temperature=1.0, top_k=top_k, top_p=top_p)] * 256
+    draw = sample(logits, params, [None] * 256, torch.Generator().manual_seed(4))
+    support = torch.tensor(draw.support)
+    logp, _, outside = token_logprobs(logits, torch.tensor(draw.tokens), support, 1.0)
+    assert not outside.any()
+    assert torch.allclose(logp, torch.tensor(draw.logprobs), atol=1e-5)
+    # independently: the kept set is every logit ≥ the K-th largest (a tie is never split)
+    for i in range(256):
+        row = logits[i].double()
+        kth = torch.sort(row, descending=True).values[draw.support[i] - 1]
+        assert int((row >= kth).sum()) == draw.support[i]
+        assert draw.logprobs[i] == pytest.approx(float(row[draw.tokens[i]] - torch.logsumexp(row[row >= kth], 0)),
+                                                 abs=1e-5)
+
+
+def test_min_p_acts_before_top_p_as_in_vllm_v1():
+    """vLLM v1 applies min-p, then top-k, then top-p; so top-p's mass is taken over what min-p left."""
+    from agentrl.inference.sampling import filtered_logits
+
+    # p = 0.4, 0.3, 0.2, 0.1.  min_p 0.5 keeps p ≥ 0.2, renormalised 4/9, 3/9, 2/9; top_p 0.75 then
+    # keeps two (mass above the third is 7/9 ≥ 0.75).  Top-p first would keep three (mass above the
+    # third is 0.7 < 0.75) and min-p after it all three.
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    _, k = filtered_logits(logits, [EngineSampling(temperature=1.0, top_p=0.75, min_p=0.5)])
+    assert k.tolist() == [2]
+    _, k = filtered_logits(logits, [EngineSampling(temperature=1.0, top_p=0.75, min_p=0.0)])
+    assert k.tolist() == [3]

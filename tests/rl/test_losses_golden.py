@@ -1,9 +1,15 @@
 """Golden tests: every loss's value and gradient on a fixed tiny batch equal an independent,
 plain-torch implementation of the published formula written here, trajectory by trajectory
-(no call into agentrl.trainer.losses beyond the function under test).
+(no call into agentrl.trainer.losses beyond the functions under test: ``policy_loss`` and
+``token_weights``).
 
 The batch: 3 trajectories (7 loss tokens + 1 masked token), ratios on both sides of every
-threshold, advantages of both signs, token_mean aggregation (weight 1/N per token).
+threshold, advantages of both signs, one token outside the trainer's top-K support (π_θ = 0
+under the replayed distribution, and outside π_prox's too), under every aggregation.
+
+The support-replay rule the references encode: a token with π = 0 gives no gradient and no loss
+term but keeps its weight in the denominator, and any sequence-level ratio over its trajectory is
+0 (exp of a mean or sum that holds log 0 = −inf).
 """
 
 import math
@@ -11,40 +17,62 @@ import math
 import pytest
 import torch
 
-from agentrl.trainer.losses import LossSpec, policy_loss
+from agentrl.trainer.losses import LossSpec, policy_loss, token_weights
 
 MU = [-1.0, -0.5, -2.0, -0.3, -1.2, -0.8, -0.1, -0.7]
 LOG_R = [0.0, 1.2, -0.9, 0.1, 0.05, -0.2, 0.8, 0.3]  # log π_θ/μ: r from 0.41 to 3.3
 PROX_SHIFT = [0.1, 0.5, -0.4, 0.0, 0.02, 0.1, 0.2, 0.1]  # log π_prox = μ + shift
 MASK = [1, 1, 1, 1, 1, 1, 1, 0]
 TRAJ = [0, 0, 0, 1, 1, 2, 2, 2]
+OUTSIDE = [0, 0, 0, 0, 1, 0, 0, 0]  # token 4 fell out of the top-K support (π_θ and π_prox)
 ADV = {0: 1.0, 1: -0.5, 2: -1.0}
 N = sum(MASK)
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
-def inputs(spec_needs_prox=True):
+def log_r(i):
+    return -math.inf if OUTSIDE[i] else LOG_R[i]
+
+
+def log_rho(i):
+    return -math.inf if OUTSIDE[i] else PROX_SHIFT[i]
+
+
+def weight_of(i, aggregation):
+    """Written out from the definitions: 1/N, 1/(n_traj·len), 1/n_traj."""
+    n_traj = len(ADV)
+    length = len(traj_tokens(TRAJ[i]))
+    return {"token_mean": 1 / N, "seq_mean_token_mean": 1 / (n_traj * length), "seq_mean_token_sum": 1 / n_traj}[
+        aggregation]
+
+
+def inputs(aggregation):
     mu = torch.tensor(MU, dtype=torch.float64)
     logp = (mu + torch.tensor(LOG_R, dtype=torch.float64)).clone().requires_grad_(True)
     prox = mu + torch.tensor(PROX_SHIFT, dtype=torch.float64)
     mask = torch.tensor(MASK, dtype=torch.float64)
     seq = torch.tensor(TRAJ)
     adv = torch.tensor([ADV[t] for t in TRAJ], dtype=torch.float64)
-    weight = torch.full((8,), 1.0 / N, dtype=torch.float64)
+    per_traj = token_weights([len(traj_tokens(t)) for t in sorted(ADV)], aggregation)
+    weight = torch.tensor([per_traj[t] for t in TRAJ], dtype=torch.float64)
     return logp, mu, prox, mask, seq, adv, weight
 
 
-def ours(spec):
-    logp, mu, prox, mask, seq, adv, weight = inputs()
-    loss, _ = policy_loss(spec, logp, mu, mask, adv, weight, prox_logp=prox, seq=seq)
+def ours(spec, aggregation="token_mean"):
+    logp, mu, prox, mask, seq, adv, weight = inputs(aggregation)
+    outside = torch.tensor(OUTSIDE, dtype=torch.bool)
+    loss, _ = policy_loss(spec, logp, mu, mask, adv, weight, prox_logp=prox, seq=seq, outside=outside,
+                          prox_outside=outside)
     loss.backward()
     return loss.item(), logp.grad.clone()
 
 
-def reference(per_token):
-    """Σ over loss tokens of per_token(i, logp_i, ...) / N, with autograd on an independent leaf."""
+def reference(per_token, aggregation):
+    """Σ over loss tokens of weight · per_token(i, logp), with autograd on an independent leaf; a
+    token outside the support adds nothing (π = 0: no gradient, no loss term)."""
     logp = torch.tensor([m + r for m, r in zip(MU, LOG_R, strict=True)], dtype=torch.float64, requires_grad=True)
-    terms = [per_token(i, logp) for i in range(8) if MASK[i]]
-    loss = sum(terms) / N
+    terms = [weight_of(i, aggregation) * per_token(i, logp) for i in range(8) if MASK[i] and not OUTSIDE[i]]
+    loss = sum(terms)
     loss.backward()
     return loss.item(), logp.grad.clone()
 
@@ -58,13 +86,14 @@ def traj_tokens(t):
 
 
 def check(spec, per_token):
-    got, want = ours(spec), reference(per_token)
-    assert got[0] == pytest.approx(want[0], rel=1e-9, abs=1e-12)
-    assert torch.allclose(got[1], want[1], atol=1e-12), (got[1], want[1])
+    for aggregation in AGGREGATIONS:
+        got, want = ours(spec, aggregation), reference(per_token, aggregation)
+        assert got[0] == pytest.approx(want[0], rel=1e-9, abs=1e-12), aggregation
+        assert torch.allclose(got[1], want[1], atol=1e-12), (aggregation, got[1], want[1])
 
 
 def test_icepop_drops_tokens_outside_the_band():
-    def tok(i, logp):  # IcePop (Ring-1T): M(r)·A with M(r) = r inside [α, β], 0 outside
+    def tok(i, logp):  # INTELLECT-3's IcePop form: M(r)·A with M(r) = r inside [α, β], 0 outside
         r = r_of(i, logp)
         return -(r * ADV[TRAJ[i]]) if 0.5 <= r.item() <= 2.0 else 0.0 * r
 
@@ -121,7 +150,9 @@ def test_cispo_caps_from_above_only():
 def test_gspo_token_uses_the_trajectory_geometric_ratio():
     def tok(i, logp):  # s_i = exp(mean_t log r) over the whole trajectory; s_it = sg(s_i)·π/sg(π)
         toks = traj_tokens(TRAJ[i])
-        s = math.exp(sum(LOG_R[k] for k in toks) / len(toks))
+        s = math.exp(sum(log_r(k) for k in toks) / len(toks))
+        if s == 0:  # a token with π = 0: the clip's value is constant in θ, the trajectory adds nothing
+            return 0.0 * logp[i]
         s_it = s * torch.exp(logp[i] - logp[i].detach())
         a = ADV[TRAJ[i]]
         return -torch.minimum(s_it * a, torch.clamp(s_it, 0.8, 1.2) * a)
@@ -134,20 +165,21 @@ def test_topr_tapers_only_negative_trajectories():
         a = ADV[TRAJ[i]]
         if a >= 0:
             return -(a * logp[i])
-        ratio = math.exp(sum(LOG_R[k] for k in traj_tokens(TRAJ[i])))
+        ratio = math.exp(sum(log_r(k) for k in traj_tokens(TRAJ[i])))
         return -(min(ratio, 1.0) * a * logp[i])
 
     check(LossSpec("topr"), tok)
 
 
-@pytest.mark.parametrize(("mode", "low", "high", "dropped"), [("geo", 0.95, 1.1, {2}), ("k3", 0.0, 0.05, {0}),
-                                                               ("veto", 0.7, 99.0, {0})])
+@pytest.mark.parametrize(("mode", "low", "high", "dropped"), [("geo", 0.95, 1.1, {1, 2}), ("k3", 0.0, 0.05, {0, 1}),
+                                                               ("veto", 0.7, 99.0, {0, 1})])
 def test_sequence_rejection_drops_whole_trajectories(mode, low, high, dropped):
-    """MILES/verl rejection on ρ = π_prox/μ: geo-mean band, mean k3 bound, or a veto on any ρ_t."""
+    """MILES/verl rejection on ρ = π_prox/μ: geo-mean band, mean k3 bound, or a veto on any ρ_t
+    (trajectory 1 holds a token outside π_prox's support, ρ = 0: every mode rejects it)."""
     spec = LossSpec("icepop", seq_rejection=mode, seq_low=low, seq_high=high)
 
     def keep(t):
-        rho = [PROX_SHIFT[k] for k in traj_tokens(t)]  # log ρ
+        rho = [log_rho(k) for k in traj_tokens(t)]  # log ρ
         if mode == "geo":
             return low <= math.exp(sum(rho) / len(rho)) <= high
         if mode == "k3":

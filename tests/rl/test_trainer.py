@@ -1,6 +1,7 @@
 """Trainer step on a real tiny model: direction, exact accumulation, LoRA push, checkpoints."""
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from agentrl.config import TrainerConfig
 from agentrl.trainer.checkpoint import MARKER, latest_checkpoint, load_checkpoint, save_checkpoint
+from agentrl.trainer.losses import LOSSES
 from agentrl.trainer.trainer import Trainer
 from agentrl.types import Group, Message, Task, TokenSequence, Trajectory
 
@@ -167,14 +169,68 @@ def test_decoupled_ppo_recomputes_the_proximal_policy_and_its_clip_acts(tiny):
     assert fresh.step(_mu_groups(fresh))["mismatch_kl"] < 1e-6
 
 
-def test_a_non_finite_gradient_skips_the_step_whole(tiny):
-    tr = Trainer(tiny, _cfg())
+def _all_finite(stats):
+    return all(math.isfinite(v) for k, v in stats.items() if k != "skipped_ids")
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_a_non_finite_mu_skips_its_episode_not_the_step_for_every_loss(tiny, name, bad):
+    """One rule: the offending episode is left out (fate skipped, with the reason), the rest trains,
+    every statistic stays finite (a NaN μ used to give IcePop/PPO a NaN loss and skip the whole
+    step for CISPO/TIS/TOPR; a −inf μ set mismatch_kl to 2e7)."""
+    tr = Trainer(tiny, _cfg(loss={"name": name}))
+    groups = _mu_groups(tr)
+    bad_traj = groups[0].trajectories[1]
+    bad_traj.sequences[0].logprobs[-1] = bad
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
-    lr_before = tr.scheduler.get_last_lr()[0]
+    stats = tr.step(groups)
+    assert stats["skipped"] == 0.0 and stats["updates"] == 1
+    assert set(stats["skipped_ids"]) == {bad_traj.id} and "non-finite μ" in stats["skipped_ids"][bad_traj.id]
+    assert _all_finite(stats) and stats["mismatch_kl"] < 1e-4
+    assert any(not torch.equal(before[k], v) for k, v in tr.model.state_dict().items())  # the rest trained
+
+
+def test_a_non_finite_advantage_skips_its_episode(tiny):
+    tr = Trainer(tiny, _cfg())
     groups = _groups()
     groups[0].trajectories[0].advantage = float("nan")
     stats = tr.step(groups)
-    assert stats["skipped"] == 1.0 and stats["updates"] == 0
+    assert stats["updates"] == 1 and list(stats["skipped_ids"]) == [groups[0].trajectories[0].id]
+    assert "non-finite advantage" in next(iter(stats["skipped_ids"].values())) and _all_finite(stats)
+
+
+def _nan_norm_on(monkeypatch, calls):
+    """clip_grad_norm_ reports a non-finite norm on these calls (0-based), as after an overflow."""
+    real, n = torch.nn.utils.clip_grad_norm_, [0]
+
+    def fake(params, max_norm):
+        norm = real(params, max_norm)
+        n[0] += 1
+        return torch.tensor(float("nan")) if n[0] - 1 in calls else norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", fake)
+
+
+def test_a_non_finite_update_skips_only_its_minibatch_and_says_so(tiny, monkeypatch):
+    """minibatches = 2, the first update non-finite: its group's episodes are skipped (they used to be
+    marked trained, with skipped = 0 and a grad norm that could hide the NaN); the second trains."""
+    tr = Trainer(tiny, _cfg(minibatches=2))
+    groups = _groups() + _groups()
+    _nan_norm_on(monkeypatch, {0})
+    stats = tr.step(groups)
+    assert (stats["updates"], stats["skipped_updates"], stats["skipped"]) == (1, 1, 0.0)
+    assert set(stats["skipped_ids"]) == {t.id for t in groups[0].trajectories}
+    assert _all_finite(stats) and stats["grad_norm"] > 0
+
+
+def test_a_step_whose_every_update_is_non_finite_is_skipped_whole(tiny, monkeypatch):
+    tr = Trainer(tiny, _cfg())
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    lr_before = tr.scheduler.get_last_lr()[0]
+    _nan_norm_on(monkeypatch, {0})
+    stats = tr.step(_groups())
+    assert stats["skipped"] == 1.0 and stats["updates"] == 0 and _all_finite(stats)
     assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
     assert tr.scheduler.last_epoch == 0 and tr.scheduler.get_last_lr()[0] == lr_before
     assert tr.step(_groups())["skipped"] == 0.0  # the next clean batch trains normally
