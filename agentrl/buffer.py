@@ -19,6 +19,16 @@ the trainer at ``v`` learns from them.  ``η = max_staleness`` bounds that lag t
   holds such a token (:meth:`StalenessBuffer.oldest_trainable_version`), which frees its
   admission slot and its engine slots early instead of finishing doomed work.
 
+**Errored episodes and the baseline.**  An error the policy causes (``failure_rewards``: by
+default ``timeout`` and ``context_length``) keeps the episode in its group as a failure: its reward
+is that kind's failure reward (0 by default), so it counts in the group's mean baseline and its
+sampled tokens train with its (negative) advantage.  Dropping it would baseline the group on
+the survivors and reward erroring (an arm that times out half the time would look better than it
+is).  Any other kind (endpoint, parse, env, tool, sandbox, rubric: infrastructure) leaves the group
+with the fate ``errored``, and the baseline is the mean over the rest.  The mean baseline includes
+each episode's own reward, so an advantage is (n−1)/n times the leave-one-out one: a group that
+lost members to infrastructure errors weighs a little less (1/2 at n = 2, 7/8 at n = 8).
+
 Every episode is tracked by id in the :class:`~agentrl.ledger.Ledger` from the moment its
 group is admitted until it reaches one fate (trained, stale, filtered, errored, interrupted,
 skipped); :meth:`StalenessBuffer.held_ids` is what the buffer itself holds, so the ledger's
@@ -42,6 +52,9 @@ from typing import Any
 
 from agentrl.ledger import Ledger, LedgerError
 from agentrl.types import Group, Task, Trajectory
+
+# Error kinds the policy causes, and the reward such an episode keeps in its group (buffer.failure_rewards)
+POLICY_ERRORS = {"timeout": 0.0, "context_length": 0.0}
 
 
 class BufferStalled(RuntimeError):
@@ -134,6 +147,7 @@ class StalenessBuffer:
         overprovision: float = 0.0,
         stall_groups: int = 0,
         std_normalize: bool = False,
+        failure_rewards: dict[str, float] | None = None,
     ) -> None:
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
@@ -143,6 +157,8 @@ class StalenessBuffer:
         self.overprovision = overprovision
         self.stall_groups = stall_groups  # 0 = never give up waiting
         self.std_normalize = std_normalize
+        # error kinds the policy causes → the reward such an episode keeps in its group (module docstring)
+        self.failure_rewards = dict(POLICY_ERRORS if failure_rewards is None else failure_rewards)
         self.version = 0
         self.ledger = Ledger()
         self._untrainable = _Untrainable()
@@ -212,21 +228,27 @@ class StalenessBuffer:
         task, ids = self._running.pop(group.id)
         if sorted(t.id for t in group.trajectories) != sorted(ids):
             raise LedgerError(f"group {group.id} came back with other episodes than it started with")
-        errored = [t for t in group.trajectories if t.errored]
-        for t in errored:
-            kind = t.error_kind or "env"
-            self.ledger.settle([t.id], "errored", step=self.version, reason=t.error, kind=kind)
-            self._untrainable.errored[(kind, t.error or "")] += 1
-        valid = [t for t in group.trajectories if not t.errored]
+        n_episodes = len(group.trajectories)
+        valid = []
+        for t in group.trajectories:
+            if t.errored:
+                kind = t.error_kind or "env"
+                self._untrainable.errored[(kind, t.error or "")] += 1
+                if kind not in self.failure_rewards:  # infrastructure: out of the group
+                    self.ledger.settle([t.id], "errored", step=self.version, reason=t.error, kind=kind)
+                    continue
+                t.reward = self.failure_rewards[kind]  # the policy's doing: a failure, in the baseline
+                self.ledger.note_failure(kind, t.error)
+            valid.append(t)
         group.trajectories = valid
         group.assign_advantages(self.std_normalize)
         if len(valid) < self.min_valid_episodes:
             self._settle_filtered(valid, f"{len(valid)} valid episodes < {self.min_valid_episodes}")
-            self._note_untrainable(len(errored) + len(valid))
+            self._note_untrainable(n_episodes)
         elif self.filter_zero_variance and len({t.reward for t in valid}) == 1:
             self._settle_filtered(valid, f"every reward was {valid[0].reward:g}")
             self._untrainable.equal_rewards.extend(t.reward for t in valid)
-            self._note_untrainable(len(errored) + len(valid))
+            self._note_untrainable(n_episodes)
         else:
             self._ready.append(group)
             self._untrainable.reset()
@@ -274,6 +296,18 @@ class StalenessBuffer:
         self._in_training = []
         self._changed.set()
         return ids
+
+    def close_out(self, reason: str) -> dict[str, int]:
+        """The run ended normally (steps or wall budget): every episode still held gets its fate —
+        ready ones ``unused``, running or cancelled ones ``interrupted`` — so the ledger closes.
+        Returns the count per fate."""
+        ready = [t.id for g in self._ready + self._in_training for t in g.trajectories]
+        running = sorted({e for _, ids in self._running.values() for e in ids} | self._abandoned)
+        self.ledger.settle(ready, "unused", step=self.version, reason=f"finished, not trained: {reason}")
+        self.ledger.settle(running, "interrupted", step=self.version, reason=f"still running: {reason}")
+        self._ready, self._in_training, self._running, self._abandoned = [], [], {}, set()
+        self._changed.set()
+        return {"unused": len(ready), "interrupted": len(running)}
 
     def adapt(self, trainer_idle_frac: float, mismatch_kl: float) -> int:
         """Adaptive mode: move η by at most one step; returns the η now in force."""

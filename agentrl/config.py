@@ -119,7 +119,9 @@ class RolloutConfig(Section):
     max_in_flight: int = Field(64, ge=1, description="Episodes running at once.")
     requests_per_s: float = Field(0.0, ge=0, description="Request-rate cap per endpoint (0 = none).")
     episode_timeout_s: float = Field(120.0, gt=0, description="Wall limit per episode.")
-    max_turns: int = Field(4, ge=1, description="Model turns per episode.")
+    max_turns: int | None = Field(
+        None, ge=1, description="Model turns per episode; None = the env's own (as `agentrl eval` uses)."
+    )
     max_tokens: int = Field(64, ge=1, description="Sampled tokens per model turn.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature for training rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for training rollouts.")
@@ -148,6 +150,23 @@ class BufferConfig(Section):
     overprovision: float = Field(
         0.0, ge=0, description="Admit this many extra groups (fraction of a batch); stragglers past η are dropped."
     )
+    failure_rewards: dict[str, float] = Field(
+        default_factory=lambda: {"timeout": 0.0, "context_length": 0.0},
+        description="Error kinds the policy causes: such an episode stays in its group as a failure with this "
+        "reward (in the baseline, trained); other kinds are infrastructure and leave the group.",
+    )
+
+    @field_validator("failure_rewards")
+    @classmethod
+    def _known_kinds(cls, v: dict[str, float]) -> dict[str, float]:
+        from agentrl.errors import ERROR_KINDS
+
+        unknown = sorted(set(v) - set(ERROR_KINDS))
+        if unknown:
+            raise ValueError(f"unknown error kind(s) {', '.join(unknown)}; kinds: {', '.join(ERROR_KINDS)}")
+        if not all(math.isfinite(x) for x in v.values()):
+            raise ValueError("failure rewards must be finite numbers")
+        return v
 
 
 class LossConfig(Section):

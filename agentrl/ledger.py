@@ -2,8 +2,9 @@
 
 Fates: ``trained``, ``stale`` (a token more than η versions old), ``filtered`` (its group had
 no learning signal), ``errored`` (with an error kind), ``interrupted`` (in flight when an
-earlier process died; settled on ``--resume``), ``skipped`` (its batch's optimizer step was
-skipped for a non-finite gradient).  The live set is *counted* — a dict of episode ids —
+earlier process died, settled on ``--resume``; or still running when the run ended),
+``skipped`` (the trainer left it out: a non-finite μ or advantage, or every update holding it
+had a non-finite gradient), ``unused`` (finished and trainable, but the run ended first).  The live set is *counted* — a dict of episode ids —
 not derived from the other numbers, so two checks can fail (:meth:`Ledger.check`):
 
 - ``started == Σ fates + |live|`` (an episode counted twice or never), and
@@ -21,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-FATES = ("trained", "stale", "filtered", "errored", "interrupted", "skipped")
+FATES = ("trained", "stale", "filtered", "errored", "interrupted", "skipped", "unused")
 
 
 class LedgerError(RuntimeError):
@@ -35,6 +36,7 @@ class Ledger:
     errored_kinds: Counter = field(default_factory=Counter)
     live: dict[str, tuple[str, str]] = field(default_factory=dict)  # episode id -> (group id, task id)
     first_error: dict[str, str] = field(default_factory=dict)  # kind -> first message seen
+    failed_kinds: Counter = field(default_factory=Counter)  # policy errors kept in their group as failures
     _records: list[dict[str, Any]] = field(default_factory=list)
 
     # -- counts by fate (read-only views)
@@ -44,6 +46,7 @@ class Ledger:
     errored = property(lambda self: self.counts["errored"])
     interrupted = property(lambda self: self.counts["interrupted"])
     skipped = property(lambda self: self.counts["skipped"])
+    unused = property(lambda self: self.counts["unused"])
 
     @property
     def in_flight(self) -> int:
@@ -78,6 +81,13 @@ class Ledger:
             if reason is not None:
                 self.first_error.setdefault(kind, reason)
 
+    def note_failure(self, kind: str, reason: str | None) -> None:
+        """An episode errored by the policy's doing stays in its group as a failure (not a fate: it
+        still trains, or is filtered or stale, with its group); counted per kind."""
+        self.failed_kinds[kind] += 1
+        if reason is not None:
+            self.first_error.setdefault(kind, reason)
+
     def check(self, held: set[str]) -> None:
         """Raise :class:`LedgerError` if the counts do not add up or the live set is not ``held``."""
         total = sum(self.counts.values()) + len(self.live)
@@ -104,25 +114,29 @@ class Ledger:
         row: dict[str, Any] = {"ledger/started": self.started, **{f"ledger/{f}": n for f, n in self.counts.items()},
                                "ledger/in_flight": self.in_flight}
         row.update({f"ledger/errored/{k}": n for k, n in self.errored_kinds.items()})
+        row.update({f"ledger/failed/{k}": n for k, n in self.failed_kinds.items()})
         return row
 
     def top_error(self) -> str | None:
         """The most frequent error kind with its first message, for the status line."""
-        if not self.errored_kinds:
+        kinds = self.errored_kinds + self.failed_kinds
+        if not kinds:
             return None
-        kind, n = self.errored_kinds.most_common(1)[0]
+        kind, n = kinds.most_common(1)[0]
         return f"{n}× {kind}: {self.first_error.get(kind, '')}"[:300]
 
     # -- checkpointing
 
     def state_dict(self) -> dict[str, Any]:
         return {"started": self.started, "counts": dict(self.counts), "errored_kinds": dict(self.errored_kinds),
-                "first_error": dict(self.first_error), "live": {k: list(v) for k, v in self.live.items()}}
+                "first_error": dict(self.first_error), "failed_kinds": dict(self.failed_kinds),
+                "live": {k: list(v) for k, v in self.live.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.started = state["started"]
         self.counts = {**dict.fromkeys(FATES, 0), **state["counts"]}
         self.errored_kinds = Counter(state.get("errored_kinds", {}))
         self.first_error = dict(state.get("first_error", {}))
+        self.failed_kinds = Counter(state.get("failed_kinds", {}))
         self.live = {k: (v[0], v[1]) for k, v in state["live"].items()}
         self._records = []

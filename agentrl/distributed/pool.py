@@ -82,6 +82,9 @@ class RemoteBuffer:
     def skip_step(self, reason: str, skipped: dict[str, str] | None = None) -> list[str]:
         return ray.get(self.actor.skip_step.remote(reason, skipped))
 
+    def close_out(self, reason: str) -> dict[str, int]:
+        return ray.get(self.actor.close_out.remote(reason))
+
     def adapt(self, trainer_idle_frac: float, mismatch_kl: float) -> int:
         return ray.get(self.actor.adapt.remote(trainer_idle_frac, mismatch_kl))
 

@@ -190,6 +190,9 @@ class BufferActorImpl:
     async def skip_step(self, reason: str, skipped: dict[str, str] | None = None) -> list[str]:
         return self.buffer.skip_step(reason, skipped)
 
+    async def close_out(self, reason: str) -> dict[str, int]:
+        return self.buffer.close_out(reason)
+
     async def adapt(self, trainer_idle_frac: float, mismatch_kl: float) -> int:
         return self.buffer.adapt(trainer_idle_frac, mismatch_kl)
 

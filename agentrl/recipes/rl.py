@@ -167,7 +167,7 @@ def make_buffer(bc: BufferConfig, batch_groups: int, std_normalize: bool = False
     return StalenessBuffer(
         batch_groups, bc.max_staleness, filter_zero_variance=bc.filter_zero_variance,
         adaptive=adaptive if bc.adaptive else None, overprovision=bc.overprovision, stall_groups=bc.stall_groups,
-        std_normalize=std_normalize,
+        std_normalize=std_normalize, failure_rewards=bc.failure_rewards,
     )
 
 
@@ -269,6 +269,9 @@ async def rl_loop(
     ``guards``: background tasks the run depends on (the engine supervisor): one that ends
     while the trainer waits for data ends the loop with its exception.
 
+    At a normal end every episode still held gets a fate: finished ones ``unused``, running
+    ones ``interrupted`` (an exception leaves them live: ``--resume`` settles them).
+
     Runs steps ``start_step .. steps-1``; returns the number of the next step.
     """
     runner = asyncio.create_task(manager.run())
@@ -308,6 +311,9 @@ async def rl_loop(
         manager.stop()
         with contextlib.suppress(asyncio.CancelledError):
             await runner
+    # a normal end (steps or the wall budget): what is still held gets its fate, the ledger closes
+    buffer.close_out(f"the run ended at step {step}")
+    check_ledger(buffer, manager)
     return step
 
 
@@ -364,6 +370,13 @@ class HeldOut:
             self.running.cancel()
 
 
+def train_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """Every number the trainer reported, as ``train/<name>`` (a statistic it adds is logged without
+    an edit here); ``train_tokens`` is ``train/tokens``."""
+    return {f"train/{'tokens' if k == 'train_tokens' else k}": float(v) for k, v in stats.items()
+            if k != "skipped" and isinstance(v, int | float)}  # a logged step was never skipped whole
+
+
 @dataclass
 class StepLog:
     """Per-step metrics rows (the namespaced schema of :mod:`agentrl.metrics`)."""
@@ -395,12 +408,9 @@ class StepLog:
             "rollout/groups_cancelled_stale": manager.groups_cancelled_stale,
             "train/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
             "train/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
-            **{f"train/{k}": stats.get(k, 0.0) for k in
-               ("loss", "grad_norm", "entropy", "lr", "mismatch_kl", "masked_frac", "ess", "clip_frac")},
-            "train/tokens": stats.get("train_tokens", 0.0),
+            **train_metrics(stats),
             "train/seconds": rep.train_s,
             "train/idle_frac": rep.wait_s / max(rep.step_wall_s, 1e-9),
-            "train/skipped_steps": stats.get("skipped_steps", 0.0),
             "buffer/staleness_mean": statistics.fmean(st) if st else 0.0,
             "buffer/staleness_max": max(st, default=0),
             "buffer/max_staleness": rep.batch.max_staleness,
@@ -554,7 +564,8 @@ async def finish(
     lg = buffer.ledger
     live.note(
         f"done: {lg.trained} episodes trained, {lg.stale} stale, {lg.filtered} filtered, "
-        f"{lg.errored} errored, {lg.in_flight} in flight at exit (of {lg.started}); model: {final_dir}"
+        f"{lg.errored} errored, {lg.unused} finished but unused, {lg.interrupted} interrupted (of {lg.started}); "
+        f"model: {final_dir}"
     )
 
 

@@ -31,7 +31,7 @@ from agentrl.errors import AgentrlError
 RUN_FILES = {"metrics": "metrics.jsonl", "rollouts": "rollouts.jsonl", "eval_rollouts": "eval_rollouts.jsonl",
              "ledger": "ledger.jsonl"}
 EVAL_FILES = {"results": "results.jsonl"}
-FATES = ("trained", "stale", "filtered", "errored", "interrupted", "skipped")  # none yet: "in flight"
+FATES = ("trained", "stale", "filtered", "errored", "interrupted", "skipped", "unused")  # none yet: "in flight"
 
 # The curves, in one place for the page and for `agentrl plot`: metric names, labels, colours.
 # x is the weight version after the step (= step + 1); a series may name its own x.

@@ -90,13 +90,13 @@ def test_zero_variance_and_errored_episodes_get_their_fates_and_kinds():
     g.trajectories[0].error, g.trajectories[0].error_kind = "sandbox died", "sandbox"
     buf.put(g)  # one errored, two valid with equal reward → filtered
     g = _start(buf, [0], rewards=(0.0, 1.0, 1.0))
-    g.trajectories[2].error, g.trajectories[2].error_kind = "episode exceeded its wall limit", "timeout"
+    g.trajectories[2].error, g.trajectories[2].error_kind = "EndpointError: 503", "endpoint"
     buf.put(g)  # one errored, two valid with different rewards → ready
     assert (buf.ledger.filtered, buf.ledger.errored, buf.ready_groups) == (4, 2, 1)
     assert buf.ledger.as_metrics()["ledger/errored/sandbox"] == 1
-    assert buf.ledger.as_metrics()["ledger/errored/timeout"] == 1
+    assert buf.ledger.as_metrics()["ledger/errored/endpoint"] == 1
     assert buf.capacity() == 2 * 4 - 1  # filtered groups free their admission slot (top-up)
-    # the trained part of a group has advantages over its valid episodes only
+    # infrastructure errors leave the group: the advantages are over the other episodes only
     assert [t.advantage for t in g.trajectories] == pytest.approx([-0.5, 0.5])
     _check(buf)
 
@@ -211,3 +211,50 @@ async def test_stale_drops_count_toward_the_stall_detector():
 def test_adaptive_staleness_rule(eta, idle, kl, expect):
     ad = AdaptiveStaleness(low=0, high=4, idle_max=0.1, kl_max=0.02)
     assert ad.update(eta, idle, kl) == expect
+
+
+def _bandit_gradient(failure_rewards):
+    """Mean REINFORCE gradient on the logit of the risky arm (p = 0.5), through the real buffer.
+
+    The risky arm times out half the time and otherwise scores 1 (worth 0.5 with a timeout as a
+    failure); the safe arm always scores 0.6.  Timeouts are the policy's doing: the gradient must
+    point to the safe arm."""
+    import random
+
+    rng = random.Random(0)
+    buf = StalenessBuffer(batch_groups=1, max_staleness=1, failure_rewards=failure_rewards)
+    total, groups = 0.0, 4000
+    for _ in range(groups):
+        task = Task(prompt=[Message("user", "q")])
+        trajs, arms = [], {}
+        for _ in range(4):
+            risky = rng.random() < 0.5
+            t = make_traj([0], 1.0 if risky else 0.6)
+            if risky and rng.random() < 0.5:
+                t.reward, t.error, t.error_kind = 0.0, "episode exceeded its wall limit of 120s", "timeout"
+            arms[t.id] = risky
+            trajs.append(t)
+        g = Group(task=task, trajectories=trajs)
+        buf.start_group(g.id, task, [t.id for t in trajs])
+        buf.put(g)
+        total += sum(t.advantage * (float(arms[t.id]) - 0.5) for t in g.trajectories if buf.ready_groups)
+        buf._ready.clear()  # only the advantages matter here
+    return total / groups
+
+
+def test_an_episode_that_timed_out_stays_in_its_group_as_a_failure_so_erroring_does_not_pay():
+    assert _bandit_gradient(None) < -0.02  # the default: timeouts are failures (reward 0)
+    assert _bandit_gradient({}) > 0.02  # dropped from the group (the old rule): erroring would pay
+
+
+def test_policy_errors_train_as_failures_and_infrastructure_errors_leave_the_group():
+    buf = StalenessBuffer(batch_groups=1, max_staleness=1, failure_rewards={"timeout": -1.0})
+    g = _start(buf, [0], rewards=(1.0, 1.0, 0.0, 0.5))
+    g.trajectories[0].error, g.trajectories[0].error_kind = "episode exceeded its wall limit of 9s", "timeout"
+    g.trajectories[1].error, g.trajectories[1].error_kind = "sandbox died", "sandbox"
+    timed_out = g.trajectories[0]
+    buf.put(g)
+    assert buf.ready_groups == 1 and timed_out in g.trajectories and len(g.trajectories) == 3
+    assert timed_out.reward == -1.0 and timed_out.advantage == pytest.approx(-1.0 - (-1.0 + 0.0 + 0.5) / 3)
+    assert buf.ledger.errored == 1 and buf.ledger.as_metrics()["ledger/failed/timeout"] == 1
+    _check(buf)

@@ -129,3 +129,28 @@ def test_token_weights_aggregations():
     assert token_weights([2, 4], "seq_mean_token_sum") == pytest.approx([1 / 2, 1 / 2])
     with pytest.raises(ValueError):
         token_weights([1], "bogus")
+
+
+def test_a_new_loss_is_one_function_and_one_registration(tmp_path):
+    """The README's example: registered, the config accepts its name and the trainer runs it."""
+    from agentrl.config import ConfigError, load_config
+    from agentrl.trainer.losses import LOSSES, Tokens, register_loss
+
+    @register_loss("reinforce_test", "−A·log π_θ")
+    def _reinforce(spec: LossSpec, t: Tokens):
+        return -(t.adv * t.logp), torch.zeros_like(t.logp), t.in_band
+
+    try:
+        cfg = load_config([], ["--trainer.loss.name=reinforce_test"])
+        spec = LossSpec.from_config(cfg.trainer.loss)
+        logp = _leaf([-1.0, -2.0])
+        loss, _ = policy_loss(spec, logp, _t([-1.0, -2.0]), _t([1, 1]), _t([2.0, -1.0]), _t([0.5, 0.5]))
+        loss.backward()
+        assert loss.item() == pytest.approx(-(0.5 * 2.0 * -1.0 + 0.5 * -1.0 * -2.0))
+        assert logp.grad.tolist() == pytest.approx([-1.0, 0.5])
+        with pytest.raises(ValueError, match="registered twice"):
+            register_loss("reinforce_test", "again")(_reinforce)
+    finally:
+        LOSSES.pop("reinforce_test")
+    with pytest.raises(ConfigError, match="unknown loss 'icepp'; did you mean 'icepop'"):
+        load_config([], ["--trainer.loss.name=icepp"])

@@ -8,7 +8,7 @@ from rl_fakes import FakeClient, FakeEngine, FakeEnv, FakeRubric
 from agentrl.buffer import StalenessBuffer
 from agentrl.recipes.rl import rl_loop
 from agentrl.rollout import RolloutManager, TaskSampler
-from agentrl.types import SamplingParams
+from agentrl.types import Message, SamplingParams
 
 
 def _manager(env, engines, buf, **kw):
@@ -63,9 +63,22 @@ async def test_no_trained_token_is_more_than_eta_stale_and_the_ledger_adds_up(et
     assert staleness and max(staleness) <= eta
     lg = buf.ledger
     assert lg.trained == 8 * 3 * 4  # whole groups of 4, 3 per step
-    assert lg.started == lg.trained + lg.stale + lg.filtered + lg.errored + lg.in_flight
+    assert lg.started == lg.trained + lg.stale + lg.filtered + lg.errored + lg.unused + lg.interrupted + lg.in_flight
     assert mgr.active_episodes == 0
     assert all(e.calls > 0 for e in engines)  # both endpoints were used
+
+
+async def test_a_normal_end_settles_every_episode_the_ledger_closes():
+    """Finished-but-untrained episodes end ``unused`` and running ones ``interrupted`` (they used to
+    be left without a fate: 40–64 per run of the quickstart)."""
+    buf, mgr, _, _ = await _run(2)
+    lg = buf.ledger
+    assert lg.in_flight == 0 and lg.unused + lg.interrupted > 0
+    assert lg.started == sum(lg.counts.values())
+    records = [r for r in lg.drain_records() if r["fate"] in ("unused", "interrupted")]
+    assert len(records) == lg.unused + lg.interrupted
+    assert all("the run ended at step 8" in r["reason"] for r in records)
+    assert buf.held_ids() == set() and mgr.running_episode_ids() == set()
 
 
 async def test_adaptive_staleness_moves_eta_and_every_batch_obeys_its_own_bound():
@@ -130,9 +143,11 @@ async def test_failures_become_errored_episodes_not_crashes():
     tasks = env.dataset()
     for i in (1, 2, 3):
         mgr._start_group(tasks[i])
-    while buf.ledger.errored < 6:
+    while buf.ledger.in_flight:
         await asyncio.wait_for(buf.wait_change(), 5)
-    assert buf.ledger.errored == 6 and buf.ledger.in_flight == 0
+    # the crash and the rubric error are errored; the hang is a timeout, the policy's doing: both
+    # episodes stay in their group as failures (reward 0), which is then filtered (equal rewards)
+    assert (buf.ledger.errored, buf.ledger.filtered, buf.ledger.failed_kinds["timeout"]) == (4, 2, 2)
 
 
 def test_task_sampler_resumes_its_order():
@@ -187,7 +202,7 @@ async def test_a_group_that_can_no_longer_be_trained_is_cancelled_and_counted_st
     assert mgr.groups_cancelled_stale == 1 and env.cancelled == 2
     lg = buf.ledger
     assert lg.stale == 2 and lg.trained == 5 * 2
-    assert lg.started == lg.trained + lg.stale + lg.filtered + lg.errored + lg.in_flight
+    assert lg.started == lg.trained + lg.stale + lg.filtered + lg.errored + lg.unused + lg.interrupted + lg.in_flight
     stale = [r for r in buf.ledger.drain_records() if r["fate"] == "stale"]
     assert len(stale) == 2 and "too stale" in stale[0]["reason"]
 
@@ -222,3 +237,22 @@ async def test_a_group_whose_logging_or_env_raises_is_not_lost():
     assert "group failed: TypeError" in lg.first_error["env"]
     assert mgr.sink_errors == 2 and len(logged) == 2
     buf.ledger.check(mgr.running_episode_ids() | buf.held_ids())
+
+
+async def test_training_rollouts_keep_the_envs_own_max_turns_unless_the_config_sets_one():
+    """rollout.max_turns has one owner: unset (the default) it is the env's own, as in `agentrl eval`
+    (it used to be 4 everywhere: the capitals example's 3 became 4, a GymEnv's 30 became 4)."""
+    from agentrl.config import RolloutConfig
+    from agentrl.envs import MultiTurnEnv
+    from agentrl.envs.check import ScriptedClient
+    from agentrl.rollout import run_group
+
+    class Never(MultiTurnEnv):
+        async def step(self, state, msg):
+            return [Message("user", "again")]
+
+    env = Never(dataset=["go"], max_turns=3)
+    task = next(iter(env.dataset()))
+    for cfg, turns in ((RolloutConfig(), 3), (RolloutConfig(max_turns=5), 5)):
+        (traj,) = await run_group(env, ScriptedClient(lambda p: "no"), task, cfg.sampling(), 1, max_turns=cfg.max_turns)
+        assert traj.stop_reason == "max_turns" and len(traj.turns) == turns

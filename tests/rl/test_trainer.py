@@ -234,3 +234,17 @@ def test_a_step_whose_every_update_is_non_finite_is_skipped_whole(tiny, monkeypa
     assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
     assert tr.scheduler.last_epoch == 0 and tr.scheduler.get_last_lr()[0] == lr_before
     assert tr.step(_groups())["skipped"] == 0.0  # the next clean batch trains normally
+
+
+def test_every_statistic_the_trainer_reports_reaches_the_metrics_row(tiny):
+    """The step log used to copy a fixed key list: seq_rejected_frac, updates and skipped_updates
+    never reached metrics.jsonl."""
+    from agentrl.recipes.rl import train_metrics
+
+    tr = Trainer(tiny, _cfg(loss={"name": "icepop", "seq_rejection": "geo"}, minibatches=2))
+    stats = tr.step(_mu_groups(tr))
+    stats.pop("skipped_ids")
+    row = train_metrics(stats)
+    for key in ("seq_rejected_frac", "updates", "skipped_updates", "outside_frac", "mismatch_kl", "tokens"):
+        assert f"train/{key}" in row, key
+    assert row["train/updates"] == 2.0 and "train/skipped" not in row
