@@ -46,7 +46,13 @@ SCHEMA: dict[str, str] = {
     "train/tokens": "loss tokens in the step",
     "train/seconds": "wall seconds of the forward/backward/optimizer step",
     "train/idle_frac": "share of the step's wall time the trainer waited for data",
-    "train/skipped_steps": "optimizer steps skipped for a non-finite gradient (cumulative)",
+    "train/skipped_steps": "optimizer steps skipped whole: every update non-finite (cumulative)",
+    "train/updates": "optimizer updates the step applied (trainer.epochs × trainer.minibatches, minus skipped)",
+    "train/skipped_updates": "updates of the step skipped for a non-finite gradient or loss (the others applied)",
+    "train/skipped_episodes": "episodes the trainer left out (non-finite μ or advantage, or every update holding "
+    "them skipped): fate skipped",
+    "train/seq_rejected_frac": "share of loss tokens in trajectories dropped by trainer.loss.seq_rejection",
+    "train/outside_frac": "share of loss tokens outside the trainer's own top-K support (π_θ = 0 there, r = 0)",
     # buffer: staleness of what was trained, and the bound
     "buffer/staleness_mean": "mean staleness (trainer version − token version) of the trained tokens",
     "buffer/staleness_max": "largest staleness among the trained tokens",
@@ -68,8 +74,9 @@ SCHEMA: dict[str, str] = {
     "ledger/stale": "episodes dropped because a token was more than η versions old",
     "ledger/filtered": "episodes of groups without a learning signal (equal rewards, too few valid)",
     "ledger/errored": "episodes that failed (see ledger/errored/<kind>)",
-    "ledger/interrupted": "episodes in flight when an earlier process died (counted on --resume)",
-    "ledger/skipped": "episodes of a batch whose optimizer step was skipped (non-finite gradient)",
+    "ledger/interrupted": "episodes in flight when an earlier process died (counted on --resume) or running at the end",
+    "ledger/skipped": "episodes the trainer left out (non-finite μ, advantage or gradient)",
+    "ledger/unused": "episodes that finished and could be trained, but the run ended first",
     "ledger/in_flight": "episodes running or waiting to be trained now (the counted live set)",
     "ledger/top_error": "the most frequent error of the step's errored episodes, with its kind",
     # time
@@ -79,6 +86,7 @@ SCHEMA: dict[str, str] = {
 # name families: one entry per error kind (agentrl.errors.ERROR_KINDS)
 SCHEMA_PREFIXES = {
     "ledger/errored/": "episodes errored with this kind",
+    "ledger/failed/": "episodes with this error kind (the policy's doing) kept in their group as failures",
     "engine/": "what the engine reports in /metrics",
     "rollout/groups/": "groups rollout worker wN delivered to the buffer actor (cumulative)",
 }

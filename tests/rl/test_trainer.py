@@ -248,3 +248,6 @@ def test_every_statistic_the_trainer_reports_reaches_the_metrics_row(tiny):
     for key in ("seq_rejected_frac", "updates", "skipped_updates", "outside_frac", "mismatch_kl", "tokens"):
         assert f"train/{key}" in row, key
     assert row["train/updates"] == 2.0 and "train/skipped" not in row
+    from agentrl.metrics import known_metric
+
+    assert [k for k in row if not known_metric(k)] == []  # the metrics file refuses unnamed metrics
