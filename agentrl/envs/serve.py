@@ -423,8 +423,12 @@ async def _score(env: Environment, episodes: _Episodes, items: list[dict[str, An
     from agentrl.rubrics import score_episodes
 
     trajs: list[Trajectory] = []
-    for item in items:
-        traj = Trajectory.from_dict(item["trajectory"])
+    for i, item in enumerate(items):  # all read before any state is taken: a 400 loses none
+        try:
+            trajs.append(Trajectory.from_dict(item["trajectory"]))
+        except Exception as e:  # the client's malformed input: a 400 naming it, not a 500
+            raise _refuse(web.HTTPBadRequest, f"episodes[{i}].trajectory is not a trajectory: {error_text(e)}") from e
+    for traj, item in zip(trajs, items, strict=True):
         state, why = episodes.take_for_scoring(item.get("episode_id"), item.get("episode_secret"))
         if state is None:
             traj.error, traj.error_kind = why, "env"
@@ -432,7 +436,6 @@ async def _score(env: Environment, episodes: _Episodes, items: list[dict[str, An
             traj.task = state.task
             traj.messages = state.messages  # the server's own messages: parsed tool calls, env objects
         traj.state = state
-        trajs.append(traj)
     await score_episodes(env.rubric, trajs)
     return [{"reward": t.reward, "metrics": t.metrics, "error": t.error, "error_kind": t.error_kind} for t in trajs]
 

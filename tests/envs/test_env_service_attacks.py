@@ -86,6 +86,9 @@ async def test_another_client_cannot_step_close_or_score_an_episode_it_did_not_o
             traj = {"task": task.to_dict(), "messages": [], "sequences": []}
             status, out = await post(b, f"{url}/score", {"episodes": [{"episode_id": eid, "trajectory": traj}]})
             assert status == 200 and "opened by another client" in out["scores"][0]["error"], out
+            junk = [{"episode_id": eid, "episode_secret": state["episode_secret"], "trajectory": {"junk": 1}}]
+            status, out = await post(b, f"{url}/score", {"episodes": junk})  # malformed: 400, nothing taken
+            assert status == 400 and "episodes[0].trajectory is not a trajectory" in out["error"], out
         # A's episode was neither stepped nor closed by B: A plays it out and it scores 1.0
         reply = await a.step(state, a.parse_assistant(tool_call(task.prompt[-1].content[8:-1])["content"], state))
         assert [m.role for m in reply] == ["tool"], reply
