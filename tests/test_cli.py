@@ -1,15 +1,8 @@
 """The CLI's contract for bad input: one line on stderr, exit code 2, no traceback."""
 
-import subprocess
-import sys
 
 import pytest
-
-
-def agentrl(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=120
-    )
+from agentrl_cli import agentrl
 
 
 def test_dry_run_prints_resolved_config(tmp_path):

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from agentrl_cli import agentrl
 
 from agentrl.envs.check import ScriptedClient
 from agentrl.errors import AgentrlError
@@ -69,11 +70,6 @@ async def test_results_are_jsonl_and_resume_reruns_only_errored(tmp_path):
     assert s2.episodes == 8 and s2.error_rate == 0.0 and s2.mean_reward == 1.0 and s2.pass_at[2] == 1.0
     assert len(read_results(tmp_path)) == 8
     assert json.loads((tmp_path / "summary.json").read_text())["mean_reward"] == 1.0
-
-
-def agentrl(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
 
 
 @pytest.mark.parametrize(

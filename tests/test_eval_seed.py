@@ -43,9 +43,7 @@ def load_environment():
 '''
 
 
-def test_the_same_seed_gives_the_same_transcripts_at_any_concurrency(tmp_path):
-    from agentrl.tiny_model import build_tiny_model
-
+def test_the_same_seed_gives_the_same_transcripts_at_any_concurrency(tmp_path, tiny_model):
     pkg = tmp_path / "shell_env"
     pkg.mkdir()
     (pkg / "pyproject.toml").write_text(textwrap.dedent("""
@@ -56,7 +54,7 @@ def test_the_same_seed_gives_the_same_transcripts_at_any_concurrency(tmp_path):
         shell-env = "shell_env:load_environment"
     """))
     (pkg / "shell_env.py").write_text(SHELL_ENV)
-    model = build_tiny_model(tmp_path / "tiny", layers=2, hidden=64, heads=4)
+    model = tiny_model
 
     def run(out: Path, concurrency: int) -> list[list[dict]]:
         r = agentrl("eval", pkg, "--model", model, "-n", "4", "-r", "2", "-c", concurrency, "-T", "1.0",

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
 
 import pytest
+from agentrl_cli import agentrl
 from aiohttp import ClientSession, ClientTimeout, web
 
 from agentrl.inference import start_embedded_engine
@@ -97,26 +97,14 @@ def faulty_env(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from agentrl.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", layers=1, hidden=32, heads=2)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny):
-    with start_embedded_engine(tiny, max_batch_size=16, max_model_len=256, device="cpu") as eng:
+def engine(small_model):
+    with start_embedded_engine(small_model, max_batch_size=16, max_model_len=256, device="cpu") as eng:
         yield eng
 
 
-def agentrl(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def run(tiny: Path, env: Path, run_dir: Path, fault: str, base_url: str, model: str, **extra) -> subprocess.CompletedProcess:
+def run(small_model: Path, env: Path, run_dir: Path, fault: str, base_url: str, model: str, **extra) -> subprocess.CompletedProcess:
     over = {
-        "run.dir": run_dir, "model.path": tiny, "sft.enabled": "false", "env.name": env,
+        "run.dir": run_dir, "model.path": small_model, "sft.enabled": "false", "env.name": env,
         "env.args.fault": fault, "inference.base_url": f'["{base_url}"]', "inference.model_name": model,
         "rollout.group_size": 2, "rollout.max_in_flight": 8, "rollout.max_tokens": 8, "rollout.max_turns": 2,
         "trainer.batch_groups": 1, "trainer.steps": 3, "buffer.filter_zero_variance": "false",
@@ -144,8 +132,8 @@ def one_line(r: subprocess.CompletedProcess) -> str:
         ("tool_episode_error", "tool", "tool 'add' failed: EpisodeError: the calculator service is gone"),
     ],
 )
-def test_run_stalls_with_the_cause_named_and_exit_1(tiny, faulty_env, engine, tmp_path, fault, kind, message):
-    r = run(tiny, faulty_env, tmp_path / "run", fault, engine.base_url, engine.model)
+def test_run_stalls_with_the_cause_named_and_exit_1(small_model, faulty_env, engine, tmp_path, fault, kind, message):
+    r = run(small_model, faulty_env, tmp_path / "run", fault, engine.base_url, engine.model)
     assert r.returncode == 1
     line = one_line(r)
     assert "training stalled" in line and f"most in {kind}: " in line and message in line
@@ -156,8 +144,8 @@ def test_run_stalls_with_the_cause_named_and_exit_1(tiny, faulty_env, engine, tm
     assert len(ids) == len(set(ids))
 
 
-def test_a_tool_that_raises_is_feedback_to_the_model_and_counted(tiny, faulty_env, engine, tmp_path):
-    r = run(tiny, faulty_env, tmp_path / "run", "tool_raise", engine.base_url, engine.model)
+def test_a_tool_that_raises_is_feedback_to_the_model_and_counted(small_model, faulty_env, engine, tmp_path):
+    r = run(small_model, faulty_env, tmp_path / "run", "tool_raise", engine.base_url, engine.model)
     assert r.returncode == 0, r.stderr[-2000:]
     rollouts = read_jsonl(tmp_path / "run/rollouts.jsonl")
     assert rollouts and all(x["error"] is None for x in rollouts)
@@ -165,8 +153,8 @@ def test_a_tool_that_raises_is_feedback_to_the_model_and_counted(tiny, faulty_en
     assert any("Error: RuntimeError: add is broken" in m["content"] for x in rollouts for m in x["messages"])
 
 
-def test_a_task_that_json_cannot_hold_is_logged_and_trained(tiny, faulty_env, engine, tmp_path):
-    r = run(tiny, faulty_env, tmp_path / "run", "unjsonable", engine.base_url, engine.model)
+def test_a_task_that_json_cannot_hold_is_logged_and_trained(small_model, faulty_env, engine, tmp_path):
+    r = run(small_model, faulty_env, tmp_path / "run", "unjsonable", engine.base_url, engine.model)
     assert r.returncode == 0, r.stderr[-2000:]
     rollouts = read_jsonl(tmp_path / "run/rollouts.jsonl")
     assert rollouts and rollouts[0]["task"]["info"]["tags"] == ["a", "b"]
@@ -174,8 +162,8 @@ def test_a_task_that_json_cannot_hold_is_logged_and_trained(tiny, faulty_env, en
     assert fates == {"trained"}
 
 
-def test_a_wrong_model_name_is_one_line_exit_2_before_any_episode(tiny, faulty_env, engine, tmp_path):
-    r = run(tiny, faulty_env, tmp_path / "run", "none", engine.base_url, "nope")
+def test_a_wrong_model_name_is_one_line_exit_2_before_any_episode(small_model, faulty_env, engine, tmp_path):
+    r = run(small_model, faulty_env, tmp_path / "run", "none", engine.base_url, "nope")
     assert r.returncode == 2
     assert f"pass --model {engine.model}" in one_line(r)
     assert not (tmp_path / "run/rollouts.jsonl").exists() or not read_jsonl(tmp_path / "run/rollouts.jsonl")
@@ -224,11 +212,11 @@ class FlakyProxy:
         self.thread.join(5)
 
 
-def test_endpoint_500s_and_a_hang_are_retried_and_the_run_completes(tiny, faulty_env, engine, tmp_path):
+def test_endpoint_500s_and_a_hang_are_retried_and_the_run_completes(small_model, faulty_env, engine, tmp_path):
     root = engine.base_url.removesuffix("/v1")
     proxy = FlakyProxy(root, fail_every=7, hang_on=5, hang_s=4.0)
     with proxy as url:
-        r = run(tiny, faulty_env, tmp_path / "run", "none", url, engine.model,
+        r = run(small_model, faulty_env, tmp_path / "run", "none", url, engine.model,
                 **{"inference.request_timeout_s": 2, "inference.max_retries": 3})
     assert r.returncode == 0, r.stderr[-2000:]
     assert proxy.failed > 0 and proxy.hung == 1  # the faults really happened

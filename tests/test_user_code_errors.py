@@ -2,12 +2,10 @@
 the plugin, its entry point, the function and the exception, exit 2 — in `env test`, `eval` and
 `run`; ``--traceback`` / ``AGENTRL_TRACEBACK=1`` print the whole trace instead."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from agentrl_cli import agentrl
 
 from agentrl.errors import AgentrlError, UserCodeError
 from agentrl.plugins import load_environment, load_rubric
@@ -32,11 +30,6 @@ def write_package(root, name, module, body, group="agentrl.environments", attr="
     """))
     (root / f"{module}.py").write_text(body)
     return root
-
-
-def agentrl(*args, env=None, cwd=None):
-    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 EXPECTED = ("error: environment 'broken-env' (broken_env_mod:load_environment) raised ValueError: "

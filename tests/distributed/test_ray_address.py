@@ -16,7 +16,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from agentrl.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -66,7 +65,7 @@ def head_node():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_agentrl_run_joins_an_existing_cluster(tmp_path, head_node):
+def test_agentrl_run_joins_an_existing_cluster(tmp_path, head_node, small_model):
     """Catches: ray_address ignored (a private local cluster started instead: no actor logs under
     the head's temp dir), workers that never deliver on the joined cluster, the driver left
     or the joined cluster shut down by the run (it belongs to whoever started it)."""
@@ -75,7 +74,7 @@ def test_agentrl_run_joins_an_existing_cluster(tmp_path, head_node):
     from agentrl.recipes.rl import train as run_training
 
     address, temp_dir = head_node
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    model = small_model
     run_dir = tmp_path / "run"
     over = {
         "run.dir": run_dir, "model.path": model, "sft.enabled": "false", "env.name": "calc",

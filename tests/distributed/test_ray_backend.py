@@ -9,7 +9,6 @@ ray = pytest.importorskip("ray")
 
 from agentrl.distributed.ray_backend import start_inference_actors  # noqa: E402
 from agentrl.inference import PolicyClient  # noqa: E402
-from agentrl.tiny_model import build_tiny_model  # noqa: E402
 from agentrl.types import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -23,8 +22,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_engines_as_ray_actors_serve_and_stop(tmp_path):
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+def test_engines_as_ray_actors_serve_and_stop(tmp_path, small_model):
+    model = small_model
     pool = start_inference_actors(model, num_engines=2, num_cpus_per_engine=0.5, max_batch_size=8, max_model_len=128)
     try:
         assert len(set(pool.base_urls)) == 2
@@ -57,13 +56,13 @@ def test_engines_as_ray_actors_serve_and_stop(tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
-def test_agentrl_run_with_ray_backend_trains_across_two_engines(tmp_path):
+def test_agentrl_run_with_ray_backend_trains_across_two_engines(tmp_path, small_model):
     """`[cluster] backend = "ray"`: the same run, engines placed by Ray, load-balanced, pushed to."""
     from agentrl.config import load_config
     from agentrl.metrics import read_jsonl
     from agentrl.recipes.rl import train as run_training
 
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    model = small_model
     run_dir = tmp_path / "run"
     over = {
         "run.dir": run_dir, "model.path": model, "sft.enabled": "false", "env.name": "calc",
@@ -82,7 +81,7 @@ def test_agentrl_run_with_ray_backend_trains_across_two_engines(tmp_path):
     assert not ray.is_initialized()  # the run shut down the cluster it started
 
 
-def test_killed_engine_actor_is_restarted_and_the_run_completes(tmp_path):
+def test_killed_engine_actor_is_restarted_and_the_run_completes(tmp_path, small_model):
     """Kill engine actor 0 mid-run: Ray restarts it, the supervisor finds it at its new address,
     pushes the current weights, and the run finishes with every episode accounted for.
 
@@ -98,7 +97,7 @@ def test_killed_engine_actor_is_restarted_and_the_run_completes(tmp_path):
     from agentrl.metrics import read_jsonl
     from agentrl.recipes.rl import train as run_training
 
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    model = small_model
     run_dir = tmp_path / "run"
     over = {
         "run.dir": run_dir, "model.path": model, "sft.enabled": "false", "env.name": "calc",

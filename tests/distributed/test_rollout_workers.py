@@ -19,7 +19,6 @@ from agentrl.distributed.roles import buffer_actor, rollout_worker  # noqa: E402
 from agentrl.inference import PolicyClient  # noqa: E402
 from agentrl.plugins import load_environment  # noqa: E402
 from agentrl.rollout import TaskSampler  # noqa: E402
-from agentrl.tiny_model import build_tiny_model  # noqa: E402
 from agentrl.types import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -56,11 +55,11 @@ async def _a_worker_running_a_group(actor, timeout_s: float = 120) -> int:
     raise AssertionError("no worker ran a group")
 
 
-def test_two_rollout_workers_share_one_buffer_and_a_dead_one_is_restarted(tmp_path):
+def test_two_rollout_workers_share_one_buffer_and_a_dead_one_is_restarted(tmp_path, small_model):
     """Catches: admission not global (more groups running than (η+1)·B), a worker's groups
     missing from the ledger (check fails), a worker that never contributes (leases hoarded by
     one), a dead worker's groups lost (ledger live set ≠ held) or not re-run (no interrupted)."""
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    model = small_model
     pool = start_inference_actors(model, num_engines=2, num_cpus_per_engine=0.25, max_batch_size=16, max_model_len=1024)
     try:
         env = load_environment("calc", num_train=40)
@@ -116,7 +115,7 @@ async def _drive(actor, workers, urls):
     return stats, counters, killed
 
 
-def test_agentrl_run_with_two_rollout_workers(tmp_path):
+def test_agentrl_run_with_two_rollout_workers(tmp_path, small_model):
     """`cluster.rollout_workers = 2`: the quickstart-shaped run on 2 engine actors and 2 rollout
     worker actors around one buffer actor; the trainer in the driver takes its batches there.
 
@@ -127,7 +126,7 @@ def test_agentrl_run_with_two_rollout_workers(tmp_path):
     from agentrl.metrics import read_jsonl
     from agentrl.recipes.rl import train as run_training
 
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    model = small_model
     run_dir = tmp_path / "run"
     over = {
         "run.dir": run_dir, "model.path": model, "sft.enabled": "false", "env.name": "calc",

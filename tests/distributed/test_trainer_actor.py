@@ -11,7 +11,6 @@ ray = pytest.importorskip("ray")
 
 from agentrl.config import load_config  # noqa: E402
 from agentrl.metrics import read_jsonl  # noqa: E402
-from agentrl.tiny_model import build_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 FATES = ("trained", "stale", "filtered", "errored", "interrupted", "skipped")
@@ -60,7 +59,7 @@ def _groups():
     return [g]
 
 
-def test_remote_trainer_steps_saves_and_restores_like_the_local_trainer(tmp_path):
+def test_remote_trainer_steps_saves_and_restores_like_the_local_trainer(tmp_path, small_model):
     """RemoteTrainer against the local Trainer on the same groups.  Catches: env state shipped to
     the actor (the unpicklable lock fails the step), a step that differs from the local one, a
     checkpoint left on the trainer's device, a restore into a fresh actor that drops the weights
@@ -72,7 +71,7 @@ def test_remote_trainer_steps_saves_and_restores_like_the_local_trainer(tmp_path
     from agentrl.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    model = small_model
     cfg = load_config([], [f"--model.path={model}", "--cluster.backend=ray", "--cluster.trainer_actor=true",
                            "--cluster.trainer_cpus=0.5", "--trainer.lr=5e-3", "--trainer.loss.name=ppo"])  # fmt: skip
     local = Trainer(model, cfg.trainer, cfg.rollout.sampling(), seed=cfg.run.seed)
@@ -103,7 +102,7 @@ def test_remote_trainer_steps_saves_and_restores_like_the_local_trainer(tmp_path
         ray.shutdown()
 
 
-def test_trainer_actor_rollout_workers_and_a_killed_engine(tmp_path):
+def test_trainer_actor_rollout_workers_and_a_killed_engine(tmp_path, small_model):
     """The issue's combined run.  Catches: the trainer still in the driver (no actor, or the same
     pid), weights pushed from nowhere (engines stay at version 0), workers' clients left on a
     restarted engine's old address (engine 0 serves nothing after its restart: eval is off, so
@@ -113,7 +112,7 @@ def test_trainer_actor_rollout_workers_and_a_killed_engine(tmp_path):
     from agentrl.distributed.trainer_actor import trainer_actor_name
     from agentrl.recipes.rl import train
 
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    model = small_model
     run_dir = tmp_path / "run"
     seen: dict[str, object] = {}
 
@@ -148,7 +147,7 @@ def test_trainer_actor_rollout_workers_and_a_killed_engine(tmp_path):
     assert not ray.is_initialized()
 
 
-def test_trainer_actor_death_ends_the_run_with_a_checkpoint_to_resume(tmp_path):
+def test_trainer_actor_death_ends_the_run_with_a_checkpoint_to_resume(tmp_path, small_model):
     """Kill the trainer actor after step 3: the run ends with TrainerDied naming the newest checkpoint, and
     ``--resume`` finishes the run from there, rollout workers included.  Catches: a dead trainer
     that hangs the run or is silently restarted from the start model, a message without the
@@ -158,7 +157,7 @@ def test_trainer_actor_death_ends_the_run_with_a_checkpoint_to_resume(tmp_path):
     from agentrl.recipes.rl import train
     from agentrl.trainer.checkpoint import latest_checkpoint
 
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    model = small_model
     run_dir = tmp_path / "run"
     cfg = _config(model, run_dir, steps=6, **{"cluster.num_inference": 1})  # with 2 rollout workers
 

@@ -153,14 +153,13 @@ def test_an_unreachable_server_or_env_args_for_a_url_are_one_line_errors(calc_se
         load_environment(calc_server, num_train=3)
 
 
-def test_agentrl_eval_and_a_training_run_use_a_served_env(calc_server, tmp_path):
+def test_agentrl_eval_and_a_training_run_use_a_served_env(calc_server, tmp_path, small_model):
     """`agentrl eval URL` with the embedded engine, then a short RL run with env.name = URL."""
     from agentrl.config import load_config
     from agentrl.metrics import read_jsonl
     from agentrl.recipes.rl import train as run_training
-    from agentrl.tiny_model import build_tiny_model
 
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    model = small_model
     out = tmp_path / "eval"
     ev = subprocess.run([sys.executable, "-m", "agentrl.cli", "eval", calc_server, "--model", str(model), "-n", "2",
                          "-r", "2", "--out", str(out), "--max-tokens", "16", "--max-error-rate", "0"],

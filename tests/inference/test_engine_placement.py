@@ -60,11 +60,10 @@ def test_a_run_starts_its_engines_where_engine_devices_puts_them(monkeypatch, tm
         open_engines(bad, tmp_path, threads=1)  # a user error (exit 2), before any engine starts
 
 
-def test_open_policy_starts_each_engine_on_its_own_device(monkeypatch, tmp_path):
+def test_open_policy_starts_each_engine_on_its_own_device(monkeypatch, tmp_path, small_model):
     from agentrl.inference import EngineArgs, launcher, open_policy
-    from agentrl.tiny_model import build_tiny_model
 
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    model = small_model
     with pytest.raises(ValueError, match="1 devices for 2 engines"):
         open_policy(model, engines=2, devices=["cpu"])
 

@@ -20,7 +20,6 @@ from testkit import perturbed_state
 
 from agentrl.errors import RequestError, WeightSyncError
 from agentrl.inference import start_embedded_engine
-from agentrl.tiny_model import build_tiny_model
 from agentrl.weights import make_weight_sync
 from agentrl.weights.network import ChunkReceiver, HttpWeightSync, chunk_plan
 
@@ -74,14 +73,14 @@ def _hung_server() -> tuple[socket.socket, str]:
 
 
 @pytest.mark.slow
-def test_http_push_reaches_each_engine_on_its_own(tmp_path):
+def test_http_push_reaches_each_engine_on_its_own(tmp_path, small_model):
     """Two engines with separate temp roots get the weights over HTTP only; a hung engine times
     out without holding the others back; an engine that was down rejoins at the current version.
 
     Catches: a push that goes through a file (a shm/disk file appears), weights that arrive
     corrupted or misplaced (greedy tokens differ from the pushed model's), a version not applied,
     one slow engine failing the whole push, an engine left behind for good."""
-    model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2)
+    model = small_model
     roots = [tmp_path / "node-a", tmp_path / "node-b"]
     for r in roots:
         r.mkdir()

@@ -11,19 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import cmdline, descendants
 
 from agentrl.config import load_config
 from agentrl.metrics import read_jsonl
 from agentrl.recipes.rl import train as run_training
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from agentrl.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=4)
 
 
 def _overrides(model: Path, run_dir: Path, **extra) -> list[str]:
@@ -166,19 +160,6 @@ def test_lora_run_pushes_only_adapters(tiny_model, tmp_path):
     assert staleness and max(staleness) <= 1  # the engine kept up with the adapter pushes
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                stat = (p / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(p.name))
-    return out
-
-
 def test_an_engine_killed_mid_run_is_restarted_and_the_run_completes(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     args = _overrides(tiny_model, run_dir, **{"trainer.steps": 12, "inference.max_retries": 1,
@@ -191,8 +172,7 @@ def test_an_engine_killed_mid_run_is_restarted_and_the_run_completes(tiny_model,
             if len(read_jsonl(run_dir / "metrics.jsonl")) >= 2:
                 break
             time.sleep(0.05)
-        engines = [c for c in _children(proc.pid)
-                   if "agentrl.inference.server" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
+        engines = [c for c in descendants(proc.pid) if "agentrl.inference.server" in cmdline(c)]
         assert len(engines) == 1, engines
         os.kill(engines[0], signal.SIGKILL)
         _, err = proc.communicate(timeout=600)

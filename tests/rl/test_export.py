@@ -15,23 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from agentrl_cli import agentrl
 
 from agentrl.config import load_config
 from agentrl.recipes.rl import train as run_training
 from agentrl.trainer.checkpoint import complete_checkpoints, load_checkpoint
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from agentrl.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=4)
-
-
-def agentrl(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 ODD_LENGTH_ENV = """\

@@ -16,13 +16,6 @@ from agentrl_cli import agentrl
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from agentrl.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=4)
-
-
 def run_args(model: Path, run_dir: Path, **extra) -> list[str]:
     base = {
         "run.dir": run_dir, "model.path": model, "sft.enabled": "false", "env.name": "calc",

@@ -2,7 +2,6 @@
 
 import copy
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,13 +11,6 @@ from agentrl.trainer.checkpoint import MARKER, latest_checkpoint, load_checkpoin
 from agentrl.trainer.losses import LOSSES
 from agentrl.trainer.trainer import Trainer
 from agentrl.types import Group, Message, Task, TokenSequence, Trajectory
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from agentrl.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", layers=2, hidden=64, heads=4)
 
 
 def _traj(prompt, completion, reward, mu=-1.0):
@@ -52,8 +44,8 @@ def _cfg(**kw):
     return TrainerConfig.model_validate(base)
 
 
-def test_a_step_moves_probability_toward_rewarded_completions(tiny):
-    tr = Trainer(tiny, _cfg())
+def test_a_step_moves_probability_toward_rewarded_completions(tiny_model):
+    tr = Trainer(tiny_model, _cfg())
     before = _seq_logp(tr, [1, 5, 6], [40, 41, 42]) - _seq_logp(tr, [1, 5, 6], [50, 51, 52])
     for _ in range(3):
         stats = tr.step(_groups())
@@ -62,9 +54,9 @@ def test_a_step_moves_probability_toward_rewarded_completions(tiny):
     assert stats["grad_norm"] > 0 and stats["entropy"] > 0 and 0 < stats["ess"] <= 1
 
 
-def test_micro_batching_accumulates_the_same_gradient(tiny, monkeypatch):
-    big = Trainer(tiny, _cfg(micro_batch_tokens=4096))
-    small = Trainer(tiny, _cfg(micro_batch_tokens=16))
+def test_micro_batching_accumulates_the_same_gradient(tiny_model, monkeypatch):
+    big = Trainer(tiny_model, _cfg(micro_batch_tokens=4096))
+    small = Trainer(tiny_model, _cfg(micro_batch_tokens=16))
     assert len(small._micro_batches(small._rows(_groups()[0], 0))) > 1
     for tr in (big, small):  # keep the accumulated gradients for inspection
         monkeypatch.setattr(tr.optimizer, "step", lambda: None)
@@ -76,8 +68,8 @@ def test_micro_batching_accumulates_the_same_gradient(tiny, monkeypatch):
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4), n
 
 
-def test_lora_trains_adapters_only_and_pushes_merged_adapted_weights(tiny):
-    tr = Trainer(tiny, _cfg(lora_rank=4, lora_alpha=8))
+def test_lora_trains_adapters_only_and_pushes_merged_adapted_weights(tiny_model):
+    tr = Trainer(tiny_model, _cfg(lora_rank=4, lora_alpha=8))
     before = {k: v.clone() for k, v in tr.named_tensors().items()}
     tr.step(_groups())
     after = tr.named_tensors()
@@ -88,14 +80,14 @@ def test_lora_trains_adapters_only_and_pushes_merged_adapted_weights(tiny):
     assert torch.allclose(merged[k], after[k], atol=1e-6)
 
 
-def test_adapter_push_merges_to_the_same_weights_and_never_accumulates(tiny):
+def test_adapter_push_merges_to_the_same_weights_and_never_accumulates(tiny_model):
     from transformers import AutoModelForCausalLM
 
     from agentrl.errors import RequestError as EngineRequestError
     from agentrl.weights.lora import AdapterMerger
 
-    tr = Trainer(tiny, _cfg(lora_rank=4, lora_alpha=8))
-    served = AutoModelForCausalLM.from_pretrained(tiny)  # what the engine holds: the base
+    tr = Trainer(tiny_model, _cfg(lora_rank=4, lora_alpha=8))
+    served = AutoModelForCausalLM.from_pretrained(tiny_model)  # what the engine holds: the base
     merger = AdapterMerger()
     for _ in range(2):  # two pushes: each is W0 + B·A, not (W0 + B·A) + B·A
         tr.step(_groups())
@@ -119,8 +111,8 @@ def test_adapter_push_merges_to_the_same_weights_and_never_accumulates(tiny):
     assert torch.equal(served.state_dict()[name + ".weight"], before)  # refused pushes change nothing
 
 
-def test_checkpoint_roundtrip_and_incomplete_ones_are_ignored(tiny, tmp_path):
-    tr = Trainer(tiny, _cfg())
+def test_checkpoint_roundtrip_and_incomplete_ones_are_ignored(tiny_model, tmp_path):
+    tr = Trainer(tiny_model, _cfg())
     tr.step(_groups())
     save_checkpoint(tmp_path, 1, tr.state_dict(), {"step": 1})
     ckpt2 = save_checkpoint(tmp_path, 2, tr.state_dict(), {"step": 2})
@@ -128,7 +120,7 @@ def test_checkpoint_roundtrip_and_incomplete_ones_are_ignored(tiny, tmp_path):
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt.name == "step_00000001"
     ts, state = load_checkpoint(ckpt)
-    fresh = Trainer(tiny, _cfg())
+    fresh = Trainer(tiny_model, _cfg())
     fresh.load_state_dict(ts)
     assert state == {"step": 1}
     for p, q in zip(tr.model.parameters(), fresh.model.parameters(), strict=True):
@@ -154,18 +146,18 @@ def _mu_groups(tr):
     return groups
 
 
-def test_decoupled_ppo_recomputes_the_proximal_policy_and_its_clip_acts(tiny):
+def test_decoupled_ppo_recomputes_the_proximal_policy_and_its_clip_acts(tiny_model):
     """Several updates per batch: π_θ moves away from π_prox, the clip engages, and the update
     differs from IcePop's (it used to be an alias: π_prox was π_θ detached)."""
-    dec = Trainer(tiny, _cfg(loss={"name": "decoupled_ppo", "clip_eps": 0.05}, epochs=3, minibatches=2, lr=2e-2))
-    ice = Trainer(tiny, _cfg(loss={"name": "icepop"}, epochs=3, minibatches=2, lr=2e-2))
+    dec = Trainer(tiny_model, _cfg(loss={"name": "decoupled_ppo", "clip_eps": 0.05}, epochs=3, minibatches=2, lr=2e-2))
+    ice = Trainer(tiny_model, _cfg(loss={"name": "icepop"}, epochs=3, minibatches=2, lr=2e-2))
     s_dec = dec.step(_mu_groups(dec))
     ice.step(_mu_groups(ice))
     assert s_dec["updates"] == 6 and s_dec["clip_frac"] > 0
     moved = [not torch.allclose(p, q) for p, q in zip(dec.model.parameters(), ice.model.parameters(), strict=True)]
     assert any(moved)
     # at identical weights the first pass has π_θ = μ exactly (the mismatch the metric reports)
-    fresh = Trainer(tiny, _cfg(loss={"name": "icepop"}), seed=0)
+    fresh = Trainer(tiny_model, _cfg(loss={"name": "icepop"}), seed=0)
     assert fresh.step(_mu_groups(fresh))["mismatch_kl"] < 1e-6
 
 
@@ -175,11 +167,11 @@ def _all_finite(stats):
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
-def test_a_non_finite_mu_skips_its_episode_not_the_step_for_every_loss(tiny, name, bad):
+def test_a_non_finite_mu_skips_its_episode_not_the_step_for_every_loss(tiny_model, name, bad):
     """One rule: the offending episode is left out (fate skipped, with the reason), the rest trains,
     every statistic stays finite (a NaN μ used to give IcePop/PPO a NaN loss and skip the whole
     step for CISPO/TIS/TOPR; a −inf μ set mismatch_kl to 2e7)."""
-    tr = Trainer(tiny, _cfg(loss={"name": name}))
+    tr = Trainer(tiny_model, _cfg(loss={"name": name}))
     groups = _mu_groups(tr)
     bad_traj = groups[0].trajectories[1]
     bad_traj.sequences[0].logprobs[-1] = bad
@@ -191,8 +183,8 @@ def test_a_non_finite_mu_skips_its_episode_not_the_step_for_every_loss(tiny, nam
     assert any(not torch.equal(before[k], v) for k, v in tr.model.state_dict().items())  # the rest trained
 
 
-def test_a_non_finite_advantage_skips_its_episode(tiny):
-    tr = Trainer(tiny, _cfg())
+def test_a_non_finite_advantage_skips_its_episode(tiny_model):
+    tr = Trainer(tiny_model, _cfg())
     groups = _groups()
     groups[0].trajectories[0].advantage = float("nan")
     stats = tr.step(groups)
@@ -212,10 +204,10 @@ def _nan_norm_on(monkeypatch, calls):
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", fake)
 
 
-def test_a_non_finite_update_skips_only_its_minibatch_and_says_so(tiny, monkeypatch):
+def test_a_non_finite_update_skips_only_its_minibatch_and_says_so(tiny_model, monkeypatch):
     """minibatches = 2, the first update non-finite: its group's episodes are skipped (they used to be
     marked trained, with skipped = 0 and a grad norm that could hide the NaN); the second trains."""
-    tr = Trainer(tiny, _cfg(minibatches=2))
+    tr = Trainer(tiny_model, _cfg(minibatches=2))
     groups = _groups() + _groups()
     _nan_norm_on(monkeypatch, {0})
     stats = tr.step(groups)
@@ -224,8 +216,8 @@ def test_a_non_finite_update_skips_only_its_minibatch_and_says_so(tiny, monkeypa
     assert _all_finite(stats) and stats["grad_norm"] > 0
 
 
-def test_a_step_whose_every_update_is_non_finite_is_skipped_whole(tiny, monkeypatch):
-    tr = Trainer(tiny, _cfg())
+def test_a_step_whose_every_update_is_non_finite_is_skipped_whole(tiny_model, monkeypatch):
+    tr = Trainer(tiny_model, _cfg())
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
     lr_before = tr.scheduler.get_last_lr()[0]
     _nan_norm_on(monkeypatch, {0})
@@ -236,12 +228,12 @@ def test_a_step_whose_every_update_is_non_finite_is_skipped_whole(tiny, monkeypa
     assert tr.step(_groups())["skipped"] == 0.0  # the next clean batch trains normally
 
 
-def test_every_statistic_the_trainer_reports_reaches_the_metrics_row(tiny):
+def test_every_statistic_the_trainer_reports_reaches_the_metrics_row(tiny_model):
     """The step log used to copy a fixed key list: seq_rejected_frac, updates and skipped_updates
     never reached metrics.jsonl."""
     from agentrl.recipes.rl import train_metrics
 
-    tr = Trainer(tiny, _cfg(loss={"name": "icepop", "seq_rejection": "geo"}, minibatches=2))
+    tr = Trainer(tiny_model, _cfg(loss={"name": "icepop", "seq_rejection": "geo"}, minibatches=2))
     stats = tr.step(_mu_groups(tr))
     stats.pop("skipped_ids")
     row = train_metrics(stats)

@@ -10,6 +10,7 @@ import os
 import tempfile
 
 import pytest
+from procs import descendants
 
 from agentrl.sandbox import SandboxLimits, why_unavailable
 
@@ -41,28 +42,6 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(params=ISOLATING)
 def isolating_backend(request: pytest.FixtureRequest) -> str:
     return require(request.param)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live (non-zombie) process below ``pid``."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        fields = data[data.rfind(b")") + 2 :].split()
-        if fields[0] not in (b"Z", b"X"):
-            children.setdefault(int(fields[1]), []).append(int(name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def sandbox_leftovers() -> list[str]:

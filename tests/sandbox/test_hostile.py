@@ -18,6 +18,7 @@ import subprocess
 import threading
 
 import pytest
+from procs import processes_matching
 
 from agentrl.sandbox import ExecResult, SandboxError, SandboxPool, make_sandbox, why_unavailable
 
@@ -29,28 +30,12 @@ MARK = "4242"  # `sleep 4242` marks attack processes so the host can be scanned 
 async def sb(isolating_backend, limits):
     async with make_sandbox(isolating_backend, limits) as box:
         yield box
-    assert host_processes_matching(f"sleep {MARK}") == []
+    assert processes_matching(f"sleep {MARK}") == []
 
 
 async def run(box, cmd, *, timeout: float | None = None) -> ExecResult:
     limit = (timeout or box.limits.timeout_s) + GRACE_S
     return await asyncio.wait_for(box.exec(cmd, timeout=timeout), limit)
-
-
-def host_processes_matching(text: str) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if text in cmd and state not in (b"Z", b"X"):
-                found.append(int(name))
-    return found
 
 
 def assert_host_fine() -> None:
@@ -208,7 +193,7 @@ async def test_sleep_past_timeout_with_children_ignoring_sigterm(sb):
     cmd = f"trap '' TERM; for i in 1 2 3; do (trap '' TERM; exec sleep {MARK}) & done; exec sleep {MARK}"
     r = await run(sb, ["bash", "-c", cmd], timeout=1.0)
     assert r.timed_out
-    assert host_processes_matching(f"sleep {MARK}") == []
+    assert processes_matching(f"sleep {MARK}") == []
     await assert_sandbox_fine(sb)
 
 
@@ -635,7 +620,7 @@ async def test_pool_attacker_then_victim_sees_a_clean_sandbox(isolating_backend,
     assert lines[1] == "modes: 755 1777 1777 ", r
     assert "PWNED" not in r.stdout + r.stderr and "python ok" in lines and "bash ok" in lines, r
     assert "ipc: 0" in lines and "mq -1 2" in lines and lines[-1] == "writable", r  # ENOENT: the queue is gone
-    assert host_processes_matching(f"sleep {MARK}") == []
+    assert processes_matching(f"sleep {MARK}") == []
 
 
 async def test_reset_that_cannot_prove_clean_destroys_the_sandbox(isolating_backend, limits, monkeypatch):
@@ -825,10 +810,10 @@ async def test_one_sandbox_cannot_exhaust_per_user_kernel_counters(isolating_bac
         hogging = asyncio.ensure_future(run(hog, ["python3", "-c", _EXHAUST, mark]))
         try:
             for _ in range(300):  # until the hog holds everything (it sleeps then)
-                if host_processes_matching(f"sleep {mark}") or hogging.done():
+                if processes_matching(f"sleep {mark}") or hogging.done():
                     break
                 await asyncio.sleep(0.1)
-            assert host_processes_matching(f"sleep {mark}"), "the hog never got to hold its counters"
+            assert processes_matching(f"sleep {mark}"), "the hog never got to hold its counters"
             r = await run(other, ["python3", "-c", _CREATE_ONE])
             assert r.stdout.split() == ["inotify", "0", "mqueue", "0", "sigqueue", "0"], r
             uid = _formerly_shared_uid(isolating_backend)
@@ -838,7 +823,7 @@ async def test_one_sandbox_cannot_exhaust_per_user_kernel_counters(isolating_bac
                                       user=uid, group=uid, extra_groups=[], cwd="/")  # fmt: skip
                 assert host.stdout.split() == ["inotify", "0", "mqueue", "0", "sigqueue", "0"], (uid, host)
         finally:
-            for pid in host_processes_matching(f"sleep {mark}"):
+            for pid in processes_matching(f"sleep {mark}"):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             r = await hogging

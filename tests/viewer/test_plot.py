@@ -3,18 +3,12 @@ charts' colours), the SVG carries the axis labels as text, and bad input is one 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
+from agentrl_cli import agentrl
 from PIL import Image
 
 from agentrl.plot import plot_run
 from agentrl.viewer.data import CHARTS
-
-
-def _agentrl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def _has_colour(img: np.ndarray, hex_colour: str, tol: int = 40) -> int:
@@ -24,7 +18,7 @@ def _has_colour(img: np.ndarray, hex_colour: str, tol: int = 40) -> int:
 
 def test_plot_png_has_every_curve(real_run, tmp_path, steps):
     out = tmp_path / "curves.png"
-    res = _agentrl("plot", str(real_run), "--out", str(out))
+    res = agentrl("plot", str(real_run), "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert f"{len(CHARTS)} chart(s) over {steps} steps" in res.stdout
     img = np.asarray(Image.open(out).convert("RGB"))
@@ -48,7 +42,7 @@ def test_plot_panels_are_labelled(real_run, tmp_path, steps):
 
 def test_plot_svg_subset_keeps_text(real_run, tmp_path):
     out = tmp_path / "reward.svg"
-    res = _agentrl("plot", str(real_run), "--out", str(out), "--charts", "reward", "--title", "learning curve")
+    res = agentrl("plot", str(real_run), "--out", str(out), "--charts", "reward", "--title", "learning curve")
     assert res.returncode == 0, res.stderr
     svg = out.read_text()
     for text in ("trainer step", "mean reward", "held-out eval", "learning curve"):
@@ -57,9 +51,9 @@ def test_plot_svg_subset_keeps_text(real_run, tmp_path):
 
 
 def test_plot_bad_input_is_one_line(real_run, tmp_path):
-    res = _agentrl("plot", str(real_run), "--out", str(tmp_path / "x.png"), "--charts", "reward,nope")
+    res = agentrl("plot", str(real_run), "--out", str(tmp_path / "x.png"), "--charts", "reward,nope")
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "available: reward" in res.stderr
-    res = _agentrl("plot", str(real_run), "--out", str(tmp_path / "x.gif"))
+    res = agentrl("plot", str(real_run), "--out", str(tmp_path / "x.gif"))
     assert res.returncode == 2 and ".png" in res.stderr
-    res = _agentrl("plot", str(tmp_path), "--out", str(tmp_path / "x.png"))
+    res = agentrl("plot", str(tmp_path), "--out", str(tmp_path / "x.png"))
     assert res.returncode == 2 and "neither a run directory" in res.stderr
