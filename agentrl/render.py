@@ -18,6 +18,7 @@ their exact ids.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import secrets
@@ -100,7 +101,7 @@ def render_chat_ids(
     text = render_chat_text(tokenizer, messages, tools, add_generation_prompt, **template_kwargs)
     if marker is None or not marker.used:
         return tokenizer.encode(text, add_special_tokens=False)
-    return _encode_marked(tokenizer, specials, marker, text)
+    return _encode_marked(tokenizer, specials, marker, text)[0]
 
 
 @dataclass
@@ -168,6 +169,7 @@ class _Marker:
         self.specials = specials
         self.nonce = "zq" + secrets.token_hex(8)  # lowercase letters and digits: no template escapes them
         self.used = 0
+        self.moved: list[tuple[int, int, int, int]] = []  # (placeholder start, end, its token's start, end)
 
     def _swap(self, m: re.Match[str]) -> str:
         self.used += 1
@@ -188,12 +190,14 @@ class _Marker:
         """The rendered text with the special-token texts back, and their (start, end) spans."""
         out: list[str] = []
         spans: list[tuple[int, int]] = []
+        self.moved = []
         at = pos = 0
         for m in re.finditer(self.nonce + r"n(\d+)x", text):
             out.append(text[pos : m.start()])
             at += m.start() - pos
             token = self.specials.texts[int(m.group(1))]
             spans.append((at, at + len(token)))
+            self.moved.append((m.start(), m.end(), at, at + len(token)))
             out.append(token)
             at += len(token)
             pos = m.end()
@@ -204,13 +208,24 @@ class _Marker:
                              "it cannot be rendered safely")  # fmt: skip
         return real, spans
 
+    def to_real(self, pos: int) -> int:
+        """Where position ``pos`` of the rendered text (placeholders in it) lies in the text
+        :meth:`unmark` returned (a position inside a placeholder: the end of its token)."""
+        i = bisect.bisect_right(self.moved, (pos, float("inf"))) - 1
+        if i < 0:
+            return pos
+        ph_start, ph_end, start, end = self.moved[i]
+        return start if pos == ph_start else end + max(pos - ph_end, 0)
 
-def _encode_marked(tokenizer: Any, specials: _Specials, marker: _Marker, rendered: str) -> list[int]:
+
+def _encode_marked(
+    tokenizer: Any, specials: _Specials, marker: _Marker, rendered: str
+) -> tuple[list[int], list[tuple[int, int]]]:
     """Encode ``rendered`` (placeholders in it) so that only the template's special tokens are
     special ids.  The text is encoded once as usual; that encoding already splits the text at
     every special token, the input's too, so each special id that came from input text is
     replaced by the ids of that text encoded with special tokens off.  Everything else keeps
-    the usual encoding's ids."""
+    the usual encoding's ids.  Returns the ids and each one's (start, end) in the real text."""
     text, forged = marker.unmark(rendered)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -232,19 +247,21 @@ def _encode_marked(tokenizer: Any, specials: _Specials, marker: _Marker, rendere
         return next_span < len(forged) and forged[next_span][0] < end
 
     out: list[int] = []
+    where: list[tuple[int, int]] = []
     template_specials = 0
     for tid, (start, end) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
-        if tid not in specials.ids:
-            out.append(tid)
-        elif inside(start, end):  # an input's special-token text: its text's ids instead
-            out.extend(specials.plain.encode(text[start:end], add_special_tokens=False).ids)
-        else:  # the template's own
-            out.append(tid)
-            template_specials += 1
+        if tid in specials.ids and inside(start, end):  # an input's special-token text: its text's ids instead
+            as_text = specials.plain.encode(text[start:end], add_special_tokens=False).ids
+            out.extend(as_text)
+            where.extend([(start, end)] * len(as_text))
+            continue
+        out.append(tid)
+        where.append((start, end))
+        template_specials += tid in specials.ids
     if sum(tid in specials.ids for tid in out) != template_specials:
         raise ValueError("message text holds special-token text that this tokenizer encodes as a special token even "
                          "as plain text; it cannot be rendered safely")  # fmt: skip
-    return out
+    return out, where
 
 
 # Template tokens allowed between the sampled end-of-turn token and the next message
@@ -307,9 +324,26 @@ def render_chat_with_mask(
     tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
 ) -> tuple[list[int], list[int]]:
     """(token ids, assistant mask) of a whole conversation: 1 on the tokens the template marks
-    as generated (its ``{% generation %}`` blocks), for supervised fine-tuning."""
+    as generated (its ``{% generation %}`` blocks), for supervised fine-tuning.  Special-token
+    text in the messages is encoded as text, as in :func:`render_chat_ids`."""
+    specials = _specials_of(tokenizer)
+    marker = _Marker(specials) if specials.pattern is not None else None
+    if marker is not None:
+        messages, tools = marker.mark([messages, tools])
+    forged = marker is not None and marker.used > 0
     enc = tokenizer.apply_chat_template(
         _normalized(messages, not _takes_json_text(tokenizer)), tools=tools or None, tokenize=True, return_dict=True,
-        return_assistant_tokens_mask=True,
-    )
-    return list(enc["input_ids"]), list(enc["assistant_masks"])
+        return_assistant_tokens_mask=True, **({"tokenizer_kwargs": {"return_offsets_mapping": True}} if forged else {}),
+    )  # fmt: skip
+    if not forged:
+        return list(enc["input_ids"]), list(enc["assistant_masks"])
+    assert marker is not None
+    # the template's generated stretches, from its placeholder text's tokens, moved to the real text
+    rendered = render_chat_text(tokenizer, messages, tools, add_generation_prompt=False)
+    ids, where = _encode_marked(tokenizer, specials, marker, rendered)
+    generated = bytearray(marker.to_real(len(rendered)) + 1)
+    for (start, end), m in zip(enc["offset_mapping"], enc["assistant_masks"], strict=True):
+        if m:
+            a, b = marker.to_real(start), marker.to_real(end)
+            generated[a:b] = b"\x01" * (b - a)
+    return ids, [int(any(generated[a:b])) for a, b in where]

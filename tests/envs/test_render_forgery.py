@@ -136,3 +136,30 @@ def test_agentrl_model_check_template_prints_the_forgery_check(tmp_path):
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert "special tokens in message text: ok" in r.stdout
+
+
+def test_sft_demonstrations_keep_special_token_text_as_text_and_their_mask():
+    """SFT renders whole demonstrations with their assistant mask: a tool result and a user turn
+    that forge turns leave the special ids and the masked (trained-on) tokens of the harmless
+    demonstration unchanged, and forged text the assistant wrote is trained on as text."""
+    from agentrl.render import render_chat_with_mask
+    from agentrl.tiny_model import build_tokenizer
+
+    tok = build_tokenizer()  # the template with {% generation %} blocks
+    forged = forged_text(tok)
+
+    def demo(x: str, said: str = "") -> list[dict]:
+        call = {"id": "call00000", "type": "function", "function": {"name": "calculator", "arguments": '{"e": "1"}'}}
+        return [{"role": "user", "content": f"What is 12*7?{x}"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": f"84{x}", "tool_call_id": "call00000"},
+                {"role": "assistant", "content": f"It is 84.{said}"}]  # fmt: skip
+
+    specials = special_ids(tok)
+    plain_ids, plain_mask = render_chat_with_mask(tok, demo(""))
+    ids, mask = render_chat_with_mask(tok, demo(forged))
+    assert [i for i in ids if i in specials] == [i for i in plain_ids if i in specials]
+    assert [i for i, m in zip(ids, mask, strict=True) if m] == [i for i, m in zip(plain_ids, plain_mask, strict=True) if m]
+    assert sum(plain_mask) > 0 and forged in tok.decode(ids, skip_special_tokens=True)
+    ids, mask = render_chat_with_mask(tok, demo(forged, said=forged))
+    assert [i for i in ids if i in specials] == [i for i in plain_ids if i in specials]
+    assert forged in tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
