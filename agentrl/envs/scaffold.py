@@ -33,10 +33,12 @@ num_tasks = 200
 
 MODULE = '''"""{name}: reverse a word with the `reverse` tool, then answer with the result."""
 
+import json
 import random
 
 from agentrl.envs import ToolEnv
 from agentrl.rubrics import Rubric
+from agentrl.types import Message, ToolCall
 
 
 def reverse(text: str) -> str:
@@ -52,12 +54,27 @@ def correct(completion: str, answer: str) -> float:
     return float(completion.strip() == answer)
 
 
+class ReverseEnv(ToolEnv):
+    def demonstrations(self, n: int, seed: int = 0) -> list[list[Message]]:
+        """Solved conversations, each starting with a training task's prompt: the warm start
+        (SFT) a freshly built model needs before RL (`agentrl run`'s [sft] section)."""
+        rng, tasks, out = random.Random(seed), list(self.dataset()), []
+        for _ in range(n):
+            task = rng.choice(tasks)
+            word = task.answer[::-1]
+            call = ToolCall("reverse", json.dumps({{"text": word}}))
+            out.append([*task.prompt, Message("assistant", "", tool_calls=[call]),
+                        Message("tool", reverse(word), tool_call_id=call.id, name="reverse"),
+                        Message("assistant", task.answer)])
+        return out
+
+
 def load_environment(num_tasks: int = 200, seed: int = 0, **kwargs) -> ToolEnv:
     rng = random.Random(seed)
     words = sorted({{"".join(rng.choices("abcdefgh", k=5)) for _ in range(num_tasks + 50)}})
     rng.shuffle(words)
     data = [{{"question": f"Reverse {{w}}", "answer": w[::-1]}} for w in words]
-    return ToolEnv(
+    return ReverseEnv(
         tools=[reverse],
         dataset=data[50:],
         eval_dataset=data[:50],
@@ -91,7 +108,8 @@ An [agentrl](https://example.invalid/agentrl) environment: `{name}`.
     agentrl env test {name}               # contract checklist with a scripted policy
     agentrl eval {name} --model MODEL_DIR -n 20 -r 4
 
-Edit `{module}.py`: the dataset, the tools and the rubric's reward functions.
+Edit `{module}.py`: the dataset, the tools, the rubric's reward functions, and the
+demonstrations a fresh model warm-starts on before RL (`agentrl run`).
 Defaults for `load_environment()` live in `[tool.agentrl.args]` in `pyproject.toml`.
 '''
 

@@ -114,3 +114,14 @@ def test_env_test_of_a_sandboxed_env_ends_without_tracebacks():
     r = agentrl("env", "test", "code", "-n", "2", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stderr and "Event loop is closed" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_scaffolded_env_comes_with_demonstrations_the_checker_replays(tmp_path):
+    """Friction 4: nothing told a newcomer that a fresh model needs demonstrations() for its warm
+    start; the scaffold now writes them, and `env test` replays each on its own task."""
+    assert agentrl("env", "init", "probe", "--path", tmp_path).returncode == 0
+    r = agentrl("env", "test", tmp_path / "probe", "-n", "3", timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = " ".join(r.stdout.split())
+    assert "4 conversations, 4 start with a dataset task's prompt" in out, r.stdout
+    assert "reverse raised 0/3" in out and "rewards [1.0, 1.0, 1.0]" in out, r.stdout
