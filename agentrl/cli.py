@@ -321,6 +321,9 @@ def env_serve(
     max_open_per_client: Annotated[
         int, typer.Option("--max-open-per-client", min=1, help="Open episodes at once per client address.")
     ] = 512,
+    private_tasks: Annotated[
+        bool, typer.Option("--private-tasks", help="Clients see task ids and prompts only, not answers or info.")
+    ] = False,
 ) -> None:
     """Serve an environment over HTTP; runs and evals use it as env.name = "http://HOST:PORT"."""
     import asyncio
@@ -341,7 +344,8 @@ def env_serve(
 
     try:
         asyncio.run(serve(environment, host=host, port=port, on_ready=ready, idle_timeout_s=idle_timeout or None,
-                          api_key=given, max_open=max_open, max_open_per_client=max_open_per_client))  # fmt: skip
+                          api_key=given, max_open=max_open, max_open_per_client=max_open_per_client,
+                          private_tasks=private_tasks))  # fmt: skip
     except KeyboardInterrupt:
         pass
 

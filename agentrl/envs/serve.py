@@ -28,6 +28,7 @@ The rules (README: "Env server hygiene"), each against an attack a review found:
   another's episode (ids were ``ep0, ep1...``).
 - **Tasks come from the server's own dataset.**  A client names a task by id (from
   ``/tasks``); the answer and info the rubric sees are the server's, never the client's.
+  With ``private_tasks`` a client sees only ids and prompts (an eval it cannot look up).
 - **Bounded.**  At most ``max_open`` episodes open at once and ``max_open_per_client`` per
   client address (the next ``/reset`` answers 429 naming the limit, before ``setup`` takes a
   sandbox); an open episode nobody touched for ``idle_timeout_s`` (its client died) is
@@ -270,13 +271,14 @@ def _key_middleware(key: str) -> Any:
 
 def make_app(
     env: Environment, *, keep_closed: int = 4096, idle_timeout_s: float | None = 600.0, api_key: str | None = None,
-    max_open: int = 1024, max_open_per_client: int = 512,
+    max_open: int = 1024, max_open_per_client: int = 512, private_tasks: bool = False,
 ) -> web.Application:  # fmt: skip
     """The aiohttp application serving ``env`` (routes and rules in the module docstring).
 
     ``idle_timeout_s``: an open episode with no call for this long is expired (None: never).
     ``api_key``: required on every route but ``/health`` (None: open).  ``max_open`` /
-    ``max_open_per_client``: open episodes at once, in all and per client address."""
+    ``max_open_per_client``: open episodes at once, in all and per client address.
+    ``private_tasks``: ``/tasks`` shows each task's id and prompt only (no answer, no info)."""
     episodes = _Episodes(keep_closed, idle_timeout_s, max_open, max_open_per_client)
     tasks = _Tasks(env)
     routes = web.RouteTableDef()
@@ -290,7 +292,7 @@ def make_app(
 
     @routes.get("/info")
     async def info(_: web.Request) -> web.Response:
-        return web.json_response(_info(env, tasks))
+        return web.json_response({**_info(env, tasks), "private_tasks": private_tasks})
 
     @routes.get("/tasks")
     async def task_page(request: web.Request) -> web.Response:
@@ -302,7 +304,10 @@ def make_app(
         if rows is None:
             return web.json_response({"tasks": [], "total": None})
         page = rows[max(offset, 0) : max(offset, 0) + min(max(limit, 0), MAX_TASK_PAGE)]
-        return web.json_response({"tasks": [t.to_dict() for t in page], "total": len(rows)})
+        shown = [t.to_dict() for t in page]
+        if private_tasks:  # what the model is shown, nothing the rubric compares to
+            shown = [{"id": d["id"], "prompt": d["prompt"]} for d in shown]
+        return web.json_response({"tasks": shown, "total": len(rows)})
 
     @routes.post("/reset")
     async def reset(request: web.Request) -> web.Response:
@@ -465,13 +470,13 @@ def exposure_warning(host: str, keyed: bool) -> str | None:
 async def serve(
     env: Environment, *, host: str = "127.0.0.1", port: int = 8765, on_ready: Any = None,
     idle_timeout_s: float | None = 600.0, api_key: str | None = None, max_open: int = 1024,
-    max_open_per_client: int = 512,
+    max_open_per_client: int = 512, private_tasks: bool = False,
 ) -> None:  # fmt: skip
     """Serve ``env`` until cancelled (``agentrl env serve``); ``on_ready(url)`` once listening."""
     from agentrl.errors import AgentrlError
 
     app = make_app(env, idle_timeout_s=idle_timeout_s, api_key=api_key, max_open=max_open,
-                   max_open_per_client=max_open_per_client)  # fmt: skip
+                   max_open_per_client=max_open_per_client, private_tasks=private_tasks)  # fmt: skip
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:

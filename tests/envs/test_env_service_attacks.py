@@ -326,3 +326,27 @@ async def test_an_abandoned_sandbox_episode_expires_and_frees_its_sandbox():
                 await honest.close()
     finally:
         await env.close()
+
+
+async def test_private_tasks_show_a_client_no_answers_and_still_score():
+    """An eval served to a client it does not trust: with private_tasks, /tasks shows ids and
+    prompts only, and the episode is still scored against the server's own answer."""
+    async with served(calc(), private_tasks=True) as url:
+        remote = await asyncio.to_thread(RemoteEnvironment, url)
+        async with aiohttp.ClientSession() as s:
+            _, page = await get(s, f"{url}/tasks?split=eval&limit=3")
+            _, info = await get(s, f"{url}/info")
+        assert info["private_tasks"] is True
+        assert all(set(t) == {"id", "prompt"} for t in page["tasks"]), page["tasks"][0]
+        task = remote.eval_dataset()[0]
+        assert task.answer is None and task.info == {}
+        state = await remote.setup(task)
+        expr = task.prompt[-1].content[len("What is "):-1]
+        reply = await remote.step(state, remote.parse_assistant(tool_call(expr)["content"], state))
+        await remote.step(state, remote.parse_assistant(reply[0].content, state))
+        await remote.cleanup(state)
+        t = Trajectory(task=task, messages=list(state.messages))
+        t.state = state
+        await remote.rubric.score_group([t])
+        assert t.error is None and t.reward == 1.0, (t.error, t.reward)
+        await remote.aclose()
