@@ -43,10 +43,31 @@ class ModelConfig(Section):
 class InferenceConfig(Section):
     base_url: list[str] = Field(
         default_factory=list,
-        description="OpenAI-compatible endpoints (e.g. vLLM). Empty: start the embedded engine.",
+        description="OpenAI-compatible endpoints (e.g. vLLM); one URL or a list. Empty: agentrl starts the engine.",
     )
     engine: Literal["embedded", "vllm"] = Field(
-        "embedded", description="Engine behind base_url: vllm pushes weights over its NCCL weight-transfer routes."
+        "embedded", description="embedded: agentrl's own engine. vllm: without base_url agentrl starts `vllm serve` "
+        "(from .venv-vllm, see vllm_command); weights reach vLLM by disk reload, or NCCL on a GPU.",
+    )
+    vllm_command: str | None = Field(
+        None, description="How to run vLLM's CLI, e.g. '/opt/vllm/bin/vllm' (default: .venv-vllm/bin/vllm, made by "
+        "`bash .ci/install-vllm`, in the working directory or agentrl's checkout).",
+    )
+    vllm_kv_cache_gb: int = Field(
+        1, ge=1, description="vLLM's memory cap: GiB for its KV cache (VLLM_CPU_KVCACHE_SPACE on a CPU host, "
+        "--kv-cache-memory-bytes on a GPU); vLLM's own default takes most of the memory.",
+    )
+    vllm_enforce_eager: bool | None = Field(
+        None, description="vLLM's --enforce-eager (no torch.compile/CUDA graphs): None = on for a CPU host, where it "
+        "halves start-up (about 1 minute instead of 2-5), off on a GPU.",
+    )
+    vllm_weight_transfer: Literal["auto", "disk", "nccl"] = Field(
+        "auto", description="How pushed weights reach vLLM: nccl (vLLM's NCCL weight-transfer engine; needs a GPU "
+        "and vLLM in the trainer's venv), disk (a safetensors dir, then reload_weights over /collective_rpc; any "
+        "hardware, the servers must see the trainer's filesystem), auto = nccl when both hold, else disk.",
+    )
+    vllm_args: list[str] = Field(
+        default_factory=list, description="More `vllm serve` arguments, e.g. ['--max-num-batched-tokens', '4096']."
     )
     model_name: str | None = Field(None, description="Served model name (default: the model dir's name).")
     port: int = Field(0, ge=0, description="Embedded engine port (0 = pick a free one).")
@@ -95,6 +116,14 @@ class InferenceConfig(Section):
         from dataclasses import fields
 
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
+
+    @field_validator("base_url", mode="before")
+    @classmethod
+    def _url_or_urls(cls, v: Any) -> Any:
+        # `--inference.base_url=http://...` on the command line is one string; a comma joins several
+        if isinstance(v, str):
+            return [u.strip() for u in v.split(",") if u.strip()]
+        return v
 
     @field_validator("tool_parser")
     @classmethod

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: the embedded engine and the trainer on CUDA, the Ray backend with a GPU engine and trainer actor,
-# and vLLM when it is installed.  Each check runs on its own; the script prints one line per
+# and vLLM 0.32 from .venv-vllm (`vllm serve` started by agentrl, weights by disk reload and by vLLM's
+# NCCL engine, an external server on both eval paths).  Each check runs on its own; the script prints one line per
 # check (ok / FAILED / skipped, with the reason) and a JSON line last.  Exit 1 if any ran and failed.
 #
 #   bash benchmarks/gpu_check.sh            (from the repository root, in the project's venv)
@@ -58,20 +59,56 @@ kl = row.get('train/mismatch_kl')
 print('step-0 mismatch KL', kl)
 sys.exit(0 if kl is not None and abs(kl) < 1e-3 else 1)"
 
-# 5) vLLM, when installed: serve the tiny model and run the same short RL run against it
-if $PY -c "import vllm" 2>/dev/null; then
-  PORT=8977
-  $PY -m vllm.entrypoints.openai.api_server --model "$WORK/tiny" --port $PORT --gpu-memory-utilization 0.3 \
-    --enforce-eager >"$WORK/vllm.out" 2>&1 &
+# 5) vLLM 0.32 from .venv-vllm (`bash .ci/install-vllm` makes the CUDA build where nvidia-smi works;
+#    INSTALL_VLLM=1 runs it here, ~5 min).  A warm-started model (SFT on calc) so RL has a signal.
+[ "${INSTALL_VLLM:-0}" = 1 ] && bash .ci/install-vllm >"$WORK/install-vllm.out" 2>&1
+VPY=.venv-vllm/bin/python
+if [ -x .venv-vllm/bin/vllm ]; then
+  WARM=(--sft.enabled=true --sft.steps=200 --sft.target_reward=0.3 --sft.eval_every=10 --sft.eval_tasks=50)
+  VRUN=("${RUN[@]/--inference.device=cuda/--inference.max_model_len=512}" "${WARM[@]}" --inference.engine=vllm --trainer.steps=3 --eval.every=3
+        --eval.num_tasks=20)
+  # the step-0 mismatch KL must be ~0 (the trainer's dtype is served) and vLLM's weight version must
+  # follow every push (engine/0/version = the step's version)
+  cat >"$WORK/first_kl.py" <<'PYEOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1] + "/metrics.jsonl") if "train/mismatch_kl" in line]
+versions = [r.get("engine/0/version") for r in rows]
+print("step-0 mismatch KL", rows[0]["train/mismatch_kl"], "versions", versions)
+sys.exit(0 if len(rows) == 3 and abs(rows[0]["train/mismatch_kl"]) < 1e-3 and versions == [1, 2, 3] else 1)
+PYEOF
+  # a) agentrl starts `vllm serve` itself; weights by disk reload (the trainer's venv has no vLLM)
+  check vllm_launch_disk 900 bash -c "$PY -m agentrl.cli run ${VRUN[*]} --run.dir=$WORK/vllm_disk \
+    --inference.vllm_weight_transfer=disk && $PY $WORK/first_kl.py $WORK/vllm_disk"
+  # b) the same with vLLM 0.32's NCCL engine (NCCLTrainerWeightTransferEngine): the trainer runs in
+  #    .venv-vllm, with agentrl installed there
+  if $VPY -m pip install -q -e . >"$WORK/pip-agentrl.out" 2>&1; then
+    check vllm_launch_nccl 900 bash -c "$VPY -m agentrl.cli run ${VRUN[*]} --run.dir=$WORK/vllm_nccl \
+      --inference.vllm_weight_transfer=nccl && $PY $WORK/first_kl.py $WORK/vllm_nccl"
+  else
+    skip vllm_launch_nccl "cannot install agentrl into .venv-vllm: $(tail -n 1 "$WORK/pip-agentrl.out")"
+  fi
+  # c) an external `vllm serve` (dev-mode routes on, its own key): eval on both paths, then a run
+  #    given its base_url as one string: the warm start is pushed into it first
+  PORT=8977 KEY=gpu-check-key
+  VLLM_SERVER_DEV_MODE=1 VLLM_HOST_IP=127.0.0.1 .venv-vllm/bin/vllm serve "$WORK/tiny" --host 127.0.0.1 \
+    --port $PORT --api-key $KEY --dtype float32 --logprobs-mode processed_logprobs --generation-config vllm \
+    --kv-cache-memory-bytes 2147483648 --enforce-eager --enable-auto-tool-choice --tool-call-parser hermes \
+    >"$WORK/vllm.out" 2>&1 &
   VLLM_PID=$!
-  for _ in $(seq 1 120); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 2; done
-  check vllm_eval 300 $PY -m agentrl.cli eval calc --model "$WORK/tiny" --base-url "http://127.0.0.1:$PORT/v1" \
-    -n 4 -r 2 --max-tokens 24 --out "$WORK/vllm_eval"
-  check vllm_rl 600 bash -c "$PY -m agentrl.cli run ${RUN[*]} --run.dir=$WORK/vllm_rl --inference.engine=vllm \
-    --inference.base_url=http://127.0.0.1:$PORT/v1 && test \$(wc -l < $WORK/vllm_rl/metrics.jsonl) -eq 3"
+  for _ in $(seq 1 150); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 2; done
+  for path in token chat; do
+    check "vllm_eval_$path" 300 $PY -m agentrl.cli eval calc --model "$WORK/tiny" --base-url "http://127.0.0.1:$PORT/v1" \
+      --api-key $KEY --tokenizer "$WORK/tiny" -n 4 -r 2 --max-tokens 24 --out "$WORK/vllm_eval_$path" \
+      $([ $path = chat ] && echo --chat)
+  done
+  check vllm_external 600 bash -c "AGENTRL_API_KEY=$KEY $PY -m agentrl.cli run ${VRUN[*]} --run.dir=$WORK/vllm_ext \
+    --inference.base_url=http://127.0.0.1:$PORT/v1 --inference.model_name=$WORK/tiny \
+    --inference.vllm_weight_transfer=disk && $PY $WORK/first_kl.py $WORK/vllm_ext"
   kill "$VLLM_PID" 2>/dev/null; wait "$VLLM_PID" 2>/dev/null
 else
-  skip vllm_eval "vllm is not installed"; skip vllm_rl "vllm is not installed"
+  for k in vllm_launch_disk vllm_launch_nccl vllm_eval_token vllm_eval_chat vllm_external; do
+    skip "$k" "no .venv-vllm: bash .ci/install-vllm (or INSTALL_VLLM=1)"
+  done
 fi
 
 failed=0; json="{\"benchmark\": \"gpu_check\", \"cuda\": true"

@@ -137,6 +137,14 @@ class Endpoint:
             except ValueError as e:
                 raise MalformedResponse(f"{self.root}{path} answered non-JSON: {text[:200]!r}") from e
 
+    async def text(self, path: str) -> str:
+        """GET a non-JSON route (vLLM's Prometheus ``/metrics``)."""
+        async with self._http().get(self.root + path) as r:
+            body = await r.text()
+            if r.status >= 400:
+                raise _HTTPStatus(r.status, body)
+            return body
+
     async def post(self, path: str, body: dict[str, Any]) -> Any:
         """POST JSON, return parsed JSON; non-2xx raises :class:`_HTTPStatus`."""
         async with self._http().post(self.root + path, data=json.dumps(body, separators=(",", ":"))) as r:
@@ -181,9 +189,13 @@ class PolicyClient:
         requests_per_s: float = 0.0,
         cache_salt: bool = False,
         tool_parser: str | None = None,
+        support_logprobs: int = 0,
     ):
         """``cache_salt``: salt token requests with the weight version (vLLM's ``cache_salt``), so a
-        server's prefix cache never serves K/V computed by older weights."""
+        server's prefix cache never serves K/V computed by older weights.  ``support_logprobs``
+        (vLLM: its ``--max-logprobs``, N): a server that reports no ``token_support`` gives the
+        support size K of a top-p/min-p sample through its top-N processed logprobs, where every
+        token outside the kept set is at the floor: K = the entries above it, exact when K < N."""
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("PolicyClient needs at least one base_url")
@@ -192,6 +204,7 @@ class PolicyClient:
         # used when a server does not report per-token versions (plain vLLM)
         self.default_version = default_version
         self.cache_salt = cache_salt
+        self.support_logprobs = support_logprobs
         self.endpoints = [Endpoint(u, api_key, timeout, requests_per_s) for u in urls]
         # A local copy of the served model's tokenizer (a path or a HF tokenizer) renders
         # prompts in-process: same template, same ids, no /tokenize round trip per turn.
@@ -302,6 +315,9 @@ class PolicyClient:
         aiohttp instead of through the SDK's request/response models (~10× less CPU).
         """
         body = {"model": self.model, "prompt": prompt_ids, "logprobs": 0, **self._sampling_body(sampling, n)}
+        top_n = self.support_logprobs if _truncates(sampling) else 0
+        if top_n:  # K from the top-N processed logprobs, keyed by token id (token texts can collide)
+            body.update(logprobs=top_n, return_tokens_as_token_ids=True)
         if self.cache_salt:  # vLLM: prefix-cache blocks are shared only within one weight version
             body["cache_salt"] = f"v{self.default_version}"
         start_version = self.default_version  # for servers without per-token versions (vLLM)
@@ -313,6 +329,8 @@ class PolicyClient:
             versions, support = self._choice_tokens(ch, ids, lps, start_version)
             if not support and ids and _top_k_only(sampling):  # the support is top_k itself
                 support = [sampling.top_k] * len(ids)
+            if not support and ids and top_n:
+                support = support_from_top(ch, len(ids), top_n)
             out.append(
                 Completion(
                     text=ch.get("text") or "", token_ids=ids, logprobs=lps, versions=versions,
@@ -488,7 +506,10 @@ class PolicyClient:
                 "the trainer needs the sampling distribution's; start vLLM with --logprobs-mode processed_logprobs"
             )
         if sampling.temperature > 0 and (sampling.top_p < 1 or sampling.min_p > 0):
-            (c,) = await self.complete(prompt_ids, dataclasses.replace(sampling, max_tokens=1, seed=0))
+            try:
+                (c,) = await self.complete(prompt_ids, dataclasses.replace(sampling, max_tokens=1, seed=0))
+            except EndpointError as e:  # K not exact from the top-N logprobs (support_from_top)
+                raise EndpointProbeError(f"{self.base_urls[0]}: {e}") from None
             if c.token_ids and not c.support:
                 raise EndpointProbeError(
                     f"{self.base_urls[0]} reports no token_support, so with rollout.top_p < 1 or min_p > 0 the "
@@ -570,6 +591,37 @@ class PinnedClient:
         if self._weight:
             self.endpoint.pinned -= self._weight
             self._weight = 0
+
+
+# vLLM's top logprob for a token outside the kept set (the embedded engine's too: sampling.TOP_LOGPROB_FLOOR;
+# that module imports torch, which this client never needs)
+_TOP_FLOOR = -9999.0
+
+
+def _truncates(s: SamplingParams) -> bool:
+    """Whether the kept set is decided by the distribution (top-p, min-p), not by top_k alone."""
+    return s.temperature > 0 and (s.top_p < 1 or s.min_p > 0)
+
+
+def support_from_top(ch: dict[str, Any], n_tokens: int, top_n: int) -> list[int]:
+    """Support sizes K from a choice's top-``top_n`` processed logprobs (vLLM: a token outside the
+    kept set is at the floor, -9999).  Fewer than ``top_n`` entries above the floor is K exactly;
+    ``top_n`` of them only says K ≥ ``top_n``: :class:`EndpointError` (the episode is errored,
+    nothing is trained on a guessed distribution)."""
+    tops = (ch.get("logprobs") or {}).get("top_logprobs")
+    if not (isinstance(tops, list) and len(tops) == n_tokens):
+        raise MalformedResponse(f"the endpoint returned {n_tokens} tokens but no top logprobs for each")
+    support = []
+    for top in tops:
+        kept = sum(1 for v in (top or {}).values() if isinstance(v, int | float) and v > _TOP_FLOOR)
+        if kept >= top_n:
+            raise EndpointError(
+                f"support size unknown: {kept} of the top {top_n} logprobs are in the kept set, so K ≥ {top_n} and "
+                "the trainer cannot rebuild μ; lower rollout.top_p (or raise min_p), or start vLLM with a larger "
+                "--max-logprobs"
+            )
+        support.append(kept)
+    return support
 
 
 def _top_k_only(s: SamplingParams) -> bool:

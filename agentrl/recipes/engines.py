@@ -17,7 +17,7 @@ from typing import Any
 
 from agentrl.buffer import StalenessBuffer
 from agentrl.config import Config, InferenceConfig
-from agentrl.errors import AgentrlError
+from agentrl.errors import AgentrlError, WeightSyncError
 from agentrl.metrics import LiveProgress
 
 
@@ -61,14 +61,45 @@ class Engines:
         for i, ep in enumerate(self.client.endpoints):
             row[f"engine/{i}/requests"] = ep.calls
             row[f"engine/{i}/load"] = ep.load
-            try:  # the embedded engine's routes (a vLLM server answers what it has)
-                row[f"engine/{i}/version"] = (await ep.get("/get_weight_version"))["weight_version"]
-                stats = await ep.get("/metrics")
-                row[f"engine/{i}/running"] = stats["running"]
-                row[f"engine/{i}/generated_tokens"] = stats["total_generated_tokens"]
+            try:
+                if self.on_vllm:  # vLLM's own routes: /weight_info and Prometheus text
+                    version = (await ep.get("/weight_info"))["weight_version"]
+                    row[f"engine/{i}/version"] = int(version) if str(version).isdigit() else version
+                    stats = prometheus_values(await ep.text("/metrics"))
+                    row[f"engine/{i}/running"] = stats.get("vllm:num_requests_running", 0.0)
+                    row[f"engine/{i}/generated_tokens"] = stats.get("vllm:generation_tokens_total", 0.0)
+                else:
+                    row[f"engine/{i}/version"] = (await ep.get("/get_weight_version"))["weight_version"]
+                    stats = await ep.get("/metrics")
+                    row[f"engine/{i}/running"] = stats["running"]
+                    row[f"engine/{i}/generated_tokens"] = stats["total_generated_tokens"]
             except Exception:  # down, restarting, or another engine: the row says nothing rather than fail
                 row[f"engine/{i}/down"] = 1
         return row
+
+    async def align(self, pusher: WeightPusher, version: int) -> None:
+        """Before the first rollout: the engines serve the trainer's weights, named ``version``.
+
+        Engines agentrl started hold the warm start (version 0); at a resumed step they get a
+        push.  An external vLLM gets the warm start pushed too (its weights are unknown): a run
+        whose server cannot take a push stops here in one line, before it trains a policy the
+        server does not serve.
+        """
+        external = not getattr(self.policy, "started", True)
+        if self.on_vllm and external:
+            try:
+                await pusher.push(version)
+            except WeightSyncError as e:
+                raise AgentrlError(
+                    f"cannot push the warm start into {', '.join(self.policy.base_urls)} ({e}); start that vllm "
+                    "serve with VLLM_SERVER_DEV_MODE=1 on a filesystem it shares with the trainer, or drop "
+                    "inference.base_url so agentrl starts vLLM itself"
+                ) from None
+        elif version > 0:
+            await pusher.push(version)
+        elif self.on_vllm:
+            await self.sync.set_version(version)  # vLLM's weight version names the warm start
+        self.tag_version(version)
 
     def tag_version(self, version: int) -> None:
         # vLLM reports no per-token versions: the client tags tokens with the version current
@@ -82,6 +113,8 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
     from agentrl.weights import make_weight_sync
 
     ic: InferenceConfig = cfg.inference
+    if ic.engine == "vllm":
+        return open_vllm(cfg, start_model, threads)
     args = ic.engine_args()
     n = cfg.cluster.num_inference if cfg.cluster.backend == "local" and not ic.base_url else 1
     # one torch thread per engine by default; a set trainer.num_threads is per engine
@@ -98,10 +131,8 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
             raise AgentrlError(str(e)) from None
         policy = open_policy(start_model, ic.base_url or None, args=args, served_model_name=ic.model_name,
                              env=thread_env, tool_parser=ic.tool_parser, engines=n, devices=devices)
-    on_vllm = bool(ic.base_url) and ic.engine == "vllm"
-
-    sync_args = {"transport": ic.weight_transport, "engine": "vllm" if on_vllm else "embedded",
-                 "bucket_mb": ic.weight_bucket_mb, "timeout": ic.weight_push_timeout_s}  # fmt: skip
+    sync_args = {"transport": ic.weight_transport, "engine": "embedded", "bucket_mb": ic.weight_bucket_mb,
+                 "timeout": ic.weight_push_timeout_s}  # fmt: skip
 
     def make_sync(pol: Any) -> Any:
         return make_weight_sync(list(pol.base_urls), local_urls=local_engine_urls(pol), **sync_args)
@@ -116,9 +147,104 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
     client = PolicyClient(
         policy.base_urls, policy.model, timeout=ic.request_timeout_s, max_retries=ic.max_retries,
         tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
-        requests_per_s=cfg.rollout.requests_per_s, cache_salt=on_vllm, tool_parser=ic.tool_parser,
+        requests_per_s=cfg.rollout.requests_per_s, tool_parser=ic.tool_parser,
     )
-    return Engines(policy, client, sync, on_vllm, make_sync, sync_args)
+    return Engines(policy, client, sync, False, make_sync, sync_args)
+
+
+def preflight(cfg: Config) -> None:
+    """What must hold before anything starts (the warm start takes minutes): an engine and weight
+    transfer that can run here.  Raises :class:`AgentrlError`, one line."""
+    ic = cfg.inference
+    if ic.engine != "vllm":
+        return
+    from agentrl.inference.vllm import find_vllm
+    from agentrl.weights.vllm import choose_transfer
+
+    try:
+        choose_transfer(ic.vllm_weight_transfer)
+    except ValueError as e:
+        raise AgentrlError(str(e)) from None
+    if not ic.base_url:
+        if cfg.cluster.backend == "ray":
+            raise AgentrlError("inference.engine = \"vllm\" under cluster.backend = \"ray\" needs inference.base_url "
+                               "(agentrl starts vLLM itself only in local mode)")  # fmt: skip
+        find_vllm(ic.vllm_command)
+
+
+def open_vllm(cfg: Config, start_model: Path, threads: int) -> Engines:
+    """``vllm serve`` on the warm start (from ``.venv-vllm``), or the servers at ``inference.base_url``.
+
+    Every check that can fail runs before a server starts (one line each): the weight transfer
+    (NCCL needs a GPU and vLLM in this venv), vLLM's CLI.  The run's key guards every route of
+    the servers agentrl starts; an external server gets ``AGENTRL_API_KEY``, if set.
+    """
+    from agentrl.auth import client_key, new_key
+    from agentrl.inference import PolicyClient
+    from agentrl.inference.launcher import Policy
+    from agentrl.inference.vllm import VLLMArgs, find_vllm, host_has_gpu, start_vllm_server
+    from agentrl.tool_format import chat_template_of, resolve_tool_parser
+    from agentrl.weights import make_weight_sync
+    from agentrl.weights.vllm import choose_transfer
+
+    ic = cfg.inference
+    preflight(cfg)
+    transfer = choose_transfer(ic.vllm_weight_transfer)
+    local_tok = start_model if (start_model / "tokenizer_config.json").is_file() else None
+    parser = resolve_tool_parser(ic.tool_parser, chat_template_of(local_tok) if local_tok else None).name
+    if ic.base_url:
+        key = client_key()
+        policy = Policy(list(ic.base_url), ic.model_name or start_model.name, tokenizer_dir=local_tok,
+                        tool_parser=parser)  # fmt: skip
+    else:
+        key = client_key() or new_key()
+        vllm = find_vllm(ic.vllm_command)
+        args = VLLMArgs(max_model_len=ic.max_model_len, max_num_seqs=ic.max_batch_size, kv_cache_gb=ic.vllm_kv_cache_gb,
+                        gpu=host_has_gpu(), enforce_eager=ic.vllm_enforce_eager, nccl=transfer == "nccl",
+                        tool_parser=parser, extra_args=tuple(ic.vllm_args))  # fmt: skip
+        n = cfg.cluster.num_inference
+        # threads per engine as for the embedded engine, and no core pinning: the trainer shares these cores
+        env = {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        handles: list[Any] = []
+        try:
+            for _ in range(n):
+                handles.append(start_vllm_server(start_model, api_key=key, args=args, vllm=vllm,
+                                                 served_model_name=ic.model_name, env=env))  # fmt: skip
+        except BaseException:
+            for h in handles:
+                with contextlib.suppress(Exception):
+                    h.stop()
+            raise
+        policy = Policy([h.base_url for h in handles], handles[0].model, handles, tokenizer_dir=local_tok,
+                        tool_parser=parser)  # fmt: skip
+    sync_args = {"engine": "vllm", "api_key": key, "vllm_transfer": transfer, "timeout": ic.weight_push_timeout_s}
+
+    def make_sync(pol: Any) -> Any:
+        return make_weight_sync(list(pol.base_urls), **sync_args)
+
+    # the client salts prefix-cache keys with the weight version: no K/V of old weights is reused
+    client = PolicyClient(
+        policy.base_urls, policy.model, api_key=key or "EMPTY", timeout=ic.request_timeout_s,
+        max_retries=ic.max_retries, tokenizer=str(local_tok) if local_tok else None,
+        requests_per_s=cfg.rollout.requests_per_s, cache_salt=True, tool_parser=parser,
+        support_logprobs=VLLMArgs.max_logprobs,  # K of a top-p/min-p sample (vLLM reports no token_support)
+    )  # fmt: skip
+    return Engines(policy, client, make_sync(policy), True, make_sync, sync_args)
+
+
+def prometheus_values(text: str) -> dict[str, float]:
+    """Prometheus exposition text → metric name: value, summed over label sets (comments skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0].strip()
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
 
 
 def gpu_count(device: str) -> int:

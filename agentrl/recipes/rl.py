@@ -33,14 +33,15 @@ from agentrl.buffer import AdaptiveStaleness, Batch, BufferStalled, StalenessBuf
 from agentrl.config import BufferConfig, Config, EvalConfig
 from agentrl.errors import AgentrlError, RunDirExists
 from agentrl.metrics import JSONLLogger, LiveProgress, open_metrics_logger
-from agentrl.recipes.engines import Engines, Supervisor, WeightPusher, open_engines
+from agentrl.recipes.engines import Engines, Supervisor, WeightPusher, open_engines, preflight
 from agentrl.rollout import RolloutManager, TaskSampler, mean_reward
 from agentrl.types import SamplingParams, Task
 
 
 def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> Path:
     """Run async RL as configured; returns the run directory."""
-    # 1) run dir
+    # 1) run dir (and the engine checks that would otherwise fail only after the warm start)
+    preflight(cfg)
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, cfg, resume)
     if resume:  # at once: the engine and the trainer take a while to start
@@ -463,9 +464,7 @@ async def _train_loop(
             logs["eval_rollouts"].log({"eval_version": version, **t.to_dict()})
 
     held_out = HeldOut(manager, eval_tasks, cfg.eval, ro.max_tokens, record=record_eval)
-    engines.tag_version(state.start_step)
-    if state.start_step > 0:  # the engine starts from the warm-start weights: bring it to the checkpoint
-        await pusher.push(state.start_step)
+    await engines.align(pusher, state.start_step)  # the engines serve the trainer's weights, as its version
     if cfg.eval.every > 0 and state.start_step == 0:  # baseline, before any rollout competes with it
         live.note(f"evaluating the warm-start model on {len(eval_tasks)} held-out tasks ...")
         held_out.pending = await held_out.evaluate(0)

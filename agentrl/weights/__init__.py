@@ -3,7 +3,8 @@
 Trainer side: :func:`make_weight_sync` returns the :class:`WeightSync` for the run's engines
 (``push(named_tensors, version)``): :class:`~agentrl.weights.push.EmbeddedWeightSync` (shm or
 disk, full weights or LoRA factors), :class:`~agentrl.weights.network.HttpWeightSync` (HTTP chunks
-to engines on other hosts, shm to those on the trainer's) or :class:`~agentrl.weights.vllm.VLLMWeightSync` (NCCL).
+to engines on other hosts, shm to those on the trainer's) or :class:`~agentrl.weights.vllm.VLLMWeightSync`
+(``vllm serve``: disk reload, or vLLM's NCCL engine on a GPU).
 Engine side: :mod:`agentrl.weights.receive` (load named tensors, safetensors files, shared
 memory) and :mod:`agentrl.weights.lora` (merge adapter factors).  The byte layout both sides
 of a shared-memory push agree on: :mod:`agentrl.weights.manifest`.
@@ -29,8 +30,11 @@ def make_weight_sync(
     timeout: float = 300.0,
     local_urls: list[str] | None = None,
     bucket_mb: float | None = None,
+    api_key: str | None = None,
+    vllm_transfer: Literal["disk", "nccl"] = "disk",
 ) -> WeightSync:
-    """The WeightSync for these engines: agentrl's embedded engine (shm/disk/http) or ``vllm serve`` (NCCL).
+    """The WeightSync for these engines: agentrl's embedded engine (shm/disk/http) or ``vllm serve``
+    (``vllm_transfer``: disk or nccl, :func:`agentrl.weights.vllm.choose_transfer`).
 
     ``transport="http"``: ``local_urls`` are the engines on the trainer's host (they keep shm);
     the others are streamed to over HTTP in ``bucket_mb`` chunks (:mod:`agentrl.weights.network`).
@@ -38,7 +42,7 @@ def make_weight_sync(
     if engine == "vllm":
         from agentrl.weights.vllm import VLLMWeightSync
 
-        return VLLMWeightSync(base_urls)
+        return VLLMWeightSync(base_urls, api_key=api_key, transfer=vllm_transfer, timeout=timeout)
     if engine != "embedded":
         raise ValueError(f"no weight sync for engine {engine!r}; use 'embedded' or 'vllm'")
     if transport == "http":

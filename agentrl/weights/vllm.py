@@ -1,23 +1,32 @@
-"""Weight push into running ``vllm serve`` engines through vLLM's native NCCL routes.
+"""Weight push into running ``vllm serve`` engines (vLLM 0.32's dev-mode routes).
 
-Pinned to the routes of vLLM's dev-mode RL router (``VLLM_SERVER_DEV_MODE=1`` and
-``--weight-transfer-config '{"backend": "nccl"}'``; the launcher is
-:mod:`agentrl.inference.vllm`): ``/get_world_size``, ``/init_weight_transfer_engine``,
-``/pause?mode=keep``, ``/start_weight_update`` (newer servers), ``/update_weights`` (blocks
-while the trainer broadcasts over NCCL), ``/finish_weight_update`` (older:
-``/update_weight_version``), ``/reset_prefix_cache`` (so no request after the swap reuses K/V
-computed by the old weights), ``/resume``.  The data travels over NCCL from the trainer
-(rank 0) to every engine worker, sent by vLLM's own ``NCCLWeightTransferEngine``; this
-module only orders the control calls.
+Two transfers, one order of control calls: ``/pause?mode=keep`` (requests stay in flight)
+→ move the weights → ``/update_weight_version`` (vLLM's weight version, which
+``/weight_info`` reports) → ``/reset_prefix_cache`` (no later request may reuse K/V of the
+old weights) → ``/resume``.
+
+- ``disk`` (any hardware; the server must see the trainer's filesystem): the tensors go to
+  a safetensors file in a private directory, and ``/collective_rpc`` runs every worker's
+  ``reload_weights(weights_path=DIR)``.  The trainer side needs no vLLM.
+- ``nccl`` (GPU): vLLM's own ``NCCLTrainerWeightTransferEngine`` broadcasts from the
+  trainer (rank 0) to the engine's workers; the server was started with
+  ``--weight-transfer-config '{"backend": "nccl"}'``.  The trainer's venv needs vLLM for it
+  (imported only here, only then).
+
+Every call carries the run's key (``Authorization: Bearer``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import httpx
 import torch
@@ -25,117 +34,249 @@ import torch
 from agentrl.errors import WeightSyncError
 from agentrl.weights.sync import NamedTensors, items_of, url_root
 
-# Sender(named_tensors list, group): the trainer-side NCCL broadcast; Init(info) -> group.
-SendWeights = Callable[[list[tuple[str, torch.Tensor]], Any], None]
-InitTrainer = Callable[[dict[str, Any]], Any]
+Transfer = Literal["disk", "nccl"]
+
+
+def nccl_ready() -> str | None:
+    """Why vLLM's NCCL transfer cannot run in this process (None when it can)."""
+    if not torch.cuda.is_available():
+        return "the trainer sees no GPU (NCCL moves CUDA tensors)"
+    if importlib.util.find_spec("vllm") is None:
+        return "the trainer's venv has no vLLM (its NCCL engine runs in the trainer): pip install vllm there"
+    return None
+
+
+def choose_transfer(asked: Literal["auto", "disk", "nccl"]) -> Transfer:
+    """``auto``: NCCL when it can run here, else disk.  ``nccl`` that cannot run: ValueError (one line)."""
+    why_not = nccl_ready()
+    if asked == "nccl" and why_not is not None:
+        raise ValueError(f"inference.vllm_weight_transfer = \"nccl\", but {why_not}; use \"disk\" or \"auto\"")
+    if asked == "auto":
+        return "nccl" if why_not is None else "disk"
+    return asked
+
+
+class VLLMWeightSync:
+    """WeightSync for ``vllm serve`` engines: disk reload or vLLM's NCCL engine (module doc)."""
+
+    def __init__(
+        self,
+        base_urls: str | list[str],
+        *,
+        api_key: str | None = None,
+        transfer: Transfer = "disk",
+        work_dir: str | Path | None = None,
+        timeout: float = 300.0,
+        nccl_engine: Callable[[str, dict[str, Any], Any, Any], Any] | None = None,
+    ):
+        """``nccl_engine(root, init_info, control, source)``: the trainer-side NCCL engine for one
+        server (default: vLLM's ``NCCLTrainerWeightTransferEngine.trainer_init``)."""
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError("VLLMWeightSync needs at least one engine URL")
+        if transfer not in ("disk", "nccl"):
+            raise ValueError(f"unknown vLLM weight transfer {transfer!r}; use 'disk' or 'nccl'")
+        self.roots = [url_root(u) for u in urls]
+        self.transfer = transfer
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = timeout
+        base = Path(work_dir) if work_dir else (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
+        self._dir: Path | None = None
+        self._base = base
+        self._last: Path | None = None
+        self._nccl_engine = nccl_engine or _vllm_nccl_engine
+        self._engines: list[Any] | None = None
+        self._source = _Items()
+        self._http: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
+        self.last_stats: dict[str, float] = {}
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http[0] is not loop or self._http[1].is_closed:
+            self._http = (loop, httpx.AsyncClient(timeout=self.timeout, headers=self.headers))
+        return self._http[1]
+
+    async def _post(self, root: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = await self._client().post(root + path, **kw)
+        except httpx.HTTPError as e:
+            raise WeightSyncError(f"{root}{path}: {e!r}") from e
+        if r.status_code >= 400:
+            hint = " (is VLLM_SERVER_DEV_MODE=1 set on that server?)" if r.status_code == 404 else ""
+            raise WeightSyncError(f"{root}{path} -> HTTP {r.status_code}{hint}: {r.text[:300]}")
+        return r
+
+    async def _all(self, path: str, **kw: Any) -> None:
+        await asyncio.gather(*(self._post(root, path, **kw) for root in self.roots))
+
+    async def versions(self) -> list[str | None]:
+        """Each server's weight version (``/weight_info``)."""
+        out = []
+        for root in self.roots:
+            r = await self._client().get(root + "/weight_info")
+            out.append(r.json().get("weight_version") if r.status_code == 200 else None)
+        return out
+
+    async def set_version(self, version: int) -> None:
+        """Name the weights the servers hold now (a server started on the warm start: version 0)."""
+        await self._all("/update_weight_version", json={"new_version": str(version)})
+
+    # ------------------------------------------------------------------ push
+
+    async def push(self, named_tensors: NamedTensors, version: int) -> float:
+        t0 = time.perf_counter()
+        items = items_of(named_tensors)
+        t_paused = t_moved = t0
+        await self._all("/pause", params={"mode": "keep"})
+        try:
+            t_paused = time.perf_counter()
+            if self.transfer == "disk":
+                path = await asyncio.to_thread(self._write, items, version)
+                t_moved = time.perf_counter()
+                body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+                await self._all("/collective_rpc", json=body)
+                self._drop_old(path)
+            else:
+                await self._send_nccl(items, version)
+                t_moved = time.perf_counter()
+            await self.set_version(version)
+            # cached prefix blocks hold K/V of the old weights (the client also salts requests by version)
+            await self._all("/reset_prefix_cache", params={"reset_running_requests": "false"})
+        finally:
+            await asyncio.gather(*(self._post(r, "/resume") for r in self.roots), return_exceptions=True)
+        t1 = time.perf_counter()
+        self.last_stats = {"pause_s": t_paused - t0, "write_s": t_moved - t_paused, "load_s": t1 - t_moved,
+                           "total_s": t1 - t0, "bytes": float(sum(t.numel() * t.element_size() for _, t in items))}  # fmt: skip
+        return t1 - t0
+
+    # ------------------------------------------------------------------ disk
+
+    def _write(self, items: list[tuple[str, torch.Tensor]], version: int) -> Path:
+        """A checkpoint dir vLLM's loader reads: one safetensors file (tied tensors cloned apart)."""
+        from safetensors.torch import save_file
+
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="agentrl-vllm-weights-", dir=self._base))  # 0700
+        path = self._dir / f"v{version}"
+        path.mkdir(exist_ok=True)
+        tensors, seen = {}, set()
+        for name, t in items:
+            t = t.to("cpu").contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            tensors[name] = t.clone() if ptr in seen else t
+            seen.add(ptr)
+        save_file(tensors, str(path / "model.safetensors"))
+        return path
+
+    def _drop_old(self, keep: Path) -> None:
+        if self._last is not None and self._last != keep:
+            shutil.rmtree(self._last, ignore_errors=True)
+        self._last = keep
+
+    # ------------------------------------------------------------------ nccl
+
+    async def _send_nccl(self, items: list[tuple[str, torch.Tensor]], version: int) -> None:
+        self._source.items = items
+        if self._engines is None:  # one NCCL group per server: the trainer is rank 0 in each
+            self._engines = []
+            for root in self.roots:
+                r = await self._client().get(root + "/get_world_size")
+                if r.status_code >= 400:
+                    raise WeightSyncError(f"{root}/get_world_size -> HTTP {r.status_code}; is VLLM_SERVER_DEV_MODE=1 set?")
+                info = {"master_address": _own_address(root), "master_port": _free_port(),
+                        "world_size": 1 + int(r.json()["world_size"])}  # fmt: skip
+                control = _Control(root, self.headers, self.timeout)
+                self._engines.append(await asyncio.to_thread(self._nccl_engine, root, info, control, self._source))
+        for engine in self._engines:
+            engine.client.version = str(version)
+        # each send drives start/update (blocking in the broadcast)/finish on its own server
+        await asyncio.gather(*(asyncio.to_thread(e.send_weights) for e in self._engines))
+
+    async def close(self) -> None:
+        for engine in self._engines or []:
+            try:
+                await asyncio.to_thread(engine.shutdown)
+            except Exception:
+                pass
+        self._engines = None
+        if self._http is not None and self._http[0] is asyncio.get_running_loop():
+            await self._http[1].aclose()
+        self._http = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = self._last = None
+
+
+class _Items:
+    """The tensors of the current push, re-iterable (vLLM's engine replays its source each round)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, torch.Tensor]] = []
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+class _Control:
+    """vLLM's weight-sync client protocol over HTTP with the run's key (the engine calls it from threads)."""
+
+    def __init__(self, root: str, headers: dict[str, str], timeout: float):
+        self.root, self.version = root, None
+        self.http = httpx.Client(timeout=timeout, headers=headers)
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> None:
+        r = self.http.post(self.root + path, json=body)
+        if r.status_code >= 400:
+            raise WeightSyncError(f"{self.root}{path} -> HTTP {r.status_code}: {r.text[:300]}")
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("/shutdown_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self._post("/start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("/finish_weight_update", {"weight_version": weight_version or self.version})
+
+
+def _vllm_nccl_engine(root: str, info: dict[str, Any], control: _Control, items: _Items) -> Any:
+    """vLLM 0.32's trainer side: ``NCCLTrainerWeightTransferEngine.trainer_init`` (rendezvous)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerInitInfo,
+        NCCLTrainerWeightTransferEngine,
+    )
+
+    class Source(WeightSource):
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in items.items]
+
+        def __iter__(self):  # NCCL moves CUDA tensors: a CPU trainer's are copied over, one at a time
+            return ((n, t if t.is_cuda else t.to("cuda")) for n, t in items.items)
+
+    init = NCCLTrainerInitInfo(info["master_address"], info["master_port"], info["world_size"], rank=0)
+    return NCCLTrainerWeightTransferEngine.trainer_init(init, client=control, source=Source())
+
+
+def _own_address(root: str) -> str:
+    """The trainer's address as the server sees it: loopback for a local server."""
+    from urllib.parse import urlparse
+
+    host = urlparse(root).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: picks the route's source
+        s.connect((host, 9))
+        return s.getsockname()[0]
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _nccl_init_trainer(info: dict[str, Any]) -> Any:
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-
-    return NCCLWeightTransferEngine.trainer_init(info)
-
-
-def _nccl_send(items: list[tuple[str, torch.Tensor]], group: Any) -> None:
-    from vllm.distributed.weight_transfer.nccl_engine import (
-        NCCLTrainerSendWeightsArgs,
-        NCCLWeightTransferEngine,
-    )
-
-    NCCLWeightTransferEngine.trainer_send_weights(
-        iterator=iter(items), trainer_args=NCCLTrainerSendWeightsArgs(group=group, packed=True)
-    )
-
-
-class VLLMWeightSync:
-    """WeightSync for running ``vllm serve`` engines via vLLM's native NCCL weight transfer."""
-
-    def __init__(
-        self,
-        base_urls: str | list[str],
-        *,
-        master_address: str | None = None,
-        master_port: int | None = None,
-        init_trainer: InitTrainer = _nccl_init_trainer,
-        send_weights: SendWeights = _nccl_send,
-        timeout: float = 600.0,
-    ):
-        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
-        if not urls:
-            raise ValueError("VLLMWeightSync needs at least one engine URL")
-        self.roots = [url_root(u) for u in urls]
-        self.master_address = master_address or socket.gethostbyname(socket.gethostname())
-        self.master_port = master_port or _free_port()
-        self._init_trainer, self._send = init_trainer, send_weights
-        self._http = httpx.AsyncClient(timeout=timeout)
-        self._group: Any = None
-
-    async def _post(self, root: str, path: str, *, optional: bool = False, **kw: Any) -> httpx.Response | None:
-        try:
-            r = await self._http.post(root + path, **kw)
-        except httpx.HTTPError as e:
-            raise WeightSyncError(f"{root}{path}: {e!r}") from e
-        if optional and r.status_code == 404:
-            return None
-        if r.status_code >= 400:
-            raise WeightSyncError(f"{root}{path} -> {r.status_code}: {r.text[:300]}")
-        return r
-
-    async def _connect(self) -> None:
-        """Rendezvous: trainer is rank 0, each engine's workers follow at their rank offset."""
-        sizes = []
-        for root in self.roots:
-            r = await self._http.get(root + "/get_world_size")
-            if r.status_code >= 400:
-                raise WeightSyncError(f"{root}/get_world_size -> {r.status_code}; is VLLM_SERVER_DEV_MODE=1 set?")
-            sizes.append(int(r.json()["world_size"]))
-        world = 1 + sum(sizes)
-        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        inits = [
-            self._post(root, "/init_weight_transfer_engine", json={"init_info": {
-                "master_address": self.master_address, "master_port": self.master_port,
-                "rank_offset": off, "world_size": world,
-            }})  # fmt: skip
-            for root, off in zip(self.roots, offsets, strict=True)
-        ]
-        info = {"master_address": self.master_address, "master_port": self.master_port, "world_size": world}
-        # the servers block in init until the trainer joins the group: run both sides at once
-        trainer = asyncio.to_thread(self._init_trainer, info)
-        *_, self._group = await asyncio.gather(*inits, trainer)
-
-    async def push(self, named_tensors: NamedTensors, version: int) -> float:
-        t0 = time.perf_counter()
-        items = items_of(named_tensors)
-        if self._group is None:
-            await self._connect()
-        update_info = {
-            "names": [n for n, _ in items],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
-            "shapes": [list(t.shape) for _, t in items],
-            "packed": True,
-        }
-        await asyncio.gather(*[self._post(r, "/pause", params={"mode": "keep"}) for r in self.roots])
-        try:
-            await asyncio.gather(*[self._post(r, "/start_weight_update", optional=True) for r in self.roots])
-            # each /update_weights blocks inside the NCCL broadcast the trainer sends now
-            receives = [self._post(r, "/update_weights", json={"update_info": update_info}) for r in self.roots]
-            await asyncio.gather(*receives, asyncio.to_thread(self._send, items, self._group))
-            for r in self.roots:
-                done = await self._post(r, "/finish_weight_update", optional=True, json={"weight_version": str(version)})
-                if done is None:
-                    await self._post(r, "/update_weight_version", json={"new_version": str(version)})
-                # cached prefix blocks hold K/V of the old weights: no new request may reuse them
-                # (servers without the route get requests salted with the version: PolicyClient.cache_salt)
-                await self._post(r, "/reset_prefix_cache", optional=True, params={"reset_running_requests": "false"})
-        finally:
-            await asyncio.gather(*[self._post(r, "/resume") for r in self.roots], return_exceptions=True)
-        return time.perf_counter() - t0
-
-    async def close(self) -> None:
-        await self._http.aclose()

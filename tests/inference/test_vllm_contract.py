@@ -1,8 +1,9 @@
-"""VLLMWeightSync against a recorded copy of vLLM's dev-mode RL routes.
+"""VLLMWeightSync's NCCL path against a recorded copy of vLLM 0.32's dev-mode RL routes.
 
-The fake server below mirrors the request shapes of vLLM's router
-(vllm/entrypoints/serve/dev/rlhf/api_router.py): body keys, query params, 400 on missing
-fields. The real path runs only on a GPU machine with vLLM installed.
+The fake server mirrors the request shapes of vLLM's router
+(vllm/entrypoints/rl/online/api_router.py): body keys, query params, 400 on missing fields.
+NCCL needs a GPU: the real path runs in benchmarks/gpu_check.sh; the disk path runs against
+the real vLLM in test_vllm_real.py.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import torch
 import uvicorn
 from fastapi import Body, FastAPI, HTTPException, Query, Request
 
-from agentrl.inference.vllm import vllm_serve_command
+from agentrl.inference.vllm import VLLMArgs, vllm_serve_command
 from agentrl.weights import WeightSyncError
 from agentrl.weights.vllm import VLLMWeightSync
 
 
-def fake_vllm(world_size: int, *, legacy: bool = False, fail_update: bool = False) -> tuple[FastAPI, list]:
+def fake_vllm(world_size: int, *, fail_update: bool = False) -> tuple[FastAPI, list]:
     app, calls = FastAPI(), []
 
     @app.get("/get_world_size")
@@ -62,24 +63,20 @@ def fake_vllm(world_size: int, *, legacy: bool = False, fail_update: bool = Fals
             raise HTTPException(500, "boom")
         return {"message": "Weights updated"}
 
-    if legacy:
+    @app.post("/update_weight_version")
+    async def update_weight_version(new_version: str = Body(embed=True)):
+        calls.append(("update_weight_version", new_version))
+        return {"success": True, "new_version": new_version}
 
-        @app.post("/update_weight_version")
-        async def update_weight_version(new_version: str = Body(embed=True)):
-            calls.append(("update_weight_version", new_version))
-            return {"success": True, "new_version": new_version}
+    @app.post("/start_weight_update")
+    async def start():
+        calls.append(("start_weight_update", None))
+        return {"message": "Weight update started"}
 
-    else:
-
-        @app.post("/start_weight_update")
-        async def start():
-            calls.append(("start_weight_update", None))
-            return {"message": "Weight update started"}
-
-        @app.post("/finish_weight_update")
-        async def finish(weight_version: str | None = Body(None, embed=True)):
-            calls.append(("finish_weight_update", weight_version))
-            return {"message": "Weight update finished"}
+    @app.post("/finish_weight_update")
+    async def finish(weight_version: str | None = Body(None, embed=True)):
+        calls.append(("finish_weight_update", weight_version))
+        return {"message": "Weight update finished"}
 
     return app, calls
 
@@ -104,62 +101,59 @@ class Served:
 WEIGHTS = {"model.embed_tokens.weight": torch.zeros(8, 4), "lm_head.weight": torch.ones(8, 4, dtype=torch.bfloat16)}
 
 
-def make_sync(urls, sent, inits):
-    return VLLMWeightSync(
-        urls,
-        master_address="10.0.0.1",
-        master_port=29555,
-        init_trainer=lambda info: inits.append(info) or "group",
-        send_weights=lambda items, group: sent.append(([n for n, _ in items], group)),
-    )
+class FakeTrainerEngine:
+    """Stands in for vLLM's ``NCCLTrainerWeightTransferEngine`` (which needs CUDA): the same calls on
+    its client, in vLLM 0.32's order (init at rendezvous; start, update, finish per round)."""
+
+    def __init__(self, root, info, control, source, log):
+        self.client, self.source, self.log = control, source, log
+        log.append(("trainer_init", root, info))
+        control.init_weight_transfer_engine({"master_address": info["master_address"], "master_port":
+                                             info["master_port"], "rank_offset": 1, "world_size": info["world_size"]})  # fmt: skip
+
+    def send_weights(self):
+        items = list(self.source)
+        self.log.append(("send", [n for n, _ in items]))
+        self.client.start_weight_update()
+        self.client.update_weights({"names": [n for n, _ in items], "dtype_names": [str(t.dtype).split(".")[-1]
+                                    for _, t in items], "shapes": [list(t.shape) for _, t in items]})  # fmt: skip
+        self.client.finish_weight_update()
+
+    def shutdown(self):
+        self.log.append(("shutdown",))
 
 
-def test_push_follows_vllm_route_contract_across_two_engines():
+def make_sync(urls, log):
+    return VLLMWeightSync(urls, api_key="k", transfer="nccl",
+                          nccl_engine=lambda *a: FakeTrainerEngine(*a, log))  # fmt: skip
+
+
+def test_nccl_push_follows_vllm_route_contract_across_two_engines():
     (app1, calls1), (app2, calls2) = fake_vllm(1), fake_vllm(2)
-    sent, inits = [], []
+    log = []
     with Served(app1) as u1, Served(app2) as u2:
 
         async def go():
-            sync = make_sync([u1, u2], sent, inits)
+            sync = make_sync([u1, u2], log)
             await sync.push(WEIGHTS, version=1)
             await sync.push(WEIGHTS, version=2)
             await sync.close()
 
         asyncio.run(go())
-    # one rendezvous: trainer rank 0, engine 1 at rank 1, engine 2 (two workers) at ranks 2-3
-    assert inits == [{"master_address": "10.0.0.1", "master_port": 29555, "world_size": 4}]
-    init1 = [c for c in calls1 if c[0] == "init"]
-    init2 = [c for c in calls2 if c[0] == "init"]
-    assert [i[1]["rank_offset"] for i in init1 + init2] == [1, 2]
-    assert all(i[1]["world_size"] == 4 for i in init1 + init2)
+    # one NCCL group per server, the trainer rank 0 in each: world = 1 + the server's workers
+    inits = [entry[2] for entry in log if entry[0] == "trainer_init"]
+    assert [i["world_size"] for i in inits] == [2, 3] and inits[0]["master_port"] != inits[1]["master_port"]
+    assert all(i["master_address"] == "127.0.0.1" for i in inits)
     order = [name for name, _ in calls1 if name not in ("get_world_size", "init")]
     # no request after the swap may reuse KV blocks computed by the old weights
-    assert order == ["pause", "start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache",
-                     "resume"] * 2
+    assert order == ["pause", "start_weight_update", "update_weights", "finish_weight_update", "update_weight_version",
+                     "reset_prefix_cache", "resume"] * 2  # fmt: skip
     assert [a for n, a in calls1 if n == "pause"] == ["keep", "keep"]
     assert [a for n, a in calls2 if n == "finish_weight_update"] == ["1", "2"]
     info = next(a for n, a in calls1 if n == "update_weights")
-    assert info == {
-        "names": ["model.embed_tokens.weight", "lm_head.weight"],
-        "dtype_names": ["float32", "bfloat16"],
-        "shapes": [[8, 4], [8, 4]],
-        "packed": True,
-    }
-    assert sent == [(info["names"], "group")] * 2
-
-
-def test_older_vllm_without_start_finish_routes_sets_version_instead():
-    app, calls = fake_vllm(1, legacy=True)
-    with Served(app) as url:
-
-        async def go():
-            sync = make_sync(url, [], [])
-            await sync.push(WEIGHTS, version=7)
-            await sync.close()
-
-        asyncio.run(go())
-    assert ("update_weight_version", "7") in calls
-    assert calls[-1] == ("resume", None)
+    assert info == {"names": ["model.embed_tokens.weight", "lm_head.weight"], "dtype_names": ["float32", "bfloat16"],
+                    "shapes": [[8, 4], [8, 4]]}  # fmt: skip
+    assert ("shutdown",) in log
 
 
 def test_a_failed_update_raises_and_still_resumes_generation():
@@ -167,7 +161,7 @@ def test_a_failed_update_raises_and_still_resumes_generation():
     with Served(app) as url:
 
         async def go():
-            sync = make_sync(url, [], [])
+            sync = make_sync(url, [])
             try:
                 with pytest.raises(WeightSyncError, match="update_weights"):
                     await sync.push(WEIGHTS, version=1)
@@ -178,14 +172,20 @@ def test_a_failed_update_raises_and_still_resumes_generation():
     assert calls[-1] == ("resume", None)
 
 
-def test_serve_command_enables_token_exact_io_tools_and_weight_transfer():
-    cmd = vllm_serve_command("/models/m", port=8001, max_model_len=2048)
-    assert cmd[:3] == ["vllm", "serve", "/models/m"]
-    joined = " ".join(cmd)
-    assert '--weight-transfer-config {"backend": "nccl"}' in joined
-    assert "--logprobs-mode processed_logprobs" in joined
-    assert "--tool-call-parser hermes" in joined
-    assert "--max-model-len 2048" in joined and "--port 8001" in joined
+def test_serve_command_sets_dtype_eager_memory_guard_and_weight_transfer():
+    cpu = vllm_serve_command(["/v/bin/vllm"], "/models/m", port=8001, served_model_name="m",
+                             args=VLLMArgs(max_model_len=2048))  # fmt: skip
+    assert cpu[:3] == ["/v/bin/vllm", "serve", "/models/m"]
+    joined = " ".join(cpu)
+    for flag in ("--dtype float32", "--logprobs-mode processed_logprobs", "--tool-call-parser hermes",
+                 "--max-model-len 2048", "--port 8001", "--host 127.0.0.1", "--enforce-eager",
+                 "--generation-config vllm", "--middleware agentrl_vllm_guard.KeyGuard"):  # fmt: skip
+        assert flag in joined, flag
+    assert "--weight-transfer-config" not in joined and "--api-key" not in joined  # the key never goes on argv
+    gpu = " ".join(vllm_serve_command(["vllm"], "/m", port=1, served_model_name="m",
+                                      args=VLLMArgs(gpu=True, nccl=True, kv_cache_gb=3)))  # fmt: skip
+    assert '--weight-transfer-config {"backend": "nccl"}' in gpu and "--enforce-eager" not in gpu
+    assert f"--kv-cache-memory-bytes {3 * 2**30}" in gpu
 
 
 def test_tokens_from_a_server_without_versions_get_the_version_current_at_request_start():
