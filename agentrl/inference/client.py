@@ -190,12 +190,15 @@ class PolicyClient:
         cache_salt: bool = False,
         tool_parser: str | None = None,
         support_logprobs: int = 0,
+        vllm_generate: bool = False,
     ):
         """``cache_salt``: salt token requests with the weight version (vLLM's ``cache_salt``), so a
         server's prefix cache never serves K/V computed by older weights.  ``support_logprobs``
         (vLLM: its ``--max-logprobs``, N): a server that reports no ``token_support`` gives the
         support size K of a top-p/min-p sample through its top-N processed logprobs, where every
-        token outside the kept set is at the floor: K = the entries above it, exact when K < N."""
+        token outside the kept set is at the floor: K = the entries above it, exact when K < N.
+        ``vllm_generate``: token requests go to vLLM's ``/inference/v1/generate`` (``vllm serve
+        --enable-scale-out``), whose replies say which weight version sampled each token."""
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("PolicyClient needs at least one base_url")
@@ -205,6 +208,7 @@ class PolicyClient:
         self.default_version = default_version
         self.cache_salt = cache_salt
         self.support_logprobs = support_logprobs
+        self.vllm_generate = vllm_generate
         self.endpoints = [Endpoint(u, api_key, timeout, requests_per_s) for u in urls]
         # A local copy of the served model's tokenizer (a path or a HF tokenizer) renders
         # prompts in-process: same template, same ids, no /tokenize round trip per turn.
@@ -320,10 +324,16 @@ class PolicyClient:
             body.update(logprobs=top_n, return_tokens_as_token_ids=True)
         if self.cache_salt:  # vLLM: prefix-cache blocks are shared only within one weight version
             body["cache_salt"] = f"v{self.default_version}"
-        start_version = self.default_version  # for servers without per-token versions (vLLM)
-        resp = await self._call(lambda ep: ep.post("/v1/completions", body), "completion", _prefer)
+        start_version = self.default_version  # for servers without per-token versions
+        if self.vllm_generate:
+            body = generate_body(body)
+            resp = await self._call(lambda ep: ep.post("/inference/v1/generate", body), "completion", _prefer)
+            choices = [from_generate(ch, start_version) for ch in _choices(resp)]
+        else:
+            resp = await self._call(lambda ep: ep.post("/v1/completions", body), "completion", _prefer)
+            choices = _choices(resp)
         out = []
-        for ch in sorted(_choices(resp), key=lambda c: c.get("index", 0)):
+        for ch in sorted(choices, key=lambda c: c.get("index", 0)):
             ids = ch.get("token_ids") or []
             lps = (ch.get("logprobs") or {}).get("token_logprobs") or []
             versions, support = self._choice_tokens(ch, ids, lps, start_version)
@@ -596,6 +606,39 @@ class PinnedClient:
 # vLLM's top logprob for a token outside the kept set (the embedded engine's too: sampling.TOP_LOGPROB_FLOOR;
 # that module imports torch, which this client never needs)
 _TOP_FLOOR = -9999.0
+
+
+def generate_body(completions_body: dict[str, Any]) -> dict[str, Any]:
+    """A ``/v1/completions`` body as vLLM's ``/inference/v1/generate`` takes it (token ids in,
+    vLLM's own SamplingParams fields, text detokenized)."""
+    b = dict(completions_body)
+    sampling = {k: b.pop(k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
+                                      "logprobs", "skip_special_tokens") if k in b}  # fmt: skip
+    out = {"model": b["model"], "token_ids": b["prompt"], "sampling_params": {**sampling, "detokenize": True},
+           "output_mode": "text", "return_token_ids": True}  # fmt: skip
+    if "cache_salt" in b:
+        out["cache_salt"] = b["cache_salt"]
+    return out
+
+
+def from_generate(ch: dict[str, Any], start_version: int) -> dict[str, Any]:
+    """A ``/inference/v1/generate`` choice in ``/v1/completions`` shape, with ``token_versions``
+    read from its weight-version spans (a token outside every span: ``start_version``)."""
+    ids = ch.get("token_ids") or []
+    content = (ch.get("logprobs") or {}).get("content") or []
+    versions = [start_version] * len(ids)
+    for span in ch.get("weight_versions") or []:
+        v = str(span.get("version", ""))
+        if v.isdigit():
+            for i in range(max(0, int(span["start"])), min(len(ids), int(span["end"]))):
+                versions[i] = int(v)
+    return {
+        "index": ch.get("index", 0), "text": ch.get("text") or "", "token_ids": ids,
+        "finish_reason": ch.get("finish_reason"), "token_versions": versions,
+        "logprobs": {"token_logprobs": [e.get("logprob") for e in content],
+                     "top_logprobs": [{i: t.get("logprob") for i, t in enumerate(e.get("top_logprobs") or [])}
+                                      for e in content]},
+    }  # fmt: skip
 
 
 def _truncates(s: SamplingParams) -> bool:

@@ -94,6 +94,7 @@ def vllm_serve_command(vllm: Sequence[str], model: str | Path, *, port: int, ser
         "--generation-config", "vllm",  # sampling defaults from the model's files would change μ
         "--enable-prefix-caching", "--enable-auto-tool-choice", "--tool-call-parser", args.tool_parser,
         "--middleware", GUARD, "--disable-uvicorn-access-log",
+        "--enable-scale-out",  # /inference/v1/generate: token ids in and out, the weight version of every token
     ]  # fmt: skip
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]

@@ -102,8 +102,8 @@ class Engines:
         self.tag_version(version)
 
     def tag_version(self, version: int) -> None:
-        # vLLM reports no per-token versions: the client tags tokens with the version current
-        # when each request started (never newer than the truth: the bound stays a bound)
+        # a server that reports no per-token versions (vLLM's /v1/completions): the client tags
+        # tokens with the version current when each request started (never newer than the truth)
         self.client.default_version = version
 
 
@@ -228,6 +228,7 @@ def open_vllm(cfg: Config, start_model: Path, threads: int) -> Engines:
         max_retries=ic.max_retries, tokenizer=str(local_tok) if local_tok else None,
         requests_per_s=cfg.rollout.requests_per_s, cache_salt=True, tool_parser=parser,
         support_logprobs=VLLMArgs.max_logprobs,  # K of a top-p/min-p sample (vLLM reports no token_support)
+        vllm_generate=policy.started,  # servers agentrl started tag every token with its weight version
     )  # fmt: skip
     return Engines(policy, client, make_sync(policy), True, make_sync, sync_args)
 

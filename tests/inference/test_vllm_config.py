@@ -90,3 +90,23 @@ vllm:generation_tokens_total{engine="1",model_name="m"} 30.0
 """
     values = prometheus_values(text)
     assert values["vllm:num_requests_running"] == 3.0 and values["vllm:generation_tokens_total"] == 150.0
+
+
+def test_a_generate_reply_reads_as_a_completion_with_per_token_versions():
+    """vLLM's /inference/v1/generate: weight-version spans become per-token versions; top logprobs give K."""
+    from agentrl.inference.client import from_generate, generate_body, support_from_top
+
+    body = generate_body({"model": "m", "prompt": [1, 2], "logprobs": 20, "max_tokens": 4, "temperature": 1.0,
+                          "top_p": 0.5, "n": 1, "return_token_ids": True, "cache_salt": "v3"})  # fmt: skip
+    assert body["token_ids"] == [1, 2] and body["cache_salt"] == "v3" and body["output_mode"] == "text"
+    assert body["sampling_params"] == {"max_tokens": 4, "temperature": 1.0, "top_p": 0.5, "n": 1, "logprobs": 20,
+                                       "detokenize": True}  # fmt: skip
+    top = [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1.0}, {"token": "c", "logprob": -9999.0}]
+    ch = {"index": 0, "text": "abcd", "token_ids": [5, 6, 7, 8], "finish_reason": "length",
+          "weight_versions": [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 4}],
+          "logprobs": {"content": [{"token": "a", "logprob": -0.5, "top_logprobs": top}] * 4}}  # fmt: skip
+    out = from_generate(ch, start_version=1)
+    assert out["token_versions"] == [3, 3, 4, 4] and out["logprobs"]["token_logprobs"] == [-0.5] * 4
+    assert support_from_top(out, 4, 20) == [2, 2, 2, 2]
+    unnamed = from_generate({**ch, "weight_versions": [{"version": "default", "start": 0, "end": 4}]}, start_version=1)
+    assert unnamed["token_versions"] == [1, 1, 1, 1]  # a version that is not agentrl's: the request-start one

@@ -31,7 +31,9 @@ try:
 except EngineStartError:
     VLLM = None
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(VLLM is None, reason="no .venv-vllm: bash .ci/install-vllm")]
+# the first test also waits for the module's servers (vLLM starts in ~80 s on 2 idle cores, minutes on busy ones)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200),
+              pytest.mark.skipif(VLLM is None, reason="no .venv-vllm: bash .ci/install-vllm")]  # fmt: skip
 KEY = "test-key-vllm"
 
 
@@ -137,6 +139,43 @@ def test_disk_push_changes_the_served_weights_and_restores_them_exactly(vllm, mo
     assert (after.token_ids, after.logprobs) == (before.token_ids, before.logprobs)  # bit-exact
 
 
+def test_a_request_spanning_a_push_tags_each_token_with_its_version(vllm, model_dir, tokenizer, tools, tool_prompt,
+                                                                     max_model_len):
+    """vLLM's /inference/v1/generate reports which weight version sampled each token (no request-start guess)."""
+    from agentrl.inference.client import from_generate
+    from agentrl.recipes.engines import prometheus_values
+
+    ids = _prompts(tokenizer, tools, tool_prompt)[0]
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def go():
+        sync = VLLMWeightSync(vllm.base_url, api_key=KEY)
+        await sync.set_version(5)
+        async with httpx.AsyncClient(base_url=vllm.root_url, headers=headers, timeout=300) as http:
+
+            async def tokens_so_far() -> float:
+                return prometheus_values((await http.get("/metrics")).text).get("vllm:generation_tokens_total", 0.0)
+
+            before = await tokens_so_far()
+            body = {"model": vllm.model, "token_ids": ids, "output_mode": "text", "sampling_params": {
+                "max_tokens": max_model_len - len(ids) - 1, "temperature": 1.0, "seed": 0, "ignore_eos": True,
+                "logprobs": 0, "detokenize": True}}  # fmt: skip
+            request = asyncio.create_task(http.post("/inference/v1/generate", json=body))
+            while await tokens_so_far() < before + 8 and not request.done():  # mid-generation
+                await asyncio.sleep(0.05)
+            assert not request.done(), "the request ended before the push: nothing to check"
+            await sync.push(weights, 6)
+            reply = (await request).json()
+        await sync.close()
+        return from_generate(reply["choices"][0], start_version=-1)
+
+    ch = asyncio.run(go())
+    versions = ch["token_versions"]
+    assert len(versions) == len(ch["token_ids"]) == max_model_len - len(ids) - 1
+    assert versions[0] == 5 and versions[-1] == 6 and versions == sorted(versions) and set(versions) == {5, 6}
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["token", "chat"])
 def test_eval_on_vllm(vllm, model_dir, tmp_path, chat):
     out = tmp_path / "eval"
@@ -175,7 +214,8 @@ def test_rl_run_launches_vllm_pushes_every_version_and_tags_tokens(model_dir, tm
     fates = sum(last[f"ledger/{k}"] for k in ("trained", "stale", "filtered", "errored", "interrupted", "skipped",
                                               "in_flight"))  # fmt: skip
     assert fates == last["ledger/started"] and last["ledger/errored"] == 0
-    versions = [v for r in read_jsonl(run_dir / "rollouts.jsonl") for s in r["sequences"] for v in s["versions"]]
+    versions = [v for r in read_jsonl(run_dir / "rollouts.jsonl") for s in r["sequences"]
+                for v, m in zip(s["versions"], s["loss_mask"], strict=True) if m]  # fmt: skip
     assert min(versions) == 0 and max(versions) >= 1  # tokens sampled after a push carry its version
     evals = [r for r in read_jsonl(run_dir / "eval_rollouts.jsonl")]
     assert {r["eval_version"] for r in evals} == {0, 3}
