@@ -7,7 +7,9 @@ Same tasks, same policy, same two model calls per episode (call the calculator, 
 - ``in-process``: ``examples/harness`` with ``form = "agent"``: the agent's ``AsyncOpenAI``
   client calls the episode's gateway over loopback HTTP, in the same event loop;
 - ``subprocess``: ``examples/harness`` with ``form = "command"``: one Python process per
-  episode (interpreter start and ``import openai`` included).
+  episode (interpreter start and ``import openai`` included);
+- ``in-process-raw``: the same agent loop speaking JSON over aiohttp instead of the SDK: the
+  gateway's own cost, without the SDK's request building and parsing.
 
 The policy is a scripted ChatML client (agentrl's checker client) that answers every call
 after a fixed latency (``--latency-ms``, an engine's), so the difference is agentrl's own
@@ -55,6 +57,32 @@ class LatencyClient(ScriptedClient):
         return await super().complete(prompt_ids, sampling, n)
 
 
+_HTTP: dict = {}
+
+
+async def raw_agent(client, task: dict) -> str:
+    """calc_agent.asolve over plain aiohttp (one session per loop), for the gateway's own cost."""
+    import aiohttp
+    from calc_agent import MAX_CALLS, TOOLS, calculator
+
+    loop = asyncio.get_running_loop()
+    if _HTTP.get("loop") is not loop:
+        _HTTP.update(loop=loop, session=aiohttp.ClientSession())
+    url, headers = str(client.base_url).rstrip("/") + "/chat/completions", {"Authorization": f"Bearer {client.api_key}"}
+    messages = list(task["prompt"])
+    for _ in range(MAX_CALLS):
+        body = {"model": "policy", "messages": messages, "tools": TOOLS}
+        async with _HTTP["session"].post(url, json=body, headers=headers) as r:
+            message = (await r.json())["choices"][0]["message"]
+        if not message.get("tool_calls"):
+            return message["content"]
+        messages.append(message)
+        for call in message["tool_calls"]:
+            result = calculator(json.loads(call["function"]["arguments"])["expression"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "name": "calculator", "content": result})
+    return ""
+
+
 async def measure(env, tasks, concurrency: int, latency: float) -> dict:
     client, gate = LatencyClient(latency), asyncio.Semaphore(concurrency)
     sampling = SamplingParams(max_tokens=200)
@@ -87,18 +115,23 @@ async def main(args) -> None:
         "native": (native_env, tasks[: args.episodes]),
         "in-process": (load_environment(EXAMPLE, form="agent", **calc), tasks[: args.episodes]),
         "subprocess": (load_environment(EXAMPLE, form="command", **calc), tasks[: args.subprocess_episodes]),
+        "in-process-raw": (load_environment(EXAMPLE, form="agent", **calc), tasks[: args.episodes]),
     }
+    forms["in-process-raw"][0].agent = raw_agent
     results = {}
     for name, (env, ts) in forms.items():
         results[name] = await measure(env, ts, args.concurrency, args.latency_ms / 1000)
-    print(f"{'form':<12} {'episodes':>8} {'episodes/s':>11} {'s/episode':>10}")
+    if "session" in _HTTP:
+        await _HTTP["session"].close()
+    print(f"{'form':<15} {'episodes':>8} {'episodes/s':>11} {'s/episode':>10}")
     for name, r in results.items():
-        print(f"{name:<12} {r['episodes']:>8} {r['episodes_per_s']:>11.2f} {r['episode_s']:>10.3f}")
+        print(f"{name:<15} {r['episodes']:>8} {r['episodes_per_s']:>11.2f} {r['episode_s']:>10.3f}")
     native = results["native"]
     out = {
         "latency_ms": args.latency_ms, "concurrency": args.concurrency,
         **{f"{k.replace('-', '_')}_episodes_per_s": round(r["episodes_per_s"], 3) for k, r in results.items()},
         "in_process_ratio": round(results["in-process"]["episodes_per_s"] / native["episodes_per_s"], 3),
+        "in_process_raw_ratio": round(results["in-process-raw"]["episodes_per_s"] / native["episodes_per_s"], 3),
         "subprocess_ratio": round(results["subprocess"]["episodes_per_s"] / native["episodes_per_s"], 3),
         "subprocess_overhead_s_per_episode": round(results["subprocess"]["episode_s"] - native["episode_s"], 3),
         "in_process_overhead_s_per_episode": round(results["in-process"]["episode_s"] - native["episode_s"], 3),

@@ -66,3 +66,14 @@ def test_agentrl_run_trains_the_example_and_the_ledger_adds_up(tiny_model, tmp_p
             assert sum(sum(s["loss_mask"]) for s in e["sequences"]) == sum(len(t["completion_ids"]) for t in e["turns"])
     view = agentrl("view", run_dir)
     assert view.returncode == 0 and "trained 8" in view.stdout
+
+
+async def test_the_example_passes_the_environment_checklist():
+    from agentrl.envs import check_environment
+
+    env = load_environment(str(EXAMPLE), form="agent", num_train=8, num_eval=4)
+    try:
+        report = await check_environment(env, num_episodes=2)
+    finally:
+        await env.close()
+    assert report.ok, report.failures()
