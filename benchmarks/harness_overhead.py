@@ -14,8 +14,9 @@ Same tasks, same policy, same two model calls per episode (call the calculator, 
 The policy is a scripted ChatML client (agentrl's checker client) that answers every call
 after a fixed latency (``--latency-ms``, an engine's), so the difference is agentrl's own
 work: HTTP, the SDK, rendering, joining sequences, process start.  Every episode must score 1.
-Prints episodes/s per form and the mean wall time per episode; last line: JSON with the
-ratios to native (goal: in-process ≥ 0.8×) and the subprocess form's overhead per episode.
+Prints episodes/s per form, the mean wall time per episode and the CPU time per episode
+(this process and the agents it started: steadier than wall time on a shared machine);
+last line: JSON with the ratios to native (goal: in-process ≥ 0.8×) and the overheads.
 
     python benchmarks/harness_overhead.py [--episodes 128 --concurrency 32 --latency-ms 20]
 """
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import json
 import re
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -83,6 +85,13 @@ async def raw_agent(client, task: dict) -> str:
     return ""
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (the subprocess form's agents):
+    on a shared machine a steadier measure than wall time."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 async def measure(env, tasks, concurrency: int, latency: float) -> dict:
     client, gate = LatencyClient(latency), asyncio.Semaphore(concurrency)
     sampling = SamplingParams(max_tokens=200)
@@ -95,15 +104,15 @@ async def measure(env, tasks, concurrency: int, latency: float) -> dict:
 
     try:
         await one(tasks[0])  # warm-up, untimed: imports (openai: ~3 s), the gateway's server, caches
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         trajs = await asyncio.gather(*(one(t) for t in tasks))
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, _cpu() - c0
     finally:
         await env.close()
     bad = [t.error or f"reward {t.reward}" for t in trajs if t.error or t.reward != 1.0]
     if bad:
         raise SystemExit(f"{env.name}: {len(bad)} episodes failed, e.g. {bad[0]}")
-    return {"episodes_per_s": len(tasks) / wall, "episode_s": statistics.mean(t.timing["total_s"] for t in trajs),
+    return {"episodes_per_s": len(tasks) / wall, "cpu_ms": 1e3 * cpu / len(tasks), "episode_s": statistics.mean(t.timing["total_s"] for t in trajs),
             "episodes": len(tasks)}  # fmt: skip
 
 
@@ -123,9 +132,9 @@ async def main(args) -> None:
         results[name] = await measure(env, ts, args.concurrency, args.latency_ms / 1000)
     if "session" in _HTTP:
         await _HTTP["session"].close()
-    print(f"{'form':<15} {'episodes':>8} {'episodes/s':>11} {'s/episode':>10}")
+    print(f"{'form':<15} {'episodes':>8} {'episodes/s':>11} {'s/episode':>10} {'CPU ms/episode':>15}")
     for name, r in results.items():
-        print(f"{name:<15} {r['episodes']:>8} {r['episodes_per_s']:>11.2f} {r['episode_s']:>10.3f}")
+        print(f"{name:<15} {r['episodes']:>8} {r['episodes_per_s']:>11.2f} {r['episode_s']:>10.3f} {r['cpu_ms']:>15.1f}")
     native = results["native"]
     out = {
         "latency_ms": args.latency_ms, "concurrency": args.concurrency,
@@ -134,6 +143,7 @@ async def main(args) -> None:
         "in_process_raw_ratio": round(results["in-process-raw"]["episodes_per_s"] / native["episodes_per_s"], 3),
         "subprocess_ratio": round(results["subprocess"]["episodes_per_s"] / native["episodes_per_s"], 3),
         "subprocess_overhead_s_per_episode": round(results["subprocess"]["episode_s"] - native["episode_s"], 3),
+        **{f"{k.replace('-', '_')}_cpu_ms_per_episode": round(r["cpu_ms"], 2) for k, r in results.items()},
         "in_process_overhead_s_per_episode": round(results["in-process"]["episode_s"] - native["episode_s"], 3),
     }  # fmt: skip
     print(json.dumps(out))

@@ -342,3 +342,52 @@ def test_bad_arguments_say_what_to_pass():
         HarnessEnv(dataset=ROWS)
     with pytest.raises(ValueError, match="argv list"):
         HarnessEnv("python agent.py", dataset=ROWS)
+
+
+async def test_a_chat_only_endpoint_records_calls_without_token_ids():
+    """``token_exact=False`` (evaluating a hosted model): calls pass through the client's chat
+    route, tool calls as the endpoint split them; turns are kept, no sequences."""
+
+    async def agent(client, task):
+        tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+        messages = list(task["prompt"])
+        r = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+        call = r.choices[0].message.tool_calls[0]
+        messages += [r.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        r = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+        return r.choices[0].message.content
+
+    env = HarnessEnv(agent=agent, dataset=ROWS)
+    try:
+        traj = await env.rollout(ScriptedClient(tool_policy), env.dataset()[0], SAMPLING, token_exact=False)
+    finally:
+        await env.close()
+    assert traj.error is None, traj.error
+    assert traj.state["result"] == "The answer is 5" and len(traj.turns) == 2 and traj.sequences == []
+
+
+async def test_a_langchain_program_trains_unchanged(tmp_path):
+    pytest.importorskip("langchain_openai")
+    cmd = program(tmp_path, """
+        from langchain_core.messages import HumanMessage, ToolMessage
+        from langchain_core.tools import tool
+        from langchain_openai import ChatOpenAI
+
+        @tool
+        def calculator(expression: str) -> str:
+            \"\"\"Evaluate an arithmetic expression.\"\"\"
+            a, b = expression.split("+")
+            return str(int(a) + int(b))
+
+        llm = ChatOpenAI(model="gpt-4o-mini", max_retries=0).bind_tools([calculator])
+        messages = [HumanMessage(TASK["prompt"][0]["content"])]
+        ai = llm.invoke(messages)
+        messages.append(ai)
+        for call in ai.tool_calls:
+            messages.append(ToolMessage(calculator.invoke(call["args"]), tool_call_id=call["id"]))
+        print(llm.invoke(messages).content)
+    """)
+    traj = await run(HarnessEnv(cmd, dataset=ROWS, timeout_s=120), ScriptedClient(tool_policy))
+    assert traj.error is None, traj.error
+    assert traj.state["result"] == "The answer is 5"
+    assert len(traj.turns) == 2 and len(traj.sequences) == 1 and traj.metrics["template_breaks"] == 0
