@@ -68,3 +68,32 @@ def test_resume_without_a_checkpoint_says_so_before_starting_anything(tiny_model
     note = f"--resume: no complete checkpoint in {run_dir}; starting from step 0; run.max_wall_s (300s) starts again now"
     assert note in r.stderr, r.stderr[-2000:]
     assert r.stderr.index(note) < r.stderr.index("starting the inference engine"), r.stderr[-2000:]
+
+
+def test_ctrl_c_during_the_warm_start_says_sft_starts_again(tiny_model, tmp_path):
+    """Interrupted during SFT, two minutes were lost silently."""
+    import shutil
+
+    base = tmp_path / "base"  # the SFT cache is written beside the model: a copy of its own
+    shutil.copytree(tiny_model, base)
+    args = run_args(base, tmp_path / "run", **{"sft.enabled": "true", "sft.steps": 100000, "sft.batch_size": 4,
+                                               "sft.num_demos": 64, "trainer.steps": 1})
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stderr:  # the first progress line: SFT is training
+            seen.append(line)
+            if line.startswith("sft 1/"):
+                break
+        assert proc.poll() is None, "".join(seen)[-2000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        _, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = "".join(seen) + rest
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted during the SFT warm start: it is saved only when it finishes, so the next run starts it again" \
+        in err, err[-2000:]
