@@ -291,23 +291,23 @@ async def test_a_program_that_never_calls_the_model_is_named(tmp_path):
 
 
 async def test_a_timeout_kills_the_whole_process_tree(tmp_path):
-    pids = tmp_path / "pids"
-    cmd = program(tmp_path, f"""
-        import subprocess, time
-        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+    pids, script = tmp_path / "pids", tmp_path / "stuck.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, subprocess, sys, time
         child = subprocess.Popen([sys.executable, "-c", "import os, time; os.fork(); time.sleep(600)"])
-        open({str(pids)!r}, "w").write(str(child.pid))
+        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
         print("stuck", file=sys.stderr, flush=True)
         time.sleep(600)
-    """)
+    """))
     t0 = time.monotonic()
-    traj = await run(HarnessEnv(cmd, dataset=ROWS, timeout_s=10), ScriptedClient(lambda p: "x"))
+    traj = await run(HarnessEnv([sys.executable, str(script)], dataset=ROWS, timeout_s=10), ScriptedClient(lambda p: "x"))
     assert time.monotonic() - t0 < 60
     assert traj.error_kind == "env" and "did not finish within timeout_s=10s" in traj.error and "stuck" in traj.error
-    child = int(pids.read_text())
+    leader, child = map(int, pids.read_text().split())
     from agentrl.envs.harness import _session_members
 
-    assert not _session_members(child) and not os.path.exists(f"/proc/{child}/cmdline") or _zombie(child)
+    assert _session_members(leader) == []  # the child and its forked grandchild too
+    assert not os.path.exists(f"/proc/{child}/cmdline") or _zombie(child)
 
 
 def _zombie(pid: int) -> bool:
@@ -391,3 +391,18 @@ async def test_a_langchain_program_trains_unchanged(tmp_path):
     assert traj.error is None, traj.error
     assert traj.state["result"] == "The answer is 5"
     assert len(traj.turns) == 2 and len(traj.sequences) == 1 and traj.metrics["template_breaks"] == 0
+
+
+async def test_the_episodes_own_wall_limit_also_kills_the_program(tmp_path):
+    """``rollout.episode_timeout_s`` shorter than the program's ``timeout_s``: the episode ends
+    as ``timeout`` and the program's processes die with it."""
+    pids, script = tmp_path / "pids", tmp_path / "sleeper.py"
+    script.write_text(f"import os, time\nopen({str(pids)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    env = HarnessEnv([sys.executable, str(script)], dataset=ROWS, timeout_s=600)
+    try:
+        traj = await env.rollout(ScriptedClient(lambda p: "x"), env.dataset()[0], SAMPLING, timeout_s=8)
+    finally:
+        await env.close()
+    assert traj.error_kind == "timeout"
+    pid = int(pids.read_text())
+    assert not os.path.exists(f"/proc/{pid}/cmdline") or _zombie(pid)
