@@ -66,6 +66,11 @@ def test_agentrl_run_trains_the_example_and_the_ledger_adds_up(tiny_model, tmp_p
             assert sum(sum(s["loss_mask"]) for s in e["sequences"]) == sum(len(t["completion_ids"]) for t in e["turns"])
     view = agentrl("view", run_dir)
     assert view.returncode == 0 and "trained 8" in view.stdout
+    from agentrl.viewer.data import RunView
+
+    shown = RunView(run_dir).episode(episodes[-1]["id"])  # the viewer's episode page: every call a turn
+    assert shown is not None and len(shown["turns"]) == len(episodes[-1]["turns"]) >= 1
+    assert len(shown["sequences"]) == len(episodes[-1]["sequences"])
 
 
 async def test_the_example_passes_the_environment_checklist():
