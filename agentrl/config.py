@@ -278,6 +278,19 @@ class TrainerConfig(Section):
         "model with hidden size >= 512 on a CPU with native bf16 (agentrl/precision.py), else float32.",
     )
     num_threads: int = Field(0, ge=0, description="Torch CPU threads for the trainer and the embedded engine each (0 = one each).")
+    world_size: int = Field(
+        1, ge=1, description="Trainer ranks on this host (1 = one process). N > 1: N processes on torch.distributed, "
+        "each decoder layer sharded with FSDP2 (agentrl/trainer/sharded.py); each rank trains a share of the batch, "
+        "losses and statistics are reduced with the one-process trainer's global weights.",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend of the trainer ranks: auto = nccl when every rank gets its own "
+        "GPU (one per rank, cuda:0..N-1), else gloo on CPU.",
+    )
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="world_size > 1: a collective that waits longer (a rank stuck or dead) fails the run "
+        "with TrainerDied instead of hanging.",
+    )
 
 
 class SFTConfig(Section):
@@ -371,6 +384,11 @@ class Config(Section):
             raise ValueError(
                 "cluster.trainer_actor = true needs cluster.backend = \"ray\" (local mode trains in the "
                 "driver); set backend = \"ray\" or remove it"
+            )
+        if self.trainer.world_size > 1 and self.cluster.trainer_actor:
+            raise ValueError(
+                f"trainer.world_size = {self.trainer.world_size} with cluster.trainer_actor = true is not supported "
+                "yet (the sharded trainer's ranks run on the driver's host); remove one of them"
             )
         if self.cluster.rollout_workers and self.cluster.backend != "ray":
             raise ValueError(

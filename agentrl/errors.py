@@ -46,6 +46,13 @@ class CheckpointError(AgentrlError):
     """A checkpoint could not be written (disk full, quota, read-only) or is damaged."""
 
 
+class TrainerDied(AgentrlError):
+    """A rank of the sharded trainer died or a collective timed out; the message names the rank and the
+    newest checkpoint to resume from (one line from the CLI, exit code 1: not a user error)."""
+
+    exit_code = 1
+
+
 class EngineStartError(AgentrlError):
     """An inference engine did not come up (bad model dir, port in use, crash at load)."""
 

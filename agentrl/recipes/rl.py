@@ -184,6 +184,11 @@ def build_state(
         # its threads follow its own reservation, not the driver's cores
         threads = cfg.trainer.num_threads or max(1, int(cfg.cluster.trainer_cpus))
         trainer = start_trainer_actor(cfg, start_model, run_dir, threads)
+    elif cfg.trainer.world_size > 1:  # N rank processes, FSDP2 (agentrl.trainer.sharded)
+        from agentrl.trainer.sharded import ShardedTrainer
+
+        live.note(f"starting {cfg.trainer.world_size} trainer ranks ...")
+        trainer = ShardedTrainer(start_model, cfg.trainer, cfg.rollout.sampling(), seed=cfg.run.seed, run_dir=run_dir)
     else:
         trainer = Trainer(start_model, cfg.trainer, cfg.rollout.sampling(), seed=cfg.run.seed)
     try:

@@ -118,7 +118,7 @@ class Trainer:
                 model,
                 LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=LORA_TARGETS, lora_dropout=0.0),
             )
-        self.model = model.to(self.device)
+        self.model = self._place(model)
         self.model.eval()  # dropout off everywhere: RL trains on the distribution that was sampled
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
@@ -222,8 +222,20 @@ class Trainer:
             loss_sum += float(loss.detach())
             ent_sum += ent
             add_stats(totals, stats)
+        return loss_sum, ent_sum, self._clip_grads()
+
+    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model on the trainer's device (the sharded trainer shards it here: agentrl.trainer.sharded)."""
+        return model.to(self.device)
+
+    def _clip_grads(self) -> float:
+        """Clip the global grad norm to ``grad_clip``; returns the norm before clipping."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return loss_sum, ent_sum, float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+
+    def _decode(self, decoder: torch.nn.Module, **inputs: torch.Tensor) -> torch.Tensor:
+        """The decoder's last hidden states (the sharded trainer gathers the unsharded weights around it)."""
+        return decoder(**inputs).last_hidden_state
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
         """Whole trajectories per micro-batch, sorted by length, filled up to the token budget."""
@@ -272,10 +284,10 @@ class Trainer:
             if packs:  # some rows share a prompt, and one forward over the packs costs less
                 pk = pack(rows, packs, self.pad_id, self.device)
                 mask = attention_mask(pk, self.model_config, torch.bfloat16 if self.bf16 else torch.float32)
-                hidden = decoder(input_ids=pk.ids, position_ids=pk.positions, attention_mask=mask).last_hidden_state
+                hidden = self._decode(decoder, input_ids=pk.ids, position_ids=pk.positions, attention_mask=mask)
                 hidden = hidden.reshape(-1, hidden.shape[-1])[pk.hidden_at]
             else:
-                hidden = decoder(input_ids=x["ids"], attention_mask=x["attn"]).last_hidden_state[:, :-1][sel]
+                hidden = self._decode(decoder, input_ids=x["ids"], attention_mask=x["attn"])[:, :-1][sel]
         hidden = hidden.float()  # the LM head and the softmax stay in float32
         return token_logprobs_from_hidden(
             hidden, logits_fn, x["ids"][:, 1:][sel], x["support"][sel], self.sampling.temperature,

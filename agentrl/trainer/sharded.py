@@ -1,0 +1,423 @@
+"""The sharded trainer: ``trainer.world_size = N`` ranks on torch.distributed, each decoder layer under FSDP2.
+
+:class:`ShardedTrainer` is a handle in the driver with the one-process
+:class:`~agentrl.trainer.trainer.Trainer`'s calls (``step``, ``named_tensors``,
+``adapter_tensors``, ``state_dict``, ``load_state_dict``, ``merged_model``, ``close``).  It spawns N
+rank processes on this host (one pipe each, gloo on CPU, nccl with one GPU per rank); every call
+goes to every rank and rank 0 answers.
+
+How a sharded step stays the one-process step (:class:`_RankTrainer`):
+
+- every rank gets the whole batch and derives the same rows, the same aggregation weights (over
+  all trajectories of the update, ``losses.token_weights``) and the same skip decisions;
+- each rank runs forward/backward only on its own trajectories (trajectory k on rank k mod N), so
+  the sum over ranks of the local losses is the one-process loss, and FSDP2 *sums* the gradients
+  (gradient divide factor 1), never averaging per rank;
+- every rank runs the same number of forwards (FSDP2 all-gathers each layer per forward): a rank
+  with fewer micro-batches pads with a zero-weight copy of a real row whose statistics are dropped;
+- the grad norm is the global one (over the DTensor shards), and the loss, entropy and every summed
+  statistic are added over ranks before :func:`~agentrl.trainer.losses.summarize` divides, so a
+  logged mean is a global token mean, not a mean of per-rank means.
+
+Failures: a rank that dies (or reports an error, e.g. a collective that waited longer than
+``trainer.collective_timeout_s`` for a stuck peer) ends the call with :class:`TrainerDied`, one line
+naming the rank and the newest checkpoint; the other ranks are terminated, nothing waits forever.
+
+State: ``state_dict`` gathers the full model and optimizer state to rank 0 (CPU) in the layout of
+``torch.distributed.checkpoint.state_dict`` (FQN-keyed), so the run's ordinary checkpoint files
+and ``agentrl export`` work unchanged, and a resume may use any world size > 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing.connection
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from agentrl.errors import AgentrlError, CheckpointError, TrainerDied
+from agentrl.trainer.checkpoint import rng_state, set_rng_state
+from agentrl.trainer.logprobs import head_of
+from agentrl.trainer.losses import add_stats
+from agentrl.trainer.trainer import Trainer, _Row
+
+if TYPE_CHECKING:
+    from agentrl.config import TrainerConfig
+    from agentrl.types import Group, SamplingParams
+
+
+def resolve_backend(cfg: TrainerConfig) -> str:
+    """``trainer.backend`` in force: auto = nccl when each rank can have its own GPU, else gloo."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.backend == "nccl" and gpus < cfg.world_size:
+        raise AgentrlError(
+            f"trainer.backend = \"nccl\" with trainer.world_size = {cfg.world_size} needs {cfg.world_size} GPUs, "
+            f"this host has {gpus}; set trainer.backend = \"gloo\" (CPU) or lower world_size"
+        )
+    if cfg.backend == "auto":
+        return "nccl" if gpus >= cfg.world_size and cfg.device != "cpu" else "gloo"
+    return cfg.backend
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+class _Root(torch.nn.Module):
+    """The FSDP2 unit of the weights outside the decoder layers (embeddings, final norm, LM head).
+
+    The trainer calls the decoder and the LM head separately (no [B, T, V] logits), never the
+    model's own forward; running the decoder through this module's forward lets FSDP2 gather
+    those weights (kept gathered until backward: the LM head, maybe tied to the embeddings,
+    runs after it)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return fn(**inputs)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class _RankTrainer(Trainer):
+    """One rank: the one-process trainer on its share of each micro-batch schedule (module docstring)."""
+
+    def __init__(self, model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None, *, seed: int,
+                 rank: int, world: int) -> None:  # fmt: skip
+        self.rank, self.world = rank, world
+        super().__init__(model_dir, cfg, sampling, seed=seed)
+
+    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model = model.to(self.device)
+        decoder = head_of(model)[0]
+        layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+        if layers is None:
+            raise AgentrlError(f"trainer.world_size > 1: cannot find the decoder layers of {type(decoder).__name__}")
+        # bf16 weights in the layers' compute on a GPU; reduced in float32, outputs back to float32
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+              if self.bf16 and self.device.type == "cuda" else MixedPrecisionPolicy())  # fmt: skip
+        units = []
+        for layer in layers:
+            fully_shard(layer, mp_policy=mp)
+            units.append(layer)
+        self._root = _Root(model)
+        fully_shard(self._root, reshard_after_forward=False)
+        for unit in [*units, self._root]:
+            unit.set_gradient_divide_factor(1.0)  # sum over ranks: each rank's loss holds global weights
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
+        return model
+
+    def _decode(self, decoder: torch.nn.Module, **inputs: torch.Tensor) -> torch.Tensor:
+        return self._root(lambda **kw: decoder(**kw).last_hidden_state, inputs)
+
+    def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
+        mine = [r for r in rows if r.traj % self.world == self.rank]
+        mbs = super()._micro_batches(mine) if mine else []
+        n = self._all_max(len(mbs))
+        pad = dataclasses.replace(rows[0], weight=0.0, traj=-1)  # same forwards on every rank; no statistics
+        return mbs + [[pad] for _ in range(n - len(mbs))]
+
+    def _micro_step(self, mb: list[_Row]) -> tuple[torch.Tensor, dict[str, float], float]:
+        loss, stats, ent = super()._micro_step(mb)
+        if mb[0].traj < 0:
+            return loss * 0.0, {}, 0.0
+        return loss, stats, ent
+
+    def _update(self, part: list[list[_Row]], totals: dict[str, float]) -> tuple[float, float, float]:
+        import torch.distributed as dist
+
+        mine: dict[str, float] = {}
+        loss, ent, norm = super()._update(part, mine)
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, (loss, ent, mine))
+        loss = sum(x[0] for x in every)
+        ent = sum(x[1] for x in every)
+        for _, _, stats in every:  # rank order: every rank adds the same numbers in the same order
+            add_stats(totals, stats)
+        return loss, ent, norm
+
+    def _clip_grads(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = _full(torch.nn.utils.get_total_norm(grads))
+        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, norm)
+        return float(norm)
+
+    def _all_max(self, n: int) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([n], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    # weights out: one tensor gathered at a time; only rank 0 keeps it (CPU)
+
+    @torch.no_grad()
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        if not self.lora:
+            for k, v in self.model.state_dict().items():
+                full = _full(v)
+                if self.rank == 0:
+                    out[k] = full.detach().to("cpu").contiguous()
+            return out
+        for name, base, a, b, scale in self._adapted_modules():
+            w = _full(base) + _full(b) @ _full(a) * scale
+            if self.rank == 0:
+                out[name + ".weight"] = w.to("cpu").contiguous()
+        return out
+
+    @torch.no_grad()
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        if not self.lora:
+            raise ValueError("adapter_tensors() needs a LoRA trainer (trainer.lora_rank > 0)")
+        out = {}
+        for name, _, a, b, scale in self._adapted_modules():
+            a, b = _full(a), _full(b)
+            if self.rank == 0:
+                out[name + ".lora_A"] = a.detach().to("cpu").contiguous()
+                out[name + ".lora_B"] = (b.detach() * scale).to("cpu").contiguous()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        rngs: list[Any] = [None] * self.world
+        dist.all_gather_object(rngs, rng_state())
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(), "rng": rngs[0],
+                "rng_ranks": rngs, "world_size": self.world}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state.get("model", {}),
+            optim_state_dict=state.get("optimizer", {}),
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )  # fmt: skip
+        self.scheduler.load_state_dict(state["scheduler"])
+        rngs = state["rng_ranks"]
+        set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0])
+
+
+def _rank_main(rank: int, world: int, backend: str, port: int, model_dir: str, cfg: TrainerConfig,
+               sampling: SamplingParams | None, seed: int, conn) -> None:  # fmt: skip
+    """A rank process: build its trainer, then run the driver's calls until ``close`` or the pipe ends."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(cfg.num_threads or 1)
+    try:
+        device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=cfg.collective_timeout_s))  # fmt: skip
+        trainer = _RankTrainer(model_dir, cfg.model_copy(update={"device": str(device)}), sampling, seed=seed,
+                               rank=rank, world=world)  # fmt: skip
+        conn.send(("ok", {"lora": trainer.lora}))
+        while True:
+            try:
+                method, args = conn.recv()
+            except EOFError:  # the driver is gone
+                break
+            if method == "close":
+                break
+            result = getattr(trainer, method)(*args)
+            conn.send(("ok", result if rank == 0 else None))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, which names the rank
+        line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        try:
+            conn.send(("error", line[:500]))
+        except OSError:
+            pass
+        traceback.print_exc()
+        os._exit(1)  # no teardown: a collective with a dead peer could wait again
+
+
+# ----------------------------------------------------------------------------- the driver's handle
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ShardedTrainer:
+    """The driver's handle on ``trainer.world_size`` rank processes (module docstring)."""
+
+    def __init__(self, model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None = None, *,
+                 seed: int = 0, run_dir: str | Path | None = None) -> None:  # fmt: skip
+        """``run_dir``: where checkpoints are, named by :class:`TrainerDied`."""
+        import torch.multiprocessing as mp
+
+        self.cfg = cfg
+        self.world = cfg.world_size
+        self.model_dir = Path(model_dir)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.backend = resolve_backend(cfg)
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._procs, self._conns = [], []
+        for rank in range(self.world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_rank_main, name=f"agentrl-trainer-rank{rank}", daemon=True,
+                            args=(rank, self.world, self.backend, port, str(model_dir), cfg, sampling, seed, child))  # fmt: skip
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        self._closed = False
+        self.lora = bool(self._wait()["lora"])
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # the Trainer's calls
+
+    def step(self, groups: list[Group]) -> dict[str, Any]:
+        return self._call("step", groups)
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return self._call("named_tensors")
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        return self._call("adapter_tensors")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._call("state_dict")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "rng_ranks" not in state:
+            raise CheckpointError(
+                "this checkpoint was written by the one-process trainer (trainer.world_size = 1); resume it with "
+                "world_size = 1, or export it (`agentrl export`) and start a new run from the exported model"
+            )
+        # only rank 0 needs the tensors (it broadcasts them); the others need the schedule and their RNG
+        light = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+        self._call("load_state_dict", state, others=(light,))
+
+    def merged_model(self):
+        """A plain HF model (CPU, float32) with the current weights, LoRA merged."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        missing = model.load_state_dict(self.named_tensors(), strict=False)
+        if missing.unexpected_keys:
+            raise RuntimeError(f"the sharded trainer's weights do not fit the model: {missing.unexpected_keys[:3]}")
+        return model
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for c in self._conns:
+            try:
+                c.send(("close", ()))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        for p in self._procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for c in self._conns:
+            c.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # the plumbing
+
+    def _call(self, method: str, *args: Any, others: tuple[Any, ...] | None = None) -> Any:
+        if self._closed:
+            raise TrainerDied(f"the sharded trainer is closed; cannot run {method}")
+        for rank, c in enumerate(self._conns):
+            try:
+                c.send((method, args if others is None or rank == 0 else others))
+            except OSError:
+                self._died(rank, None)
+        return self._wait()
+
+    def _wait(self) -> Any:
+        """Every rank's reply (rank 0's returned); a rank that dies or fails raises :class:`TrainerDied`."""
+        replies: dict[int, Any] = {}
+        while len(replies) < self.world:
+            waiting = {c: r for r, c in enumerate(self._conns) if r not in replies}
+            sentinels = {self._procs[r].sentinel: r for r in waiting.values()}
+            for ready in multiprocessing.connection.wait([*waiting, *sentinels], timeout=5.0):
+                if ready in waiting:
+                    rank = waiting[ready]
+                    try:
+                        kind, value = ready.recv()
+                    except (EOFError, OSError):
+                        self._died(rank, None)
+                    if kind == "error":
+                        self._died(rank, value)
+                    replies[rank] = value
+                else:
+                    rank = sentinels[ready]
+                    if not self._conns[rank].poll():  # exited without a last word
+                        self._died(rank, None)
+        return replies[0]
+
+    def _died(self, rank: int, error: str | None) -> None:
+        """Stop every rank and raise one line: which rank (a killed one before a peer that saw it fail)."""
+        time.sleep(0.5)  # a peer's collective may fail before the killed rank's exit is visible
+        dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None and p.exitcode < 0]
+        if error is None or (dead and dead[0] != rank):
+            rank, error = (dead[0], None) if dead else (rank, error)
+        code = self._procs[rank].exitcode
+        if error is not None:
+            how = f"failed: {error}"
+        elif code is not None and code < 0:
+            how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        self.close()
+        raise TrainerDied(
+            f"trainer rank {rank} of {self.world} {how}; newest checkpoint: {self._newest_checkpoint()} "
+            "(restart with --resume; trainer.collective_timeout_s bounds how long the other ranks wait)"
+        )
+
+    def _newest_checkpoint(self) -> str:
+        if self.run_dir is None:
+            return "none (no run directory)"
+        from agentrl.trainer.checkpoint import latest_checkpoint
+
+        ckpt = latest_checkpoint(self.run_dir)
+        return str(ckpt) if ckpt is not None else "none yet"
+
+
+def make_trainer(model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None = None, *, seed: int = 0,
+                 run_dir: str | Path | None = None) -> Trainer | ShardedTrainer:  # fmt: skip
+    """The one-process trainer, or the sharded one for ``trainer.world_size > 1``."""
+    if cfg.world_size > 1:
+        return ShardedTrainer(model_dir, cfg, sampling, seed=seed, run_dir=run_dir)
+    return Trainer(model_dir, cfg, sampling, seed=seed)

@@ -1,0 +1,62 @@
+"""The sharded trainer (trainer.world_size = 2, FSDP2 on gloo): the one-process step, and a dead rank never hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from benchmark_module import load_benchmark
+
+from agentrl.config import TrainerConfig
+from agentrl.errors import TrainerDied
+from agentrl.trainer.sharded import ShardedTrainer
+from agentrl.types import SamplingParams
+
+
+def test_two_ranks_take_the_one_process_step(small_model):
+    # trajectories of different lengths land on different ranks: per-rank means would move the weights differently
+    case = load_benchmark("trainer_parity").run_case(small_model, "icepop", False, world=2, steps=2)
+    assert case["max_param_moved"] > 1e-3  # the steps did train
+    assert case["max_stat_diff"] < 1e-5, case  # loss, grad norm, entropy, KL, ... are the global ones
+    assert case["max_param_diff"] < 2e-5, case
+
+
+def test_a_killed_rank_ends_the_call_with_one_line(small_model, tmp_path):
+    parity = load_benchmark("trainer_parity")
+    cfg = TrainerConfig(device="cpu", world_size=2, collective_timeout_s=60)
+    trainer = ShardedTrainer(small_model, cfg, SamplingParams(), run_dir=tmp_path)
+    try:
+        os.kill(trainer.pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(TrainerDied) as e:
+            trainer.step(parity.fixed_batch(0, 512))
+        assert time.monotonic() - t0 < 30  # not the 60 s collective timeout: the death is seen directly
+        msg = str(e.value)
+        assert "\n" not in msg and "rank 1 of 2 was killed by signal 9" in msg and "newest checkpoint: none yet" in msg
+    finally:
+        trainer.close()
+    assert all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in trainer.pids)
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_times_out_the_collective(small_model):
+    parity = load_benchmark("trainer_parity")
+    cfg = TrainerConfig(device="cpu", world_size=2, collective_timeout_s=3)
+    trainer = ShardedTrainer(small_model, cfg, SamplingParams())
+    try:
+        os.kill(trainer.pids[1], signal.SIGSTOP)  # alive but silent: only the collective timeout can tell
+        with pytest.raises(TrainerDied, match="rank 0 of 2 failed") as e:
+            trainer.step(parity.fixed_batch(0, 512))
+        assert "\n" not in str(e.value)
+    finally:
+        trainer.close()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
