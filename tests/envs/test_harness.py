@@ -220,6 +220,7 @@ async def test_the_episode_key_guards_the_gateway_and_ends_with_the_episode(monk
         with pytest.raises(openai.AuthenticationError):
             await wrong.chat.completions.create(model="m", messages=task["prompt"])
         await wrong.close()
+        got["models"] = [m.id async for m in client.models.list()]
         r = await client.chat.completions.create(model="m", messages=task["prompt"])
         return r.choices[0].message.content
 
@@ -229,7 +230,7 @@ async def test_the_episode_key_guards_the_gateway_and_ends_with_the_episode(monk
         assert traj.error is None, traj.error
         assert {k: got[k] for k in ("none", "wrong", "run key", "basic", "other episode")} == dict.fromkeys(
             ("none", "wrong", "run key", "basic", "other episode"), 401)
-        assert got["url"].endswith("/v1") and got["url"].startswith("http://127.0.0.1:")
+        assert got["url"].endswith("/v1") and got["url"].startswith("http://127.0.0.1:") and len(got["models"]) == 1
         async with aiohttp.ClientSession() as http:  # the episode is over: its key opens nothing
             async with http.post(got["url"] + "/chat/completions", json={"model": "m", "messages": ROWS[0]["prompt"]},
                                  headers={"Authorization": f"Bearer {got['key']}"}) as r:
