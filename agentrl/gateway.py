@@ -365,7 +365,8 @@ class Gateway:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
-        runner = web.AppRunner(app, access_log=None)
+        # an ended episode's calls still sampling are not recorded: close does not wait long for them
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, self.host, 0)
         await site.start()

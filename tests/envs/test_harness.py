@@ -407,3 +407,25 @@ async def test_the_episodes_own_wall_limit_also_kills_the_program(tmp_path):
     assert traj.error_kind == "timeout"
     pid = int(pids.read_text())
     assert not os.path.exists(f"/proc/{pid}/cmdline") or _zombie(pid)
+
+
+async def test_closing_the_env_does_not_wait_for_calls_of_ended_episodes():
+    """A program killed mid-call leaves its call sampling; the episode's fate is set and
+    ``env.close()`` returns without waiting for that call (or for the server's 60 s default)."""
+    started = asyncio.Event()
+
+    class Stuck(ScriptedClient):
+        async def complete(self, prompt_ids, sampling, n=1):
+            started.set()
+            await asyncio.sleep(600)
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="m", messages=task["prompt"])
+
+    env = HarnessEnv(agent=agent, dataset=ROWS, timeout_s=600)
+    episode = asyncio.ensure_future(env.rollout(Stuck(), env.dataset()[0], SAMPLING))
+    await started.wait()
+    episode.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await episode
+    await asyncio.wait_for(env.close(), 30)  # a liveness bound: the default would hold it 60 s
