@@ -159,7 +159,7 @@ def test_a_task_that_json_cannot_hold_is_logged_and_trained(small_model, faulty_
     rollouts = read_jsonl(tmp_path / "run/rollouts.jsonl")
     assert rollouts and rollouts[0]["task"]["info"]["tags"] == ["a", "b"]
     fates = {x["fate"] for x in read_jsonl(tmp_path / "run/ledger.jsonl")}
-    assert fates == {"trained"}
+    assert "trained" in fates and fates <= {"trained", "unused", "interrupted"}  # the last two: held at the end
 
 
 def test_a_wrong_model_name_is_one_line_exit_2_before_any_episode(small_model, faulty_env, engine, tmp_path):
