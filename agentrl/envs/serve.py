@@ -28,7 +28,8 @@ The rules (README: "Env server hygiene"), each against an attack a review found:
   another's episode (ids were ``ep0, ep1...``).
 - **Tasks come from the server's own dataset.**  A client names a task by id (from
   ``/tasks``); the answer and info the rubric sees are the server's, never the client's.
-  With ``private_tasks`` a client sees only ids and prompts (an eval it cannot look up).
+  With ``private_tasks`` a client sees only ids and prompts (an eval it cannot look up), and
+  ``/reference`` and ``/demonstrations`` are refused (both play tasks to their answers).
 - **Bounded.**  At most ``max_open`` episodes open at once and ``max_open_per_client`` per
   client address (the next ``/reset`` answers 429 naming the limit, before ``setup`` takes a
   sandbox); an open episode nobody touched for ``idle_timeout_s`` (its client died) is
@@ -65,6 +66,8 @@ from agentrl.types import Message, Task, Trajectory, messages_to_dicts
 PROTOCOL = 2  # 2: tasks named by id, episodes carry a secret
 MAX_TASK_PAGE = 1000
 MAX_DEMONSTRATIONS = 10_000
+PRIVATE_REFUSAL = ("this server runs with --private-tasks: {what} would show clients the answers it hides; "
+                   "serve without --private-tasks to offer it")  # fmt: skip
 
 
 @dataclass
@@ -292,7 +295,10 @@ def make_app(
 
     @routes.get("/info")
     async def info(_: web.Request) -> web.Response:
-        return web.json_response({**_info(env, tasks), "private_tasks": private_tasks})
+        shown = _info(env, tasks)
+        if private_tasks:  # the reference route is refused (it would play the hidden tasks)
+            shown["reference_policy"] = False
+        return web.json_response({**shown, "private_tasks": private_tasks})
 
     @routes.get("/tasks")
     async def task_page(request: web.Request) -> web.Response:
@@ -379,6 +385,8 @@ def make_app(
             n, seed = int(body["n"]), int(body.get("seed", 0))
         except (TypeError, ValueError) as e:
             raise _refuse(web.HTTPBadRequest, f"n and seed must be integers: {e}") from e
+        if private_tasks:  # demonstrations play tasks to their answers
+            return web.json_response({"error": PRIVATE_REFUSAL.format(what="demonstrations"), "error_kind": "env"})
         if not 0 <= n <= MAX_DEMONSTRATIONS:
             raise _refuse(web.HTTPBadRequest, f"n must be in [0, {MAX_DEMONSTRATIONS}], not {n}")
         try:
@@ -387,7 +395,7 @@ def make_app(
             return _failed(e)
         return web.json_response({"conversations": [messages_to_dicts(c) for c in convs]})
 
-    _reference_route(routes, env, tasks)
+    _reference_route(routes, env, tasks, private_tasks)
     middlewares = [_key_middleware(api_key)] if api_key else []
     app = web.Application(client_max_size=64 * 2**20, middlewares=middlewares)
     app.add_routes(routes)
@@ -405,13 +413,16 @@ async def _reaper(env: Environment, episodes: _Episodes) -> Any:
         await task
 
 
-def _reference_route(routes: web.RouteTableDef, env: Environment, tasks: _Tasks) -> None:
-    """``POST /reference``: the env's reference policy plays one turn (``agentrl env test URL``)."""
+def _reference_route(routes: web.RouteTableDef, env: Environment, tasks: _Tasks, private_tasks: bool) -> None:
+    """``POST /reference``: the env's reference policy plays one turn (``agentrl env test URL``);
+    refused with private tasks (the policy solves the task: its turns show what /tasks hides)."""
 
     @routes.post("/reference")
     async def reference(request: web.Request) -> web.Response:
         body = await _body(request, "task_id", "messages")
         task = tasks.by_id(body["task_id"])
+        if private_tasks:
+            raise _refuse(web.HTTPForbidden, PRIVATE_REFUSAL.format(what="the reference policy"))
         policy = env.reference_policy()
         if policy is None:
             return web.json_response({"error": f"{env.name} has no reference policy", "error_kind": "env"})

@@ -350,3 +350,26 @@ async def test_private_tasks_show_a_client_no_answers_and_still_score():
         await remote.rubric.score_group([t])
         assert t.error is None and t.reward == 1.0, (t.error, t.reward)
         await remote.aclose()
+
+
+async def test_private_tasks_refuse_the_routes_that_play_tasks_to_their_answers():
+    """Attack: with private_tasks /tasks hides the answers, but /demonstrations played the
+    server's tasks to their answers (guess: the last guess is the secret number) and /reference
+    let a client have the server solve an eval task turn by turn.  Both are refused (and /info
+    says there is no reference policy); an honest client's episode still scores."""
+    env = load_environment(str(ROOT / "environments/guess"), num_train=4)
+    async with served(env, private_tasks=True) as url:
+        async with aiohttp.ClientSession() as s:
+            _, info = await get(s, f"{url}/info")
+            _, page = await get(s, f"{url}/tasks?split=train&limit=1")
+            task = page["tasks"][0]
+            _, demos = await post(s, f"{url}/demonstrations", {"n": 4})
+            status, ref = await post(s, f"{url}/reference", {"task_id": task["id"], "messages": task["prompt"]})
+        assert info["reference_policy"] is False
+        assert not demos.get("conversations") and "--private-tasks" in demos["error"], str(demos)[:300]
+        assert status == 403 and "message" not in ref and "--private-tasks" in ref["error"], (status, ref)
+        remote = await asyncio.to_thread(RemoteEnvironment, url)
+        assert remote.reference_policy() is None
+        with pytest.raises(NotImplementedError, match="private-tasks"):
+            await asyncio.to_thread(remote.demonstrations, 1)
+        await remote.aclose()
