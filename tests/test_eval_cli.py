@@ -177,6 +177,7 @@ def token_server(tok, tokenize: str):
 
 
 @pytest.mark.parametrize("tokenize", ["none", "same", "other"])
+@pytest.mark.slow
 def test_eval_renders_prompts_with_the_local_tokenizer(tmp_path, tokenize):
     from agentrl.tiny_model import build_tokenizer
 

@@ -195,6 +195,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_import_gguf_and_errors(tiny_gguf, tmp_path):
     _, path = tiny_gguf
     done = _cli("model", "import-gguf", str(path), str(tmp_path / "m"), "--dtype", "bfloat16")

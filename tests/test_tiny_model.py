@@ -129,6 +129,7 @@ def test_assistant_mask_covers_assistant_text_and_eos(tok):
     assert "tool\n42" not in masked and "What is" not in masked
 
 
+@pytest.mark.slow
 def test_cli_model_init(tmp_path):
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "agentrl.cli", "model", "init", "tiny", str(out), "--layers", "1", "--hidden", "32"]

@@ -69,6 +69,7 @@ def test_a_raising_rubric_factory_is_a_user_code_error(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["env test", "eval", "run", "run without sft"])
+@pytest.mark.slow
 def test_every_command_prints_one_line_and_exits_2(tmp_path, command):
     pkg = str(write_package(tmp_path / "broken", "broken-env", "broken_env_mod", BROKEN))
     if command == "env test":

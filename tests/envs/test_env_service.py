@@ -153,6 +153,7 @@ def test_an_unreachable_server_or_env_args_for_a_url_are_one_line_errors(calc_se
         load_environment(calc_server, num_train=3)
 
 
+@pytest.mark.slow
 def test_agentrl_eval_and_a_training_run_use_a_served_env(calc_server, tmp_path, small_model):
     """`agentrl eval URL` with the embedded engine, then a short RL run with env.name = URL."""
     from agentrl.config import load_config

@@ -55,6 +55,7 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_exit_codes(tokenizers, tmp_path):
     ok = cli("model", "check-template", str(tokenizers / "good"))
     assert ok.returncode == 0 and "prefix-stable" in ok.stdout
@@ -78,6 +79,7 @@ def test_each_family_template_is_prefix_stable_and_its_calls_parse_back(family):
     assert not wrong.ok and "parsed []" in wrong.detail
 
 
+@pytest.mark.slow
 def test_cli_names_the_tool_parser(tmp_path):
     from chat_families import family_tokenizer
 

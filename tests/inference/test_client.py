@@ -71,6 +71,7 @@ async def test_dead_endpoint_fails_over_and_all_dead_raises(engine):
             await pc.complete([1, 2, 3], SamplingParams(max_tokens=3))
 
 
+@pytest.mark.slow
 def test_launcher_reports_bad_model_dir(tmp_path):
     with pytest.raises(EngineStartError, match="no model"):
         start_embedded_engine(tmp_path)
@@ -80,6 +81,7 @@ def test_launcher_reports_bad_model_dir(tmp_path):
     assert "\n" not in str(e.value)  # the engine's one-line reason, not a traceback
 
 
+@pytest.mark.slow
 def test_launcher_stop_ends_the_child(model_dir):
     eng = start_embedded_engine(model_dir, max_batch_size=2, max_model_len=64, device="cpu")
     assert eng.alive and eng.port > 0 and eng.base_url.endswith("/v1")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import fields
 
+import pytest
+
 from agentrl.config import InferenceConfig, load_config
 from agentrl.inference import EngineArgs
 from agentrl.recipes.engines import open_engines
@@ -16,6 +18,7 @@ def test_the_inference_section_has_every_engine_setting_with_its_default():
     assert InferenceConfig().engine_args() == EngineArgs()
 
 
+@pytest.mark.slow
 async def test_inference_settings_reach_the_engine(tiny_model):
     cfg = load_config([], ["--inference.dtype=bfloat16", "--inference.max_batch_size=4",
                            "--inference.prefix_cache_tokens=512", "--inference.prefix_block_size=8",

@@ -81,6 +81,7 @@ def test_every_eos_of_the_generation_config_ends_a_sequence(tmp_path):
         engine.close()
 
 
+@pytest.mark.slow
 def test_the_launcher_reports_a_refusal_in_one_line(tmp_path):
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
             "original_max_position_embeddings": 64}  # fmt: skip

@@ -75,12 +75,14 @@ def parity(model_dir, attn_implementation: str | None = None) -> tuple[dict[tupl
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
 def test_engine_logprobs_equal_the_trainers(family, tmp_path):
     deltas, engine = parity(build_family_model(tmp_path / family, family))
     assert engine.prefix_hit_tokens > 0  # the second turns ran on cached K/V
     assert max(deltas.values()) <= TOL, f"{family}: max |Δ| per (T, top-k, top-p) {deltas}"
 
 
+@pytest.mark.slow
 def test_eager_attention_with_the_additive_mask_does_not_see_the_future(tmp_path, monkeypatch):
     # eager attention *adds* the mask to the scores: a boolean mask there (+1/+0) leaks the future
     load = model_support.load_model

@@ -141,6 +141,7 @@ def perturb(seed: int):
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["invalidated", "kept-on-request"])
+@pytest.mark.slow
 def test_a_weight_push_invalidates_the_cache(family_dir, keep):
     engine = make_engine(family_dir, keep_prefix_cache_on_weight_update=keep)
     fresh = make_engine(family_dir, enable_prefix_caching=False)
