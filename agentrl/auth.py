@@ -99,7 +99,8 @@ def matches(key: str, presented: str | None) -> bool:
     """Constant-time comparison of a presented token with the key (None never matches)."""
     if presented is None:
         return False
-    return hmac.compare_digest(key.encode(), presented.encode())
+    # surrogatepass: a header's undecodable bytes or a JSON "\ud800" are a wrong key, not a 500
+    return hmac.compare_digest(key.encode(), presented.encode("utf-8", "surrogatepass"))
 
 
 def auth_headers(key: str | None) -> dict[str, str]:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import ipaddress
 import json
 import secrets
@@ -169,7 +168,7 @@ class _Episodes:
 
 
 def _secret_ok(ep: _Episode, secret: Any) -> bool:
-    return isinstance(secret, str) and hmac.compare_digest(ep.secret.encode(), secret.encode())
+    return isinstance(secret, str) and auth.matches(ep.secret, secret)
 
 
 def _check_secret(eid: str, ep: _Episode, secret: Any) -> None:

@@ -373,3 +373,26 @@ async def test_private_tasks_refuse_the_routes_that_play_tasks_to_their_answers(
         with pytest.raises(NotImplementedError, match="private-tasks"):
             await asyncio.to_thread(remote.demonstrations, 1)
         await remote.aclose()
+
+
+async def test_a_key_or_secret_that_is_not_utf8_is_refused_not_a_500():
+    """Attack: a bearer token with bytes that are not UTF-8 (or an episode_secret "\\ud800" in
+    JSON) made the key comparison raise: a 500 and a traceback per request instead of 401/403."""
+    env = calc()
+    async with served(env, api_key="k" * 32) as url:
+        port = int(url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        head = (await reader.read()).split(b"\r\n", 1)[0]
+        writer.close()
+        assert head == b"HTTP/1.1 401 Unauthorized", head
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer " + "k" * 32}) as s:
+            _, page = await get(s, f"{url}/tasks?limit=1")
+            _, opened = await post(s, f"{url}/reset", {"task_id": page["tasks"][0]["id"]})
+            lone = json.dumps({"episode_id": opened["episode_id"], "episode_secret": "SECRET"}).replace("SECRET", "\\ud800")
+            async with s.post(f"{url}/close", data=lone, headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 403, (r.status, await r.text())
+            status, _ = await post(s, f"{url}/close", {"episode_id": opened["episode_id"],
+                                                       "episode_secret": opened["episode_secret"]})  # fmt: skip
+            assert status == 200
