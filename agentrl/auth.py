@@ -80,6 +80,15 @@ def read_key(path: str | Path) -> str:
     return Path(path).read_text().strip()
 
 
+def run_key(run_dir: str | Path) -> str:
+    """The key of one ``agentrl run``: ``AGENTRL_API_KEY`` when set, else a new one; written 0600
+    to ``RUN_DIR/api_key`` so the user's own tools (``agentrl eval --base-url``, curl) can reach
+    the run's engines.  The run hands it to its engines, clients and actors as an argument."""
+    key = client_key() or new_key()
+    write_key(Path(run_dir) / KEY_FILE, key)
+    return key
+
+
 def client_key(default: str | None = None) -> str | None:
     """The key a client sends: ``AGENTRL_API_KEY`` when set, else ``default``."""
     return os.environ.get(KEY_ENV, "").strip() or default

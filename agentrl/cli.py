@@ -184,6 +184,21 @@ def serve(
     tool_call_parser: Annotated[
         str, typer.Option(help="How the chat route splits tool calls: hermes | llama3_json | mistral | pythonic | auto.")
     ] = "auto",
+    api_key: Annotated[
+        str | None,
+        typer.Option("--api-key", envvar="AGENTRL_API_KEY", show_envvar=True,
+                     help="Key every route but /health requires (default: a new key for the control routes, "
+                          "written to --key-file)."),
+    ] = None,
+    key_file: Annotated[
+        Path | None, typer.Option(help="Where a key made here is written, 0600 (default ~/.cache/agentrl/keys/).")
+    ] = None,
+    allowed_hosts: Annotated[
+        str, typer.Option(help="More Host names to serve, comma-separated (loopback names and IPs always; *: any).")
+    ] = "",
+    allowed_origins: Annotated[
+        str, typer.Option(help="Web origins whose pages may call the server, comma-separated (default: none).")
+    ] = "",
 ) -> None:
     """Serve a model with the embedded OpenAI-compatible engine (continuous batching, live weights)."""
     from pathlib import Path
@@ -196,12 +211,14 @@ def serve(
         raise AgentrlError(f"no model at {model_dir!r} (expected a HF model dir; try `agentrl model init tiny DIR`)")
     if device not in ("auto", "cpu") and not device.startswith("cuda"):
         raise AgentrlError(f"unknown device {device!r}; use auto, cpu or cuda")
+    from agentrl.guard import split_names
     from agentrl.inference.server import serve as run_server
 
     args = EngineArgs(max_batch_size=max_batch_size, max_model_len=max_model_len, device=device)
     try:
         run_server(model_dir, host=host, port=port, args=args, served_model_name=served_model_name, log_level="info",
-                   tool_parser=tool_call_parser)
+                   tool_parser=tool_call_parser, api_key=api_key, key_file=key_file,
+                   allowed_hosts=split_names(allowed_hosts), allowed_origins=split_names(allowed_origins))
     except OSError as e:
         raise AgentrlError(f"cannot serve on {host}:{port}: {e.strerror or e}") from e
 
@@ -214,7 +231,11 @@ def eval_cmd(
     env: Annotated[str, typer.Argument(help="Installed environment name or path to an env package dir.")],
     model: Annotated[str, typer.Option("--model", "-m", help="Model name at --base-url, or a local model dir.")],
     base_url: Annotated[str | None, typer.Option("--base-url", "-b", help="OpenAI-compatible endpoint (…/v1).")] = None,
-    api_key: Annotated[str, typer.Option("--api-key", envvar="OPENAI_API_KEY", help="Endpoint API key.")] = "EMPTY",
+    api_key: Annotated[
+        str | None,
+        typer.Option("--api-key", envvar=["AGENTRL_API_KEY", "OPENAI_API_KEY"], show_envvar=True,
+                     help="The endpoint's API key (an agentrl engine's: RUN_DIR/api_key or the file `agentrl serve` printed)."),
+    ] = None,
     num_tasks: Annotated[int, typer.Option("--num-tasks", "-n", min=1, help="Held-out tasks to run.")] = 5,
     rollouts: Annotated[int, typer.Option("--rollouts", "-r", min=1, help="Episodes per task.")] = 3,
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, help="Episodes in flight.")] = 32,
@@ -381,7 +402,8 @@ def env_test(
         if policy is not None:
             from agentrl.inference import PolicyClient
 
-            client = PolicyClient(policy.base_urls, policy.model, tool_parser=policy.tool_parser)
+            client = PolicyClient(policy.base_urls, policy.model, tool_parser=policy.tool_parser,
+                                  api_key=policy.api_key)
         try:
             return await check_environment(
                 environment, client, num_episodes=num_episodes, sampling=SamplingParams(max_tokens=max_tokens)
@@ -483,13 +505,26 @@ def view(
     tokenizer: Annotated[
         Path | None, typer.Option(help="--serve: tokenizer dir for token text (default: the run's own).")
     ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option("--api-key", envvar="AGENTRL_API_KEY", show_envvar=True,
+                     help="--serve: the key every route needs (default: a new one, in the printed URL)."),
+    ] = None,
+    allowed_hosts: Annotated[
+        str, typer.Option(help="--serve: more Host names to serve, comma-separated (loopback and IPs always).")
+    ] = "",
+    allowed_origins: Annotated[
+        str, typer.Option(help="--serve: web origins whose pages may call it, comma-separated.")
+    ] = "",
 ) -> None:
     """Summarise a run (text), or with --serve follow it in the browser at http://HOST:PORT/."""
     if serve:
+        from agentrl.guard import split_names
         from agentrl.viewer.server import serve as serve_viewer
 
         try:
-            serve_viewer(run_dir, host=host, port=port, tokenizer=tokenizer, on_ready=typer.echo)
+            serve_viewer(run_dir, host=host, port=port, tokenizer=tokenizer, on_ready=typer.echo, api_key=api_key,
+                         allowed_hosts=split_names(allowed_hosts), allowed_origins=split_names(allowed_origins))
         except OSError as e:
             raise AgentrlError(f"cannot serve on {host}:{port}: {e.strerror or e}") from e
         return

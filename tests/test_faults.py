@@ -102,7 +102,8 @@ def engine(small_model):
         yield eng
 
 
-def run(small_model: Path, env: Path, run_dir: Path, fault: str, base_url: str, model: str, **extra) -> subprocess.CompletedProcess:
+def run(small_model: Path, env: Path, run_dir: Path, fault: str, base_url: str, model: str, api_key: str | None = None,
+        **extra) -> subprocess.CompletedProcess:
     over = {
         "run.dir": run_dir, "model.path": small_model, "sft.enabled": "false", "env.name": env,
         "env.args.fault": fault, "inference.base_url": f'["{base_url}"]', "inference.model_name": model,
@@ -111,7 +112,8 @@ def run(small_model: Path, env: Path, run_dir: Path, fault: str, base_url: str, 
         "buffer.stall_groups": 4, "eval.every": 0, "trainer.checkpoint_every": 0, "trainer.num_threads": 1,
         **extra,
     }  # fmt: skip
-    return agentrl("run", *[f"--{k}={v}" for k, v in over.items()])
+    # the engine's key, as a user passes it to a run against a running engine
+    return agentrl("run", *[f"--{k}={v}" for k, v in over.items()], env={"AGENTRL_API_KEY": api_key} if api_key else None)
 
 
 def one_line(r: subprocess.CompletedProcess) -> str:
@@ -133,7 +135,7 @@ def one_line(r: subprocess.CompletedProcess) -> str:
     ],
 )
 def test_run_stalls_with_the_cause_named_and_exit_1(small_model, faulty_env, engine, tmp_path, fault, kind, message):
-    r = run(small_model, faulty_env, tmp_path / "run", fault, engine.base_url, engine.model)
+    r = run(small_model, faulty_env, tmp_path / "run", fault, engine.base_url, engine.model, engine.api_key)
     assert r.returncode == 1
     line = one_line(r)
     assert "training stalled" in line and f"most in {kind}: " in line and message in line
@@ -145,7 +147,7 @@ def test_run_stalls_with_the_cause_named_and_exit_1(small_model, faulty_env, eng
 
 
 def test_a_tool_that_raises_is_feedback_to_the_model_and_counted(small_model, faulty_env, engine, tmp_path):
-    r = run(small_model, faulty_env, tmp_path / "run", "tool_raise", engine.base_url, engine.model)
+    r = run(small_model, faulty_env, tmp_path / "run", "tool_raise", engine.base_url, engine.model, engine.api_key)
     assert r.returncode == 0, r.stderr[-2000:]
     rollouts = read_jsonl(tmp_path / "run/rollouts.jsonl")
     assert rollouts and all(x["error"] is None for x in rollouts)
@@ -154,7 +156,7 @@ def test_a_tool_that_raises_is_feedback_to_the_model_and_counted(small_model, fa
 
 
 def test_a_task_that_json_cannot_hold_is_logged_and_trained(small_model, faulty_env, engine, tmp_path):
-    r = run(small_model, faulty_env, tmp_path / "run", "unjsonable", engine.base_url, engine.model)
+    r = run(small_model, faulty_env, tmp_path / "run", "unjsonable", engine.base_url, engine.model, engine.api_key)
     assert r.returncode == 0, r.stderr[-2000:]
     rollouts = read_jsonl(tmp_path / "run/rollouts.jsonl")
     assert rollouts and rollouts[0]["task"]["info"]["tags"] == ["a", "b"]
@@ -163,9 +165,17 @@ def test_a_task_that_json_cannot_hold_is_logged_and_trained(small_model, faulty_
 
 
 def test_a_wrong_model_name_is_one_line_exit_2_before_any_episode(small_model, faulty_env, engine, tmp_path):
-    r = run(small_model, faulty_env, tmp_path / "run", "none", engine.base_url, "nope")
+    r = run(small_model, faulty_env, tmp_path / "run", "none", engine.base_url, "nope", engine.api_key)
     assert r.returncode == 2
     assert f"pass --model {engine.model}" in one_line(r)
+    assert not (tmp_path / "run/rollouts.jsonl").exists() or not read_jsonl(tmp_path / "run/rollouts.jsonl")
+
+
+def test_a_run_without_the_engines_key_is_one_line_exit_2_before_any_episode(small_model, faulty_env, engine, tmp_path):
+    r = run(small_model, faulty_env, tmp_path / "run", "none", engine.base_url, engine.model)  # no AGENTRL_API_KEY
+    assert r.returncode == 2
+    line = one_line(r)
+    assert "refused this run's API key" in line and "AGENTRL_API_KEY" in line and engine.api_key not in r.stderr
     assert not (tmp_path / "run/rollouts.jsonl").exists() or not read_jsonl(tmp_path / "run/rollouts.jsonl")
 
 
@@ -188,7 +198,8 @@ class FlakyProxy:
                 self.hung += 1
                 await asyncio.sleep(self.hang_s)
         async with ClientSession(timeout=ClientTimeout(total=120)) as s, s.request(
-            request.method, self.target + path, data=await request.read(), headers={"Content-Type": "application/json"}
+            request.method, self.target + path, data=await request.read(),
+            headers={"Content-Type": "application/json", **{k: v for k, v in request.headers.items() if k == "Authorization"}},
         ) as r:
             return web.Response(body=await r.read(), status=r.status, content_type="application/json")
 
@@ -216,7 +227,7 @@ def test_endpoint_500s_and_a_hang_are_retried_and_the_run_completes(small_model,
     root = engine.base_url.removesuffix("/v1")
     proxy = FlakyProxy(root, fail_every=7, hang_on=5, hang_s=4.0)
     with proxy as url:
-        r = run(small_model, faulty_env, tmp_path / "run", "none", url, engine.model,
+        r = run(small_model, faulty_env, tmp_path / "run", "none", url, engine.model, engine.api_key,
                 **{"inference.request_timeout_s": 2, "inference.max_retries": 3})
     assert r.returncode == 0, r.stderr[-2000:]
     assert proxy.failed > 0 and proxy.hung == 1  # the faults really happened

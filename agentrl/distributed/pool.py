@@ -226,7 +226,7 @@ def start_rollout_workers(
     make_client = functools.partial(
         _client, list(client.base_urls), client.model, str(tokenizer_dir) if tokenizer_dir else None,
         timeout=ic.request_timeout_s, max_retries=ic.max_retries, requests_per_s=ro.requests_per_s / n,
-        cache_salt=client.cache_salt,
+        cache_salt=client.cache_salt, api_key=client.api_key,
     )  # fmt: skip
     share = max(ro.group_size, ro.max_in_flight // n)
     workers = [

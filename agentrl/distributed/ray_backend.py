@@ -69,11 +69,11 @@ class InferenceActor:
     def __init__(self, model_dir: str, engine_kwargs: dict[str, Any], advertise_host: str | None):
         from agentrl.inference.launcher import start_embedded_engine
 
-        # Multi-node: listen on all interfaces and advertise this node's IP.
-        host = "0.0.0.0" if advertise_host is None else "127.0.0.1"
+        # Multi-node: listen on this node's cluster address only (never 0.0.0.0: every interface,
+        # a sandbox with network=True included), and advertise it
+        host = advertise_host or ray.util.get_node_ip_address()
         self._engine = start_embedded_engine(model_dir, host=host, **engine_kwargs)
-        public = advertise_host or ray.util.get_node_ip_address()
-        self._info = {"url": f"http://{public}:{self._engine.port}/v1", "model": self._engine.model,
+        self._info = {"url": self._engine.base_url, "model": self._engine.model,
                       "pid": self._engine.proc.pid, "node_id": current_node_id(), "actor_pid": os.getpid()}
 
     def info(self) -> dict[str, Any]:
@@ -119,6 +119,7 @@ class RayInferencePool:
     restarts: int = 0
     _down: set[int] = field(default_factory=set)
     _started_ray: bool = False
+    api_key: str | None = None  # every engine's key (all routes but /health need it)
 
     @property
     def started(self) -> bool:
@@ -203,14 +204,19 @@ def start_inference_actors(
     startup_timeout: float = 300.0,
     max_restarts: int = -1,
     resources: dict[str, float] | None = None,
+    api_key: str | None = None,
     **engine_kwargs: Any,
 ) -> RayInferencePool:
     """Start ``num_engines`` inference actors (connecting to ``ray_address`` or a new local cluster).
 
     ``local_only`` binds each engine to loopback (right for a single-machine cluster);
     set it False on a multi-node cluster so engines listen on their node's address.
-    ``max_restarts``: how often Ray restarts a dead actor (-1: always).
+    ``max_restarts``: how often Ray restarts a dead actor (-1: always).  ``api_key`` (default
+    ``AGENTRL_API_KEY``, else a new one): every engine requires it (``pool.api_key``).
     """
+    from agentrl.auth import client_key, new_key
+
+    key = api_key or client_key() or new_key()
     started = ensure_ray(ray_address)
     advertise = "127.0.0.1" if local_only else None
     opts: dict[str, Any] = {"num_cpus": num_cpus_per_engine, "max_restarts": max_restarts}
@@ -218,7 +224,7 @@ def start_inference_actors(
         opts["num_gpus"] = num_gpus_per_engine
     if resources:
         opts["resources"] = resources
-    kwargs = dict(engine_kwargs, startup_timeout=startup_timeout)
+    kwargs = dict(engine_kwargs, startup_timeout=startup_timeout, api_key=key)
 
     def spawn(index: int) -> Any:  # named, so an operator (or a test) can find engine i of this driver
         name = engine_actor_name(index)
@@ -235,18 +241,18 @@ def start_inference_actors(
         raise RayBackendError(f"inference actors failed to start: {e}") from None
     return RayInferencePool(
         actors, [i["url"] for i in infos], [i["pid"] for i in infos], infos[0]["model"],
-        [i["node_id"] for i in infos], spawn, startup_timeout, _started_ray=started,
+        [i["node_id"] for i in infos], spawn, startup_timeout, _started_ray=started, api_key=key,
     )
 
 
 def open_ray_policy(
     model_dir: str | Path, cluster: Any, args: EngineArgs, *, served_model_name: str | None = None,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, api_key: str | None = None,
 ) -> RayInferencePool:
     """``[cluster] backend = "ray"``: ``cluster.num_inference`` embedded engines as Ray actors."""
     return start_inference_actors(
         model_dir, num_engines=cluster.num_inference, ray_address=cluster.ray_address,
         local_only=cluster.ray_address is None, args=args, served_model_name=served_model_name, env=env,
         num_cpus_per_engine=cluster.engine_cpus, num_gpus_per_engine=cluster.engine_gpus,
-        max_restarts=cluster.max_restarts,
+        max_restarts=cluster.max_restarts, api_key=api_key,
     )

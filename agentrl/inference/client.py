@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import aiohttp
 from asyncio_throttle import Throttler
 
+from agentrl.auth import client_key
 from agentrl.errors import (
     AgentrlError,
     ContextLengthExceeded,
@@ -181,7 +182,7 @@ class PolicyClient:
         base_url: str | list[str],
         model: str,
         *,
-        api_key: str = "EMPTY",
+        api_key: str | None = None,
         timeout: float = 120,
         max_retries: int = 3,
         default_version: int = 0,
@@ -192,7 +193,8 @@ class PolicyClient:
         support_logprobs: int = 0,
         vllm_generate: bool = False,
     ):
-        """``cache_salt``: salt token requests with the weight version (vLLM's ``cache_salt``), so a
+        """``api_key``: sent as ``Authorization: Bearer`` (default ``AGENTRL_API_KEY``, else a
+        placeholder).  ``cache_salt``: salt token requests with the weight version (vLLM's ``cache_salt``), so a
         server's prefix cache never serves K/V computed by older weights.  ``support_logprobs``
         (vLLM: its ``--max-logprobs``, N): a server that reports no ``token_support`` gives the
         support size K of a top-p/min-p sample through its top-N processed logprobs, where every
@@ -203,13 +205,14 @@ class PolicyClient:
         if not urls:
             raise ValueError("PolicyClient needs at least one base_url")
         self.model = model
+        self.api_key = api_key or client_key() or "EMPTY"  # rollout workers build their clients with it
         self.max_retries = max_retries
         # used when a server does not report per-token versions (plain vLLM)
         self.default_version = default_version
         self.cache_salt = cache_salt
         self.support_logprobs = support_logprobs
         self.vllm_generate = vllm_generate
-        self.endpoints = [Endpoint(u, api_key, timeout, requests_per_s) for u in urls]
+        self.endpoints = [Endpoint(u, self.api_key, timeout, requests_per_s) for u in urls]
         # A local copy of the served model's tokenizer (a path or a HF tokenizer) renders
         # prompts in-process: same template, same ids, no /tokenize round trip per turn.
         if isinstance(tokenizer, str | os.PathLike):

@@ -6,7 +6,9 @@
 process: ``with start_embedded_engine(model_dir) as eng: ...``; ``eng.base_url`` is the
 OpenAI base URL (``http://127.0.0.1:PORT/v1``).  The child dies with the parent (Linux
 parent-death signal, plus a watchdog thread in the child), ``stop()`` is idempotent and
-removes the engine's temporary directory.
+removes the engine's temporary directory.  ``eng.api_key`` is the engine's key: the one given
+(``api_key=``, else ``AGENTRL_API_KEY``), handed to the child in its environment (never its
+command line), or the one the engine made and wrote 0600 into its temporary directory.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentrl.auth import KEY_ENV, auth_headers, client_key, new_key, read_key
 from agentrl.errors import AgentrlError, EngineStartError
 from agentrl.inference.engine_args import EngineArgs
 
@@ -41,17 +44,24 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class EngineHandle:
-    """A running embedded engine: ``base_url`` (…/v1), ``root_url``, ``model``, ``stop()``."""
+    """A running embedded engine: ``base_url`` (…/v1), ``root_url``, ``model``, ``api_key``, ``stop()``."""
 
     def __init__(self, proc: subprocess.Popen, host: str, port: int, model: str, log_path: Path,
-                 tmp_dir: Path | None = None):
+                 tmp_dir: Path | None = None, api_key: str | None = None):
         self.proc, self.host, self.port, self.model, self.log_path = proc, host, port, model, log_path
         self.tmp_dir = tmp_dir  # removed by stop()
+        self.api_key = api_key
         self.restarts = 0
         self._relaunch: Callable[[int], EngineHandle] | None = None  # set by start_embedded_engine
-        self.root_url = f"http://{host}:{port}"
+        url_host = f"[{host}]" if ":" in host else host
+        self.root_url = f"http://{url_host}:{port}"
         self.base_url = f"{self.root_url}/v1"
         atexit.register(self.stop)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The ``Authorization`` header that opens this engine's control routes."""
+        return auth_headers(self.api_key)
 
     @property
     def alive(self) -> bool:
@@ -76,7 +86,7 @@ class EngineHandle:
             raise EngineStartError(f"{self} was not started by agentrl and cannot be restarted")
         self.stop()
         fresh = self._relaunch(self.port)
-        self.proc, self.log_path, self.tmp_dir = fresh.proc, fresh.log_path, fresh.tmp_dir
+        self.proc, self.log_path, self.tmp_dir, self.api_key = fresh.proc, fresh.log_path, fresh.tmp_dir, fresh.api_key
         fresh.tmp_dir = None
         atexit.unregister(fresh.stop)
         self.restarts += 1
@@ -101,33 +111,44 @@ def start_embedded_engine(
     startup_timeout: float = 300.0,
     env: dict[str, str] | None = None,
     tool_parser: str | None = None,
+    api_key: str | None = None,
+    allowed_hosts: tuple[str, ...] = (),
     **overrides: Any,
 ) -> EngineHandle:
     """Launch ``python -m agentrl.inference.server`` and wait until ``/health`` answers.
 
     ``args`` (or keyword overrides of its fields, e.g. ``max_model_len=512``): :class:`EngineArgs`.
     ``tool_parser``: how the chat route splits tool calls (default: detected from the template).
+    ``api_key``: the engine's key (every route but /health needs it); without one (and no
+    ``AGENTRL_API_KEY``) the engine makes its own, guarding its control routes: ``handle.api_key``.
+    ``allowed_hosts``: Host names it serves besides loopback names and IP literals.
     """
     args = dataclasses.replace(args or EngineArgs(), **overrides)
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise EngineStartError(f"no model at {str(model_dir)!r} (expected a HF model dir with config.json)")
-    tmp = Path(tempfile.mkdtemp(prefix="agentrl-engine-"))
-    port_file, log_path = tmp / "port.json", tmp / "engine.log"
+    tmp = Path(tempfile.mkdtemp(prefix="agentrl-engine-"))  # 0700
+    port_file, log_path, key_file = tmp / "port.json", tmp / "engine.log", tmp / "api_key"
     name = served_model_name or model_dir.name
     cmd = [
         sys.executable, "-m", "agentrl.inference.server", str(model_dir),
         "--host", host, "--port", str(port), *args.cli_args(), "--served-model-name", name,
         "--port-file", str(port_file), "--parent-pid", str(os.getpid()),
-        "--tool-call-parser", tool_parser or "auto",
+        "--tool-call-parser", tool_parser or "auto", "--key-file", str(key_file),
     ]  # fmt: skip
+    if allowed_hosts:
+        cmd += ["--allowed-hosts", ",".join(allowed_hosts)]
+    child_env = {**os.environ, **(env or {})}
+    if api_key:
+        child_env[KEY_ENV] = api_key
+    given = child_env.get(KEY_ENV, "").strip() or None
     log = open(log_path, "wb")  # noqa: SIM115 (the child owns it)
     proc = subprocess.Popen(
         cmd,
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
+        env=child_env,
         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     )
     log.close()
@@ -143,10 +164,11 @@ def start_embedded_engine(
         proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    handle = EngineHandle(proc, host, port, name, log_path, tmp)
-    handle._relaunch = lambda on_port: start_embedded_engine(
+    handle = EngineHandle(proc, host, port, name, log_path, tmp, given or read_key(key_file))
+    handle._relaunch = lambda on_port: start_embedded_engine(  # the same key: the run's clients keep theirs
         model_dir, args, port=on_port, host=host, served_model_name=served_model_name,
-        startup_timeout=startup_timeout, env=env, tool_parser=tool_parser,
+        startup_timeout=startup_timeout, env=env, tool_parser=tool_parser, api_key=handle.api_key,
+        allowed_hosts=allowed_hosts,
     )
     return handle
 
@@ -193,8 +215,9 @@ class Policy:
     """Where a run samples from: endpoint URLs, the served model name, engines to stop."""
 
     def __init__(self, base_urls: list[str], model: str, engines: list[Any] | None = None,
-                 tokenizer_dir: Path | None = None, tool_parser: str = "hermes"):
+                 tokenizer_dir: Path | None = None, tool_parser: str = "hermes", api_key: str | None = None):
         self.base_urls, self.model, self.engines = base_urls, model, list(engines or [])
+        self.api_key = api_key  # what its clients send (the key of the engines agentrl started)
         self.tokenizer_dir = tokenizer_dir  # a local copy of the served model's tokenizer, if any
         self.tool_parser = tool_parser  # the model's tool-call format (agentrl.tool_format)
 
@@ -263,6 +286,7 @@ def open_policy(
     tokenizer_dir: str | Path | None = None,
     engines: int = 1,
     devices: list[str] | None = None,
+    api_key: str | None = None,
 ) -> Policy:
     """Connect to ``base_urls`` serving ``model``, or start ``engines`` embedded engines on the local dir ``model``.
 
@@ -282,7 +306,7 @@ def open_policy(
     parser = resolve_tool_parser(tool_parser, chat_template_of(tok) if tok is not None else None).name
     if urls:
         name = served_model_name or (Path(model).name if local else str(model))
-        return Policy(urls, name, tokenizer_dir=tok, tool_parser=parser)
+        return Policy(urls, name, tokenizer_dir=tok, tool_parser=parser, api_key=api_key or client_key())
     if not local:
         raise AgentrlError(
             f"--model {str(model)!r} is not a local model dir (no config.json); "
@@ -292,15 +316,17 @@ def open_policy(
         raise ValueError(f"open_policy: engines must be at least 1, got {engines}")
     if devices is not None and len(devices) != engines:
         raise ValueError(f"open_policy: {len(devices)} devices for {engines} engines")
+    key = api_key or client_key() or new_key()  # one key for all of them: one client talks to each
     handles: list[EngineHandle] = []
     try:
         for i in range(engines):  # each its own process: its own GIL and torch threads
             own = dataclasses.replace(args or EngineArgs(), device=devices[i]) if devices is not None else args
             handles.append(start_embedded_engine(model, own, served_model_name=served_model_name, env=env,
-                                                 tool_parser=parser))
+                                                 tool_parser=parser, api_key=key))
     except BaseException:
         for h in handles:
             with contextlib.suppress(Exception):  # stop the rest even if one stop fails
                 h.stop()
         raise
-    return Policy([h.base_url for h in handles], handles[0].model, handles, tokenizer_dir=tok, tool_parser=parser)
+    return Policy([h.base_url for h in handles], handles[0].model, handles, tokenizer_dir=tok, tool_parser=parser,
+                  api_key=key)

@@ -23,6 +23,11 @@ Routes (vLLM names and fields where vLLM has them):
   over the network (no shared filesystem): ``POST /weights/begin``, ``PUT /weights/chunk``,
   ``POST /weights/commit`` (:mod:`agentrl.weights.network`).
 
+Keys, Host/Origin checks, body cap and connection deadlines (:mod:`agentrl.guard`): ``/health``
+is open; the OpenAI routes (``/v1/*``, ``/tokenize``, ``/detokenize``) need the key when it
+was given (``--api-key`` or ``AGENTRL_API_KEY``); every other route always needs it (a server
+given none makes one and writes it 0600 to ``--key-file``).
+
 Request schemas and error bodies: :mod:`agentrl.inference.protocol`.
 """
 
@@ -35,6 +40,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +50,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from agentrl.auth import ServerKey, server_key
 from agentrl.errors import EngineStartError, RequestError
+from agentrl.guard import Guard, Limits, split_names, uvicorn_config
 from agentrl.inference import streaming
 from agentrl.inference.engine import Engine, SequenceResult
 from agentrl.inference.engine_args import EngineArgs
@@ -67,6 +75,15 @@ from agentrl.weights.lora import AdapterMerger
 from agentrl.weights.receive import SharedWeights
 
 STARTUP_ERROR = "agentrl engine: error: "  # prefix of the one line a refused start prints
+RENDER_DEADLINE_S = 10.0  # rendering + tokenizing one request (normally milliseconds)
+RENDER_THREADS = 4  # a render that overran its deadline keeps its thread: the loop and other renders go on
+# apply_chat_template's own arguments and any template: chat_template_kwargs only sets template variables
+# (a caller's Jinja would run here: CVE-2025-61620's bug class)
+REFUSED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "processor_kwargs",
+})  # fmt: skip
 
 
 async def _unless_disconnected(work: Any, http: Request) -> Any:
@@ -97,6 +114,30 @@ async def _unless_disconnected(work: Any, http: Request) -> Any:
     return JSONResponse(job.result())
 
 
+def longest_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the bytes of text one token stands for: its vocabulary string's UTF-8
+    length (a byte-level BPE writes each byte as one character; a sentencepiece ``<0x41>`` or
+    ``▁`` stands for less than it is long)."""
+    vocab = tokenizer.get_vocab()
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
+
+
+def _content_bytes(message: dict[str, Any]) -> int:
+    """The bytes a message's text brings into a prompt (content, text parts, tool-call arguments)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        size = len(content.encode("utf-8", "surrogatepass"))
+    elif isinstance(content, list):
+        size = sum(len(str(p.get("text", "")).encode("utf-8", "surrogatepass")) for p in content if isinstance(p, dict))
+    else:
+        size = 0
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            size += len(str(fn.get("arguments", "")).encode("utf-8", "surrogatepass"))
+    return size
+
+
 class EngineServer:
     """Request handling shared by the routes (tokenization, sampling, response shapes)."""
 
@@ -109,6 +150,10 @@ class EngineServer:
         self.shared = SharedWeights()
         self.adapters = AdapterMerger()
         self.started = time.time()
+        self.render_pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="agentrl-render")
+        # a text longer than this has more than max_model_len tokens, whatever it says: refused
+        # before tokenizing (x2: a normalizer may shrink text before the split)
+        self.max_prompt_bytes = 2 * engine.max_model_len * longest_token_bytes(self.tok)
 
     # -- helpers
 
@@ -122,20 +167,46 @@ class EngineServer:
                 code="model_not_found",
             )
 
-    def render_chat(self, req: ChatRequest | TokenizeRequest) -> list[int]:
+    async def off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a render or tokenization on the render threads, within RENDER_DEADLINE_S."""
+        job = asyncio.get_running_loop().run_in_executor(self.render_pool, lambda: fn(*args, **kwargs))
+        try:
+            return await asyncio.wait_for(job, RENDER_DEADLINE_S)
+        except TimeoutError:
+            raise APIError(400, f"rendering or tokenizing this request took over {RENDER_DEADLINE_S:g}s; "
+                                "send a shorter one", code="render_timeout") from None
+
+    def check_bytes(self, size: int, param: str) -> None:
+        if size > self.max_prompt_bytes:
+            raise APIError(
+                400, f"the {param} is {size} bytes: more than this model's context of {self.engine.max_model_len} "
+                     f"tokens can hold (at most {self.max_prompt_bytes} bytes); shorten it",
+                param=param, code="context_length_exceeded")  # fmt: skip
+
+    async def render_chat(self, req: ChatRequest | TokenizeRequest) -> list[int]:
+        kwargs = dict(req.chat_template_kwargs or {})
+        refused = sorted(k for k in kwargs if "template" in k.lower() or k in REFUSED_TEMPLATE_KWARGS)
+        if refused:
+            raise APIError(400, f"chat_template_kwargs.{refused[0]} is refused: this server renders with its "
+                                "model's own chat template; kwargs only set that template's variables",
+                           param="chat_template_kwargs")  # fmt: skip
         messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
+        self.check_bytes(sum(_content_bytes(m) for m in messages), "messages")
         gen = req.add_generation_prompt and not req.continue_final_message
         try:
-            return render_chat_ids(
-                self.tok,
-                messages,
-                req.tools,
-                gen,
-                continue_final_message=req.continue_final_message,
-                **dict(req.chat_template_kwargs or {}),
-            )
+            return await self.off_loop(
+                render_chat_ids, self.tok, messages, req.tools, gen, continue_final_message=req.continue_final_message,
+                **kwargs,
+            )  # fmt: skip
+        except APIError:
+            raise
         except Exception as e:  # template errors are the caller's malformed input
             raise APIError(400, f"could not apply the chat template to these messages: {e}", param="messages") from e
+
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """A text prompt's ids: its length checked first, tokenized off the loop."""
+        self.check_bytes(len(text.encode("utf-8", "surrogatepass")), "prompt")
+        return await self.off_loop(self.tok.encode, text, add_special_tokens=add_special_tokens)
 
     def sampling(self, req: SamplingBody, top_logprobs: int) -> EngineSampling:
         if req.stream_options is not None and not req.stream:
@@ -174,7 +245,7 @@ class EngineServer:
 
     async def chat(self, req: ChatRequest) -> dict[str, Any]:
         self.check_model(req.model)
-        prompt_ids = self.render_chat(req)
+        prompt_ids = await self.render_chat(req)
         k = (req.top_logprobs or 0) if req.logprobs else 0
         results = await self.generate(prompt_ids, self.sampling(req, k), req.n)
         parse_tools = bool(req.tools) and req.tool_choice != "none"
@@ -212,11 +283,11 @@ class EngineServer:
             body["prompt_token_ids"] = prompt_ids
         return body
 
-    def chat_stream(self, req: ChatRequest) -> StreamingResponse:
-        return streaming.chat_stream(self, req)
+    async def chat_stream(self, req: ChatRequest) -> StreamingResponse:
+        return await streaming.chat_stream(self, req)
 
-    def completions_stream(self, req: CompletionRequest) -> StreamingResponse:
-        return streaming.completions_stream(self, req)
+    async def completions_stream(self, req: CompletionRequest) -> StreamingResponse:
+        return await streaming.completions_stream(self, req)
 
     def chat_logprobs(self, r: SequenceResult, req: ChatRequest) -> dict[str, Any]:
         tops = [r.top_logprobs[j] if j < len(r.top_logprobs) else [] for j in range(len(r.token_ids))]
@@ -245,7 +316,7 @@ class EngineServer:
         self.check_model(req.model)
         if req.echo:
             raise APIError(400, "echo=true is not supported by the embedded engine", param="echo")
-        prompts = self.prompts(req.prompt)
+        prompts = await self.prompts(req.prompt)
         k = req.logprobs or 0
         sampling = [self.sampling(req, k) for _ in prompts]
         batches = await asyncio.gather(*(self.generate(p, s, req.n) for p, s in zip(prompts, sampling, strict=True)))
@@ -273,16 +344,16 @@ class EngineServer:
             "usage": self.usage(sum(len(p) for p in prompts), [r for b in batches for r in b]),
         }
 
-    def prompts(self, prompt: Any) -> list[list[int]]:
+    async def prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.tok.encode(prompt, add_special_tokens=False)]
+            return [await self.encode(prompt)]
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if all(isinstance(t, int) for t in prompt):
             return [list(prompt)]
         out = []
         for p in prompt:
-            out.extend(self.prompts(p))
+            out.extend(await self.prompts(p))
         return out
 
     def completion_logprobs(self, r: SequenceResult, req: CompletionRequest) -> dict[str, Any]:
@@ -311,12 +382,29 @@ class EngineServer:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-def create_app(engine: Engine, served_model_name: str | None = None, tool_parser: str | None = None) -> FastAPI:
+def is_openai_route(path: str) -> bool:
+    """The routes an explicit key guards (every other one but ``/health`` always needs a key)."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
+def create_app(
+    engine: Engine,
+    served_model_name: str | None = None,
+    tool_parser: str | None = None,
+    *,
+    key: ServerKey | None = None,
+    allowed_hosts: tuple[str, ...] = (),
+    allowed_origins: tuple[str, ...] = (),
+    limits: Limits | None = None,
+) -> FastAPI:
     """The FastAPI app; the engine's lifetime is the caller's.  ``tool_parser``: the chat
-    route's tool-call format (:mod:`agentrl.tool_format`; None or ``auto``: from the template)."""
+    route's tool-call format (:mod:`agentrl.tool_format`; None or ``auto``: from the template).
+    ``key`` (None: no key checks), ``allowed_hosts``, ``allowed_origins``, ``limits``: :mod:`agentrl.guard`."""
     srv = EngineServer(engine, served_model_name or engine.model_dir.name, tool_parser)
     app = FastAPI(title="agentrl embedded engine")
     app.state.server = srv
+    app.add_middleware(Guard, key=key, public=is_openai_route, allowed_hosts=allowed_hosts,
+                       allowed_origins=allowed_origins, limits=limits or Limits())
 
     @app.exception_handler(APIError)
     async def _apierror_response(_: Request, e: APIError):
@@ -349,13 +437,13 @@ def _generation_routes(app: FastAPI, srv: EngineServer) -> None:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, http: Request):
         if req.stream:
-            return srv.chat_stream(req)
+            return await srv.chat_stream(req)
         return await _unless_disconnected(srv.chat(req), http)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request):
         if req.stream:
-            return srv.completions_stream(req)
+            return await srv.completions_stream(req)
         return await _unless_disconnected(srv.completions(req), http)
 
 
@@ -366,9 +454,9 @@ def _token_routes(app: FastAPI, srv: EngineServer) -> None:
     async def tokenize(req: TokenizeRequest):
         srv.check_model(req.model)
         if req.messages is not None:
-            ids = srv.render_chat(req)
+            ids = await srv.render_chat(req)
         elif req.prompt is not None:
-            ids = srv.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await srv.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise APIError(400, "give either `prompt` or `messages`", param="prompt")
         body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
@@ -395,7 +483,7 @@ def _info_routes(app: FastAPI, srv: EngineServer) -> None:
             "object": "model",
             "created": int(srv.started),
             "owned_by": "agentrl",
-            "root": str(engine.model_dir),
+            "root": srv.name,  # never the model's path on this host
             "max_model_len": engine.max_model_len,
         }
         return {"object": "list", "data": [card]}
@@ -420,6 +508,11 @@ def _watch_parent(ppid: int) -> None:
             os._exit(0)
 
 
+def default_key_file(port: int) -> Path:
+    """Where ``agentrl serve`` writes a key it made (the user's own cache dir, 0600)."""
+    return Path.home() / ".cache" / "agentrl" / "keys" / f"engine-{port}.key"
+
+
 def serve(
     model_dir: str | Path,
     *,
@@ -431,18 +524,29 @@ def serve(
     parent_pid: int | None = None,
     log_level: str = "warning",
     tool_parser: str | None = None,
+    api_key: str | None = None,
+    key_file: str | Path | None = None,
+    allowed_hosts: tuple[str, ...] = (),
+    allowed_origins: tuple[str, ...] = (),
+    limits: Limits | None = None,
 ) -> None:
-    """Load the model, bind ``host:port`` (0 = a free port), serve until interrupted."""
+    """Load the model, bind ``host:port`` (0 = a free port), serve until interrupted.
+
+    The key: ``api_key``, else ``AGENTRL_API_KEY``, else a new one written 0600 to ``key_file``
+    (default :func:`default_key_file`) before the port file appears."""
     import uvicorn
 
+    limits = limits or Limits()
     engine = Engine(model_dir, args or EngineArgs())
-    app = create_app(engine, served_model_name, tool_parser)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # accepted connections inherit this; without it keep-alive requests stall ~40 ms (Nagle)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
+    key = server_key(api_key, write_to=key_file or default_key_file(bound))
+    app = create_app(engine, served_model_name, tool_parser, key=key, allowed_hosts=(host, *allowed_hosts),
+                     allowed_origins=allowed_origins, limits=limits)
     if parent_pid:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     if port_file:
@@ -451,7 +555,17 @@ def serve(
         tmp.replace(port_file)
     print(f"agentrl engine: serving {app.state.server.name!r} on http://{host}:{bound}/v1 "
           f"(tool-call parser {app.state.server.tool_parser.name})", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30)
+    if key.explicit:
+        print("agentrl engine: API key given (--api-key or AGENTRL_API_KEY): every route but /health needs it",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"agentrl engine: made an API key for the control and weight routes, written to {key.path} (0600); "
+              f"clients: export AGENTRL_API_KEY=$(cat {key.path})", file=sys.stderr, flush=True)
+    if host in ("0.0.0.0", "::", ""):
+        print("agentrl engine: warning: listening on every interface; anyone who reaches this port can "
+              + ("call it with the key" if key.explicit else "use the OpenAI routes (give --api-key to close them)"),
+              file=sys.stderr, flush=True)
+    config = uvicorn_config(app, limits, log_level=log_level)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
@@ -485,6 +599,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tool-call-parser", default="auto", help="hermes | llama3_json | mistral | pythonic | auto")
     ap.add_argument("--port-file", default=None)
     ap.add_argument("--parent-pid", type=int, default=None)
+    # the key itself comes from AGENTRL_API_KEY, never argv (any local user can read a command line)
+    ap.add_argument("--key-file", default=None, help="where a key made here is written (0600)")
+    ap.add_argument("--allowed-hosts", type=split_names, default=(), help="more Host names to serve (comma-separated; *: any)")
+    ap.add_argument("--allowed-origins", type=split_names, default=(), help="web origins allowed to call (comma-separated)")
     a = ap.parse_args(argv)
     try:
         serve(
@@ -496,6 +614,9 @@ def main(argv: list[str] | None = None) -> None:
             port_file=a.port_file,
             parent_pid=a.parent_pid,
             tool_parser=a.tool_call_parser,
+            key_file=a.key_file,
+            allowed_hosts=a.allowed_hosts,
+            allowed_origins=a.allowed_origins,
         )
     except EngineStartError as e:  # a refusal is one line (the launcher reports it as is)
         print(f"{STARTUP_ERROR}{e}", file=sys.stderr, flush=True)

@@ -251,10 +251,10 @@ class _EventStream(StreamingResponse):
 
 
 
-def chat_stream(srv: EngineServer, req: ChatRequest) -> StreamingResponse:
+async def chat_stream(srv: EngineServer, req: ChatRequest) -> StreamingResponse:
     """Validate and submit now (errors stay JSON 4xx), then stream the chunks."""
     srv.check_model(req.model)
-    prompt_ids = srv.render_chat(req)
+    prompt_ids = await srv.render_chat(req)
     k = (req.top_logprobs or 0) if req.logprobs else 0
     sampling = srv.sampling(req, k)
     stream = _EngineStream(srv.engine, [(prompt_ids, sampling)], req.n)
@@ -322,12 +322,12 @@ def _tool_delta(srv: EngineServer, text: str, finish: str) -> tuple[dict[str, An
 
 
 
-def completions_stream(srv: EngineServer, req: CompletionRequest) -> StreamingResponse:
+async def completions_stream(srv: EngineServer, req: CompletionRequest) -> StreamingResponse:
     """Validate and submit every prompt now (errors stay JSON 4xx), then stream."""
     srv.check_model(req.model)
     if req.echo:
         raise APIError(400, "echo=true is not supported by the embedded engine", param="echo")
-    prompts = srv.prompts(req.prompt)
+    prompts = await srv.prompts(req.prompt)
     samplings = [srv.sampling(req, req.logprobs or 0) for _ in prompts]  # one each: submit() trims max_tokens
     stream = _EngineStream(srv.engine, list(zip(prompts, samplings, strict=True)), req.n)
     return _EventStream(_completion_events(srv, req, prompts, samplings[0], stream), stream.cancel)

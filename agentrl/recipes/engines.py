@@ -54,6 +54,19 @@ class Engines:
             self.retired_syncs.append(old)  # closed with the engines (a push may be using it now)
         return changed
 
+    async def check_key(self) -> None:
+        """Every engine takes the run's key on its control routes (before any work: a weight push
+        it refuses later would end the run after its first step)."""
+        for ep in self.client.endpoints:
+            try:
+                await ep.get("/get_weight_version")
+            except Exception as e:  # down, or a server without the route: the probes say so
+                if getattr(e, "status", None) in (401, 403):
+                    raise AgentrlError(
+                        f"the engine at {ep.root} refused this run's API key (HTTP {e.status}): set "
+                        "AGENTRL_API_KEY to that engine's key (the file `agentrl serve` printed) and run again"
+                    ) from None
+
     async def metrics(self) -> dict[str, Any]:
         """``engine/...``: restarts, client retries, and per engine (index i) its weight version,
         running sequences and the requests this process sent it (what the engine reports, when it can)."""
@@ -107,14 +120,15 @@ class Engines:
         self.client.default_version = version
 
 
-def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
-    """Start the engines on the warm start (or connect to ``inference.base_url``)."""
+def open_engines(cfg: Config, start_model: Path, threads: int, api_key: str | None = None) -> Engines:
+    """Start the engines on the warm start (or connect to ``inference.base_url``); ``api_key``: the
+    run's key, which its engines require and its clients and weight pushes send."""
     from agentrl.inference import PolicyClient, engine_devices, open_policy
     from agentrl.weights import make_weight_sync
 
     ic: InferenceConfig = cfg.inference
     if ic.engine == "vllm":
-        return open_vllm(cfg, start_model, threads)
+        return open_vllm(cfg, start_model, threads, api_key)
     args = ic.engine_args()
     n = cfg.cluster.num_inference if cfg.cluster.backend == "local" and not ic.base_url else 1
     # one torch thread per engine by default; a set trainer.num_threads is per engine
@@ -123,16 +137,17 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
     if cfg.cluster.backend == "ray" and not ic.base_url:
         from agentrl.distributed.ray_backend import open_ray_policy
 
-        policy = open_ray_policy(start_model, cfg.cluster, args, served_model_name=ic.model_name, env=thread_env)
+        policy = open_ray_policy(start_model, cfg.cluster, args, served_model_name=ic.model_name, env=thread_env,
+                                 api_key=api_key)
     else:
         try:
             devices = None if ic.base_url else engine_devices(ic.device, n, gpu_count(ic.device), cfg.trainer.device)
         except ValueError as e:
             raise AgentrlError(str(e)) from None
         policy = open_policy(start_model, ic.base_url or None, args=args, served_model_name=ic.model_name,
-                             env=thread_env, tool_parser=ic.tool_parser, engines=n, devices=devices)
+                             env=thread_env, tool_parser=ic.tool_parser, engines=n, devices=devices, api_key=api_key)
     sync_args = {"transport": ic.weight_transport, "engine": "embedded", "bucket_mb": ic.weight_bucket_mb,
-                 "timeout": ic.weight_push_timeout_s}  # fmt: skip
+                 "timeout": ic.weight_push_timeout_s, "api_key": policy.api_key}  # fmt: skip
 
     def make_sync(pol: Any) -> Any:
         return make_weight_sync(list(pol.base_urls), local_urls=local_engine_urls(pol), **sync_args)
@@ -147,7 +162,7 @@ def open_engines(cfg: Config, start_model: Path, threads: int) -> Engines:
     client = PolicyClient(
         policy.base_urls, policy.model, timeout=ic.request_timeout_s, max_retries=ic.max_retries,
         tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
-        requests_per_s=cfg.rollout.requests_per_s, tool_parser=ic.tool_parser,
+        requests_per_s=cfg.rollout.requests_per_s, tool_parser=ic.tool_parser, api_key=policy.api_key,
     )
     return Engines(policy, client, sync, False, make_sync, sync_args)
 
@@ -172,7 +187,7 @@ def preflight(cfg: Config) -> None:
         find_vllm(ic.vllm_command)
 
 
-def open_vllm(cfg: Config, start_model: Path, threads: int) -> Engines:
+def open_vllm(cfg: Config, start_model: Path, threads: int, api_key: str | None = None) -> Engines:
     """``vllm serve`` on the warm start (from ``.venv-vllm``), or the servers at ``inference.base_url``.
 
     Every check that can fail runs before a server starts (one line each): the weight transfer
@@ -193,11 +208,11 @@ def open_vllm(cfg: Config, start_model: Path, threads: int) -> Engines:
     local_tok = start_model if (start_model / "tokenizer_config.json").is_file() else None
     parser = resolve_tool_parser(ic.tool_parser, chat_template_of(local_tok) if local_tok else None).name
     if ic.base_url:
-        key = client_key()
+        key = api_key or client_key()
         policy = Policy(list(ic.base_url), ic.model_name or start_model.name, tokenizer_dir=local_tok,
                         tool_parser=parser)  # fmt: skip
     else:
-        key = client_key() or new_key()
+        key = api_key or client_key() or new_key()
         vllm = find_vllm(ic.vllm_command)
         args = VLLMArgs(max_model_len=ic.max_model_len, max_num_seqs=ic.max_batch_size, kv_cache_gb=ic.vllm_kv_cache_gb,
                         gpu=host_has_gpu(), enforce_eager=ic.vllm_enforce_eager, nccl=transfer == "nccl",

@@ -293,7 +293,7 @@ def run(
     *,
     model: str,
     base_url: str | None,
-    api_key: str,
+    api_key: str | None,
     num_tasks: int,
     rollouts: int,
     concurrency: int,
@@ -333,7 +333,9 @@ def run(
         local_tok = str(policy.tokenizer_dir)
 
     async def go() -> EvalSummary:
-        client = PolicyClient(policy.base_urls, policy.model, api_key=api_key, tokenizer=local_tok,
+        # engines started here have their own key; --api-key (else AGENTRL_API_KEY) is for --base-url
+        key = policy.api_key if policy.started else api_key
+        client = PolicyClient(policy.base_urls, policy.model, api_key=key, tokenizer=local_tok,
                               tool_parser=policy.tool_parser)
         total = num_tasks * rollouts
         try:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.auth import run_key
 from agentrl.buffer import AdaptiveStaleness, Batch, BufferStalled, StalenessBuffer
 from agentrl.config import BufferConfig, Config, EvalConfig
 from agentrl.errors import AgentrlError, RunDirExists
@@ -128,11 +129,12 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
     eval_tasks = list(env.eval_dataset() or train_tasks)[: cfg.eval.num_tasks]
     # 4) engines, client, weight sync
     live.note("starting the inference engine(s) ..." if not cfg.inference.base_url else "connecting ...")
-    engines = await asyncio.to_thread(open_engines, cfg, start_model, threads)
+    engines = await asyncio.to_thread(open_engines, cfg, start_model, threads, run_key(run_dir))
     state: RLState | None = None
     try:
         # the endpoint serves the model, and reports μ on the basis the trainer mirrors (before any work)
         await engines.client.probe(token_path=True, training=True)
+        await engines.check_key()
         probe_ids = await engines.client.tokenize(prompt="Hello")
         await engines.client.probe_sampling(cfg.rollout.sampling(), probe_ids or [0])
         # 5) state

@@ -317,12 +317,13 @@ class GreedyEvaluator:
         from agentrl.types import SamplingParams
         from agentrl.weights import make_weight_sync
 
-        ws = make_weight_sync(self.policy.base_urls, self.cfg.inference.weight_transport)
+        ws = make_weight_sync(self.policy.base_urls, self.cfg.inference.weight_transport, api_key=self.policy.api_key)
         try:
             await ws.push({k: v.detach().cpu() for k, v in model.state_dict().items()}, version)
         finally:
             await ws.close()
-        client = PolicyClient(self.policy.base_urls, self.policy.model, tool_parser=self.policy.tool_parser)
+        client = PolicyClient(self.policy.base_urls, self.policy.model, tool_parser=self.policy.tool_parser,
+                              api_key=self.policy.api_key)
         try:
             ro = self.cfg.rollout
             trajs = await evaluate_tasks(

@@ -38,6 +38,7 @@ def make_weight_sync(
 
     ``transport="http"``: ``local_urls`` are the engines on the trainer's host (they keep shm);
     the others are streamed to over HTTP in ``bucket_mb`` chunks (:mod:`agentrl.weights.network`).
+    ``api_key``: the engines' key (default ``AGENTRL_API_KEY``); their weight routes need it.
     """
     if engine == "vllm":
         from agentrl.weights.vllm import VLLMWeightSync
@@ -49,7 +50,7 @@ def make_weight_sync(
         from agentrl.weights.network import DEFAULT_BUCKET_MB, HttpWeightSync
 
         return HttpWeightSync(base_urls, local_urls=local_urls, bucket_mb=bucket_mb or DEFAULT_BUCKET_MB,
-                              timeout=timeout)
+                              timeout=timeout, api_key=api_key)
     from agentrl.weights.push import EmbeddedWeightSync
 
-    return EmbeddedWeightSync(base_urls, transport, work_dir=work_dir, timeout=timeout)
+    return EmbeddedWeightSync(base_urls, transport, work_dir=work_dir, timeout=timeout, api_key=api_key)

@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import torch
 
+from agentrl.auth import auth_headers, client_key
 from agentrl.errors import RequestError, WeightSyncError
 from agentrl.weights.manifest import layout, manifest_views
 from agentrl.weights.receive import check_named_tensors
@@ -152,8 +153,10 @@ class HttpWeightSync:
     """WeightSync over HTTP to remote engines, shared memory to the ones on the trainer's host."""
 
     def __init__(self, base_urls: str | list[str], *, local_urls: list[str] | None = None,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, timeout: float = 300.0, connect_timeout: float = 10.0):
-        """``local_urls``: engines on the trainer's host (shared memory); every other one gets HTTP."""
+                 bucket_mb: float = DEFAULT_BUCKET_MB, timeout: float = 300.0, connect_timeout: float = 10.0,
+                 api_key: str | None = None):
+        """``local_urls``: engines on the trainer's host (shared memory); every other one gets HTTP.
+        ``api_key``: the engines' key (default ``AGENTRL_API_KEY``)."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("make_weight_sync needs at least one engine URL")
@@ -163,7 +166,9 @@ class HttpWeightSync:
         from agentrl.weights.push import EmbeddedWeightSync
 
         # one shm sync per local engine: a failure there stays that engine's
-        self.local = {r: EmbeddedWeightSync(r, "shm", timeout=timeout) for r in self.roots if r in local}
+        self.api_key = api_key or client_key()
+        self.local = {r: EmbeddedWeightSync(r, "shm", timeout=timeout, api_key=self.api_key)
+                      for r in self.roots if r in local}
         self.bucket_bytes = max(1 << 16, int(bucket_mb * 2**20))
         self.timeout = timeout
         self.in_flight_chunks = 3
@@ -179,7 +184,7 @@ class HttpWeightSync:
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._http is None or self._http[0] is not loop or self._http[1].is_closed:
-            self._http = (loop, httpx.AsyncClient(timeout=self._http_timeout))
+            self._http = (loop, httpx.AsyncClient(timeout=self._http_timeout, headers=auth_headers(self.api_key)))
         return self._http[1]
 
     # ------------------------------------------------------------------ push

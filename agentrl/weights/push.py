@@ -32,6 +32,7 @@ from typing import Any, Literal
 import httpx
 import torch
 
+from agentrl.auth import auth_headers, client_key
 from agentrl.errors import WeightSyncError
 from agentrl.weights.manifest import layout
 from agentrl.weights.sync import NamedTensors, items_of, url_root
@@ -47,7 +48,9 @@ class EmbeddedWeightSync:
         *,
         work_dir: str | Path | None = None,
         timeout: float = 300.0,
+        api_key: str | None = None,
     ):
+        """``api_key``: the engines' key (default ``AGENTRL_API_KEY``); their weight routes need it."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("make_weight_sync needs at least one engine URL")
@@ -56,6 +59,7 @@ class EmbeddedWeightSync:
         self.roots = [url_root(u) for u in urls]
         self.transport = transport
         self.timeout = timeout
+        self.api_key = api_key or client_key()
         default_dir = "/dev/shm" if transport == "shm" and os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self.work_dir = Path(work_dir or default_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +76,7 @@ class EmbeddedWeightSync:
         """One HTTP client per event loop (building one costs ~30 ms of TLS setup)."""
         loop = asyncio.get_running_loop()
         if self._http is None or self._http[0] is not loop or self._http[0].is_closed():
-            self._http = (loop, httpx.AsyncClient(timeout=self.timeout))
+            self._http = (loop, httpx.AsyncClient(timeout=self.timeout, headers=auth_headers(self.api_key)))
         return self._http[1]
 
     # ------------------------------------------------------------------ push

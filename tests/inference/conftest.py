@@ -46,3 +46,14 @@ def tool_prompt():
 @pytest.fixture(scope="session")
 def max_model_len():
     return MAX_MODEL_LEN
+
+
+ENGINE_KEY = "arl-test-key-0123456789"
+
+
+@pytest.fixture(scope="session")
+def keyed_engine(model_dir):
+    """An engine given its key explicitly: every route but /health needs it."""
+    with start_embedded_engine(model_dir, max_batch_size=4, max_model_len=MAX_MODEL_LEN, device="cpu",
+                               api_key=ENGINE_KEY) as eng:
+        yield eng

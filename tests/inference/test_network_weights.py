@@ -64,6 +64,9 @@ async def _greedy_and_version(http: httpx.AsyncClient, eng, prompt: list[int]) -
     return r["choices"][0]["token_ids"], version
 
 
+KEY = "arl-test-network-weights"  # both engines share the run's key
+
+
 def _hung_server() -> tuple[socket.socket, str]:
     """A port that accepts connections and never answers (a hung engine)."""
     s = socket.socket()
@@ -85,15 +88,15 @@ def test_http_push_reaches_each_engine_on_its_own(tmp_path, small_model):
     for r in roots:
         r.mkdir()
     engines = [start_embedded_engine(model, max_batch_size=4, max_model_len=64, device="cpu",
-                                     env={"TMPDIR": str(r), "OMP_NUM_THREADS": "1"}) for r in roots]
+                                     env={"TMPDIR": str(r), "OMP_NUM_THREADS": "1"}, api_key=KEY) for r in roots]
     hung, hung_url = _hung_server()
     prompt = [1, 40, 41, 42]
     try:
         async def scenario() -> None:
             sync = make_weight_sync([e.base_url for e in engines] + [hung_url], "http", local_urls=[],
-                                    bucket_mb=0.0625, timeout=4.0)
+                                    bucket_mb=0.0625, timeout=4.0, api_key=KEY)
             assert isinstance(sync, HttpWeightSync) and not sync.local
-            async with httpx.AsyncClient(timeout=30) as http:
+            async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as http:
                 state, ref = perturbed_state(model, seed=1)
                 await sync.push(state, version=1)
                 assert [r.ok for r in sync.results] == [True, True, False]

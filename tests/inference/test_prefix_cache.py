@@ -182,7 +182,7 @@ def test_a_sequence_running_across_a_push_is_not_cached(family_dir):
 
 
 def test_metrics_and_reset_over_http(engine):
-    with httpx.Client(base_url=engine.root_url, timeout=60) as http:
+    with httpx.Client(base_url=engine.root_url, timeout=60, headers=engine.headers) as http:
         body = {"model": engine.model, "prompt": tokens(40, 8), "max_tokens": 2, "temperature": 0}
         http.post("/v1/completions", json=body).raise_for_status()
         before = http.get("/metrics").json()
@@ -218,7 +218,7 @@ def test_the_least_recent_block_is_always_a_leaf():
 async def test_a_pinned_group_over_http_prefills_its_prompt_once(engine):
     # what the rollout does for a group: G concurrent calls with one prompt, pinned to one endpoint
     prompt, g = tokens(70, 12), 6
-    async with PolicyClient(engine.base_url, engine.model) as client, httpx.AsyncClient(base_url=engine.root_url) as http:
+    async with PolicyClient(engine.base_url, engine.model) as client, httpx.AsyncClient(base_url=engine.root_url, headers=engine.headers) as http:
         before = (await http.get("/metrics")).json()
         pin = client.pin(g)
         try:

@@ -54,7 +54,7 @@ def test_models_health_metrics(engine, client):
     assert [m.id for m in models.data] == [engine.model]
     r = httpx.get(engine.root_url + "/health")
     assert r.status_code == 200
-    m = httpx.get(engine.root_url + "/metrics").json()
+    m = httpx.get(engine.root_url + "/metrics", headers=engine.headers).json()
     assert {"queue_depth", "running", "tokens_per_s", "version"} <= m.keys()
 
 
@@ -179,7 +179,7 @@ async def test_short_requests_do_not_wait_for_long_ones(engine, aclient_factory)
         long = asyncio.create_task(
             ac.completions.create(model=engine.model, prompt=[1, 2], max_tokens=250, extra_body={"ignore_eos": True})
         )
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(headers=engine.headers) as http:
             while (await http.get(engine.root_url + "/metrics")).json()["running"] == 0:
                 await asyncio.sleep(0.01)
         shorts = await asyncio.gather(
@@ -233,16 +233,17 @@ def test_bad_raw_requests_are_4xx(engine, path, body):
     if isinstance(body, dict) and "model" in body and body["model"] is None:
         body = {**body, "model": engine.model}
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+    kw.setdefault("headers", {}).update(engine.headers)  # past the key: the route's own check answers
     r = httpx.post(engine.root_url + path, **kw)
     assert 400 <= r.status_code < 500, r.text
     assert r.json()["error"]["message"]
     assert httpx.get(engine.root_url + "/health").status_code == 200
-    assert httpx.get(engine.root_url + "/get_weight_version").json()["weight_version"] == 0
+    assert httpx.get(engine.root_url + "/get_weight_version", headers=engine.headers).json()["weight_version"] == 0
 
 
 async def test_client_disconnect_aborts_the_request_in_the_engine(engine):
     """A client that goes away (timeout, cancelled episode) must not keep engine slots busy."""
-    async with httpx.AsyncClient(base_url=engine.root_url, timeout=30) as http:
+    async with httpx.AsyncClient(base_url=engine.root_url, timeout=30, headers=engine.headers) as http:
 
         async def stats() -> dict:
             return (await http.get("/metrics")).json()

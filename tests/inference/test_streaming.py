@@ -179,7 +179,7 @@ def test_bad_streaming_requests_get_json_errors(engine, path, body, status, code
     assert err["message"]
     if code:
         assert err["code"] == code
-    assert httpx.get(engine.root_url + "/metrics").json()["running"] == 0
+    assert httpx.get(engine.root_url + "/metrics", headers=engine.headers).json()["running"] == 0
 
 
 async def _stats(http: httpx.AsyncClient) -> dict:
@@ -198,7 +198,7 @@ async def _settle(http: httpx.AsyncClient, aborted: int = 0) -> dict:
 
 
 async def test_disconnect_before_the_first_token_aborts_the_request(engine):
-    async with httpx.AsyncClient(base_url=engine.root_url, timeout=30) as http:
+    async with httpx.AsyncClient(base_url=engine.root_url, timeout=30, headers=engine.headers) as http:
         before = await _settle(http)
         await http.post("/pause")  # the request stays queued: it cannot finish before we hang up
         try:
@@ -223,7 +223,7 @@ async def test_disconnect_before_the_first_token_aborts_the_request(engine):
 
 
 async def test_client_that_stops_reading_mid_stream_aborts_the_request(engine):
-    async with httpx.AsyncClient(base_url=engine.root_url, timeout=30) as http:
+    async with httpx.AsyncClient(base_url=engine.root_url, timeout=30, headers=engine.headers) as http:
         before = await _settle(http)
         async with openai.AsyncOpenAI(base_url=engine.base_url, api_key="EMPTY", max_retries=0) as ac:
             stream = await ac.completions.create(

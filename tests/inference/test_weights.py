@@ -30,16 +30,16 @@ async def greedy(ac, eng, prompt, n_tokens):
 
 
 async def wait_for_tokens(eng, at_least: int) -> None:
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=eng.headers) as http:
         while (await http.get(eng.root_url + "/metrics")).json()["total_generated_tokens"] < at_least:
             await asyncio.sleep(0.005)
 
 
 @pytest.mark.parametrize("transport", ["shm", "disk"])
 async def test_update_during_inflight_requests(wengine, model_dir, transport):
-    sync = make_weight_sync(wengine.base_url, transport)
+    sync = make_weight_sync(wengine.base_url, transport, api_key=wengine.api_key)
     assert isinstance(sync, WeightSync)
-    async with openai.AsyncOpenAI(base_url=wengine.base_url, api_key="x", max_retries=0) as ac, httpx.AsyncClient() as http:
+    async with openai.AsyncOpenAI(base_url=wengine.base_url, api_key="x", max_retries=0) as ac, httpx.AsyncClient(headers=wengine.headers) as http:
         v0 = (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"]
         prompt = [1, 40, 41, 42]
         before = await greedy(ac, wengine, prompt, 16)
@@ -73,8 +73,8 @@ async def test_update_during_inflight_requests(wengine, model_dir, transport):
 
 
 async def test_bad_push_is_refused_and_engine_keeps_serving(wengine):
-    sync = make_weight_sync(wengine.root_url, "shm")
-    async with httpx.AsyncClient() as http:
+    sync = make_weight_sync(wengine.root_url, "shm", api_key=wengine.api_key)
+    async with httpx.AsyncClient(headers=wengine.headers) as http:
         v = (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"]
         with pytest.raises(WeightSyncError, match="unknown weight name"):
             await sync.push({"not.a.weight": torch.zeros(3)}, version=v + 1)
@@ -88,7 +88,7 @@ async def test_bad_push_is_refused_and_engine_keeps_serving(wengine):
 
 
 async def test_pause_holds_generation_until_resume(wengine):
-    async with httpx.AsyncClient() as http, openai.AsyncOpenAI(base_url=wengine.base_url, api_key="x") as ac:
+    async with httpx.AsyncClient(headers=wengine.headers) as http, openai.AsyncOpenAI(base_url=wengine.base_url, api_key="x") as ac:
         assert (await http.post(wengine.root_url + "/pause")).json() == {"is_paused": True}
         assert (await http.get(wengine.root_url + "/is_paused")).json()["is_paused"]
         before = (await http.get(wengine.root_url + "/metrics")).json()["total_generated_tokens"]
@@ -106,8 +106,8 @@ async def test_pause_holds_generation_until_resume(wengine):
 @pytest.mark.parametrize("transport", ["shm", "disk"])
 async def test_adapter_only_push_is_merged_by_the_engine(wengine, model_dir, transport):
     """lora=True sends only LoRA factors; the engine serves exactly W0 + B·A, push after push."""
-    sync = make_weight_sync(wengine.base_url, transport)
-    async with httpx.AsyncClient() as http, openai.AsyncOpenAI(base_url=wengine.base_url, api_key="x") as ac:
+    sync = make_weight_sync(wengine.base_url, transport, api_key=wengine.api_key)
+    async with httpx.AsyncClient(headers=wengine.headers) as http, openai.AsyncOpenAI(base_url=wengine.base_url, api_key="x") as ac:
         v = (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"]
         base_state, ref = perturbed_state(model_dir, seed=100)
         await sync.push(base_state, version=v + 1)  # a known base W0 (a full push resets adapters)
@@ -143,8 +143,8 @@ async def test_a_push_that_fails_on_one_engine_leaves_no_engine_paused(wengine):
     s.bind(("127.0.0.1", 0))
     dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     s.close()
-    sync = make_weight_sync([wengine.root_url, dead], "shm")
-    async with httpx.AsyncClient() as http:
+    sync = make_weight_sync([wengine.root_url, dead], "shm", api_key=wengine.api_key)
+    async with httpx.AsyncClient(headers=wengine.headers) as http:
         v = (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"]
         with pytest.raises(WeightSyncError, match="/pause"):
             await sync.push({"model.norm.weight": torch.ones(64)}, version=v + 1)

@@ -28,7 +28,7 @@ def _a_trained_episode_with_tools(run_dir) -> dict:
 
 def test_curves_render(real_run, page, tmp_path):
     with ViewerServer(real_run) as srv:
-        page.goto(srv.url)
+        page.goto(srv.login_url)
         # "attached", not "visible": a flat series (constant reward) has a zero-height box,
         # which playwright counts as invisible
         page.wait_for_selector("svg.chart path.series", state="attached")
@@ -49,7 +49,7 @@ def test_episode_browser_transcript_and_tokens(real_run, page, tmp_path):
     target = _a_trained_episode_with_tools(real_run)
     n_episodes = len(read_jsonl(real_run / "rollouts.jsonl")) + len(read_jsonl(real_run / "eval_rollouts.jsonl"))
     with ViewerServer(real_run) as srv:
-        page.goto(srv.url)
+        page.goto(srv.login_url)
         page.click("nav button[data-tab=episodes]")
         page.wait_for_selector("#episodes tbody tr")
         assert page.locator("#count").text_content().startswith(f"{n_episodes} of {n_episodes}")
@@ -91,7 +91,7 @@ def _backgrounds(page) -> list[str]:
 
 def test_diff_shows_one_task_at_two_versions(real_run, page, tmp_path):
     with ViewerServer(real_run) as srv:
-        page.goto(srv.url)
+        page.goto(srv.login_url)
         page.click("nav button[data-tab=diff]")
         page.wait_for_selector("#diff-left .msg")
         left = page.locator("#diff-left h3").text_content()
@@ -116,7 +116,7 @@ def test_page_follows_a_live_run(real_run, page, tmp_path):
     (run / "metrics.jsonl").write_text("".join(metrics[:2]))
     (run / "rollouts.jsonl").write_text("".join(rollouts[:8]))
     with ViewerServer(run) as srv:
-        page.goto(srv.url)
+        page.goto(srv.login_url)
         page.wait_for_function("document.querySelector('#status').textContent.includes('step 2/4')")
         before = _chart_paths(page)
         assert page.locator("svg[data-chart=reward] path.series[data-key='train/reward_mean']").get_attribute(
@@ -150,7 +150,7 @@ def test_eval_directory(tmp_path, page):
                  "error_kind": "provider", "stop_reason": "error", "turns": 0})
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with ViewerServer(out) as srv:
-        page.goto(srv.url)
+        page.goto(srv.login_url)
         page.wait_for_selector("#episodes tbody tr")  # an eval dir opens on its episodes
         page.select_option("select[name=error_kind]", "provider")
         assert page.locator("#episodes tbody tr").count() == 1

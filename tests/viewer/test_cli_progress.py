@@ -19,15 +19,17 @@ def test_view_serve_prints_its_url_and_serves_the_run(real_run):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         line = proc.stdout.readline()
-        url = line.strip().split(": ")[-1].split()[0]
-        assert url.startswith("http://127.0.0.1:"), line
-        meta = httpx.get(url + "api/meta", timeout=30).json()
+        url, _, token = line.strip().split(": ")[-1].split()[0].partition("?token=")
+        assert url.startswith("http://127.0.0.1:") and len(token) > 40, line  # a key made here, Jupyter-style
+        assert httpx.get(url + "api/meta", timeout=30).status_code == 401
+        http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        meta = http.get(url + "api/meta").json()
         assert meta["kind"] == "run" and meta["config"]["env"] == "calc"
-        page = httpx.get(url, timeout=30).text
+        page = http.get(url).text
         assert "static/app.js" in page and "cdn" not in page.lower()  # the page ships with the package
-        assert httpx.get(url + "static/app.js", timeout=30).status_code == 200
-        assert httpx.get(url + "static/../config.toml", timeout=30).status_code == 404
-        assert httpx.get(url + "api/episode/nope", timeout=30).status_code == 404
+        assert http.get(url + "static/app.js").status_code == 200
+        assert http.get(url + "static/../config.toml").status_code == 404
+        assert http.get(url + "api/episode/nope").status_code == 404
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
