@@ -2,7 +2,9 @@
 
 import asyncio
 import os
+from urllib.parse import urlparse
 
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -22,15 +24,43 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _listening_on(port: int) -> set[str]:
+    """The local addresses a TCP socket listens on at ``port`` (from /proc/net/tcp and tcp6)."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, hexport = local.split(":")
+                if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                    out.add(addr)
+    return out
+
+
 def test_engines_as_ray_actors_serve_and_stop(tmp_path, small_model):
+    """Multi-node mode: each engine listens on its node's cluster address (never every interface,
+    where any network=True sandbox reaches it) and requires the pool's key."""
     model = small_model
-    pool = start_inference_actors(model, num_engines=2, num_cpus_per_engine=0.5, max_batch_size=8, max_model_len=128)
+    pool = start_inference_actors(model, num_engines=2, num_cpus_per_engine=0.5, max_batch_size=8, max_model_len=128,
+                                  local_only=False)
     try:
         assert len(set(pool.base_urls)) == 2
         assert all(_alive(p) for p in pool.engine_pids)
+        node_ip = ray.util.get_node_ip_address()
+        for url in pool.base_urls:
+            parts = urlparse(url)
+            assert parts.hostname == node_ip
+            bound = _listening_on(parts.port)
+            assert bound and not bound & {"00000000", "00000000000000000000000000000000"}, bound  # not 0.0.0.0 / ::
+            root = url.removesuffix("/v1")
+            assert httpx.post(root + "/pause", timeout=30).status_code == 401
+            assert httpx.post(root + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
+                              timeout=30).status_code == 401  # fmt: skip
+            assert httpx.get(root + "/is_paused", headers={"Authorization": f"Bearer {pool.api_key}"},
+                             timeout=30).json() == {"is_paused": False}  # fmt: skip
 
         async def sample() -> list[list[int]]:
-            client = PolicyClient(pool.base_urls, model.name)
+            client = PolicyClient(pool.base_urls, model.name, api_key=pool.api_key)
             try:
                 ids = await client.tokenize(prompt="hello")
                 outs = await asyncio.gather(

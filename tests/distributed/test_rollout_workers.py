@@ -65,11 +65,11 @@ def test_two_rollout_workers_share_one_buffer_and_a_dead_one_is_restarted(tmp_pa
         env = load_environment("calc", num_train=40)
         buffer = StalenessBuffer(B, 1, filter_zero_variance=False, min_valid_episodes=1, stall_groups=40)
         actor = buffer_actor(buffer, TaskSampler(list(env.dataset()), seed=0))
-        client = functools.partial(PolicyClient, pool.base_urls, model.name)
+        client = functools.partial(PolicyClient, pool.base_urls, model.name, api_key=pool.api_key)
         sampling = SamplingParams(max_tokens=12, temperature=1.0)
         workers = [rollout_worker(f"w{i}", actor, "calc", {"num_train": 40}, client, sampling, group_size=G,
                                   max_in_flight=16, max_turns=2, max_restarts=1) for i in range(2)]  # fmt: skip
-        stats, counters, killed = asyncio.run(_drive(actor, workers, pool.base_urls))
+        stats, counters, killed = asyncio.run(_drive(actor, workers, pool.base_urls, pool.api_key))
     finally:
         pool.stop()
     ledger = stats["ledger"]
@@ -80,22 +80,22 @@ def test_two_rollout_workers_share_one_buffer_and_a_dead_one_is_restarted(tmp_pa
     assert stats["leased"] == 0  # stopped workers gave their unused leases back
 
 
-def _tag_version(urls: list[str], version: int) -> None:
+def _tag_version(urls: list[str], version: int, key: str) -> None:
     for url in urls:
         root = url.removesuffix("/v1")
         req = urllib.request.Request(f"{root}/update_weight_version", data=json.dumps({"weight_version": version}).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})  # fmt: skip
         urllib.request.urlopen(req, timeout=30).close()
 
 
-async def _drive(actor, workers, urls):
+async def _drive(actor, workers, urls, key):
     runs = [w.run.remote() for w in workers]
     await _reported_in(actor, len(workers))
     max_running, killed = 0, -1
     for step in range(STEPS):
         batch = await asyncio.wait_for(asyncio.wrap_future(actor.take.remote().future()), 180)
         assert len(batch.groups) == B and all(len(g.trajectories) == G for g in batch.groups)
-        await asyncio.to_thread(_tag_version, urls, step + 1)
+        await asyncio.to_thread(_tag_version, urls, step + 1, key)
         await actor.commit_step.remote(step + 1)
         await actor.check_ledger.remote(await _running_ids(workers))  # raises if the counts disagree
         max_running = max(max_running, (await actor.stats.remote())["ledger"]["ledger/in_flight"] // G)
