@@ -29,7 +29,9 @@ The rules (README: "Env server hygiene"), each against an attack a review found:
 - **Tasks come from the server's own dataset.**  A client names a task by id (from
   ``/tasks``); the answer and info the rubric sees are the server's, never the client's.
   With ``private_tasks`` a client sees only ids and prompts (an eval it cannot look up), and
-  ``/reference`` and ``/demonstrations`` are refused (both play tasks to their answers).
+  ``/reference`` and ``/demonstrations`` are refused (both play tasks to their answers), and an
+  episode takes no step once done or past the env's ``max_turns`` (the client's own loop enforces
+  them otherwise: a run may set a larger ``rollout.max_turns``).
 - **Bounded.**  At most ``max_open`` episodes open at once and ``max_open_per_client`` per
   client address (the next ``/reset`` answers 429 naming the limit, before ``setup`` takes a
   sandbox); an open episode nobody touched for ``idle_timeout_s`` (its client died) is
@@ -75,6 +77,7 @@ class _Episode:
     secret: str
     client: str  # the opener's address: what the per-client cap counts
     touched: float  # monotonic time of its last call
+    steps: int = 0  # /step calls taken
 
 
 class _Episodes:
@@ -114,13 +117,17 @@ class _Episodes:
         return eid, secret
 
     def get_open(self, eid: Any, secret: Any) -> State:
+        return self.entry(eid, secret).state
+
+    def entry(self, eid: Any, secret: Any) -> _Episode:
+        """The open episode ``eid`` (touched now); 404 when not open, 403 for a wrong secret."""
         ep = self.open.get(eid) if isinstance(eid, str) else None
         if ep is None:
             why = f"expired after {self.idle_timeout_s:g}s idle" if eid in self.expired else "closed, or the server restarted"
             raise _refuse(web.HTTPNotFound, f"no open episode {eid!r} ({why})")
         _check_secret(eid, ep, secret)
         ep.touched = time.monotonic()
-        return ep.state
+        return ep
 
     def idle(self, now: float) -> list[str]:
         """Open episodes untouched for longer than the idle timeout."""
@@ -337,7 +344,15 @@ def make_app(
     @routes.post("/step")
     async def step(request: web.Request) -> web.Response:
         body = await _body(request, "episode_id", "assistant")
-        state = episodes.get_open(body["episode_id"], body.get("episode_secret"))
+        ep = episodes.entry(body["episode_id"], body.get("episode_secret"))
+        state = ep.state
+        if private_tasks:  # a client that may not see the answers may not play past the env's limits either
+            if state.done:
+                raise _refuse(web.HTTPConflict, "the episode is done: a server with --private-tasks takes no more steps")
+            if env.max_turns and ep.steps >= env.max_turns:
+                raise _refuse(web.HTTPConflict, f"the episode took the env's max_turns={env.max_turns} steps: a server "
+                              "with --private-tasks takes no more")  # fmt: skip
+        ep.steps += 1
         try:
             turn = int(body.get("turn", state.turn + 1))
         except (TypeError, ValueError) as e:

@@ -396,3 +396,31 @@ async def test_a_key_or_secret_that_is_not_utf8_is_refused_not_a_500():
             status, _ = await post(s, f"{url}/close", {"episode_id": opened["episode_id"],
                                                        "episode_secret": opened["episode_secret"]})  # fmt: skip
             assert status == 200
+
+
+async def test_private_tasks_take_no_step_past_the_envs_limits():
+    """Attack: the server left max_turns to the client's loop, so a client of a private eval kept
+    stepping (its turn held at 1): guess with max_turns=2 was solved by bisection in 6 steps and
+    scored 1.0.  With private_tasks a step past max_turns, or after the env said done, is a 409."""
+    env = load_environment(str(ROOT / "environments/guess"), num_train=4, max_turns=2)
+    secret = {t.id: int(t.answer) for t in env.eval_dataset()}
+    async with served(env, private_tasks=True) as url:
+        async with aiohttp.ClientSession() as s:
+            _, page = await get(s, f"{url}/tasks?split=eval&limit=1")
+            tid = page["tasks"][0]["id"]
+
+            async def step(ep: dict, guess: int) -> tuple[int, dict]:
+                return await post(s, f"{url}/step", {"episode_id": ep["episode_id"], "turn": 1,
+                                                     "episode_secret": ep["episode_secret"],
+                                                     "assistant": {"role": "assistant", "content": f"<guess>{guess}</guess>"}})  # fmt: skip
+
+            _, ep = await post(s, f"{url}/reset", {"task_id": tid})
+            for _ in range(2):
+                assert (await step(ep, -1))[0] == 200
+            status, out = await step(ep, secret[tid])
+            assert status == 409 and "max_turns=2" in out["error"], (status, out)
+            _, ep = await post(s, f"{url}/reset", {"task_id": tid})
+            status, out = await step(ep, secret[tid])
+            assert status == 200 and out["done"], out
+            status, out = await step(ep, secret[tid])
+            assert status == 409 and "done" in out["error"], (status, out)
