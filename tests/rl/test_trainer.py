@@ -146,6 +146,7 @@ def _mu_groups(tr):
     return groups
 
 
+@pytest.mark.slow
 def test_decoupled_ppo_recomputes_the_proximal_policy_and_its_clip_acts(tiny_model):
     """Several updates per batch: π_θ moves away from π_prox, the clip engages, and the update
     differs from IcePop's (it used to be an alias: π_prox was π_θ detached)."""

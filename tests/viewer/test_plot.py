@@ -4,6 +4,7 @@ charts' colours), the SVG carries the axis labels as text, and bad input is one 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from agentrl_cli import agentrl
 from PIL import Image
 
@@ -16,6 +17,7 @@ def _has_colour(img: np.ndarray, hex_colour: str, tol: int = 40) -> int:
     return int((np.abs(img[..., :3].astype(int) - rgb).sum(axis=-1) < tol).sum())
 
 
+@pytest.mark.slow
 def test_plot_png_has_every_curve(real_run, tmp_path, steps):
     out = tmp_path / "curves.png"
     res = agentrl("plot", str(real_run), "--out", str(out))

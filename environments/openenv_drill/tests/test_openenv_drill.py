@@ -58,6 +58,7 @@ async def test_the_checker_passes(server):
     assert report.ok, [f"{r.name}: {r.detail}" for r in report.failures()]
 
 
+@pytest.mark.slow
 async def test_a_dead_server_errors_the_episode_not_the_run():
     """Catches: a WebSocket failure escaping the episode loop instead of becoming kind env."""
     proc, url = start_server()
@@ -69,6 +70,7 @@ async def test_a_dead_server_errors_the_episode_not_the_run():
         load_environment(str(HERE), url=url)
 
 
+@pytest.mark.slow
 def test_agentrl_eval_on_the_embedded_engine(server, tmp_path):
     from agentrl.tiny_model import build_tiny_model
 

@@ -46,6 +46,7 @@ async def test_the_checker_passes():
     assert report.ok, [f"{r.name}: {r.detail}" for r in report.failures()]
 
 
+@pytest.mark.slow
 def test_agentrl_eval_on_the_embedded_engine(tmp_path):
     from agentrl.tiny_model import build_tiny_model
 
