@@ -65,12 +65,17 @@ def write_key(path: str | Path, key: str) -> Path:
     """Write ``key`` to ``path``, readable by its owner only (0600 from the first byte)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # a fresh random name, created here (O_EXCL, no symlink): a file someone planted in a shared
+    # directory under a predictable name would have received the key and kept its own mode
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.write(fd, (key + "\n").encode())
-    finally:
+    except BaseException:
         os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
     os.replace(tmp, path)
     return path
 
