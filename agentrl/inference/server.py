@@ -16,12 +16,10 @@ Routes (vLLM names and fields where vLLM has them):
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (JSON).
 - ``POST /reset_prefix_cache`` (the prefix cache is also cleared by every weight update).
 - weights (:mod:`agentrl.inference.weight_routes`): ``POST /pause`` (mode=keep), ``POST /resume``, ``GET /is_paused``,
-  ``POST /update_weights_from_disk`` ``{model_path, weight_version?, lora?}``,
-  ``POST /update_weights_from_shm`` ``{path, size, manifest, weight_version?, lora?}``
-  (``lora: true``: the tensors are LoRA factors the engine merges into its base weights),
-  ``GET /get_weight_version``, ``POST /update_weight_version`` ``{weight_version}``;
-  over the network (no shared filesystem): ``POST /weights/begin``, ``PUT /weights/chunk``,
-  ``POST /weights/commit`` (:mod:`agentrl.weights.network`).
+  ``GET /get_weight_version``, ``POST /update_weight_version``, ``POST /update_weights_from_disk``
+  (inside the engine's weights dir only), and a push over shared memory, disk or HTTP chunks:
+  ``POST /weights/begin``, ``PUT /weights/chunk``, ``POST /weights/commit``, ``POST /weights/abort``
+  (signed with the engine's key; the rules: :mod:`agentrl.weights.receive`).
 
 Keys, Host/Origin checks, body cap and connection deadlines (:mod:`agentrl.guard`): ``/health``
 is open; the OpenAI routes (``/v1/*``, ``/tokenize``, ``/detokenize``) need the key when it
@@ -67,12 +65,11 @@ from agentrl.inference.protocol import (
     from_request_error,
 )
 from agentrl.inference.sampling import EngineSampling
-from agentrl.inference.weight_routes import network_weight_routes, weight_routes
+from agentrl.inference.weight_routes import weight_routes
 from agentrl.render import render_chat_ids
 from agentrl.tool_format import resolve_tool_parser
 from agentrl.types import new_id
-from agentrl.weights.lora import AdapterMerger
-from agentrl.weights.receive import SharedWeights
+from agentrl.weights.receive import WeightReceiver
 
 STARTUP_ERROR = "agentrl engine: error: "  # prefix of the one line a refused start prints
 RENDER_DEADLINE_S = 10.0  # rendering + tokenizing one request (normally milliseconds)
@@ -147,8 +144,7 @@ class EngineServer:
         self.tok = engine.tokenizer
         # how the chat route splits tool calls out of the text: named, else detected from the template
         self.tool_parser = resolve_tool_parser(tool_parser, getattr(self.tok, "chat_template", None))
-        self.shared = SharedWeights()
-        self.adapters = AdapterMerger()
+        self.weights: WeightReceiver | None = None  # set by weight_routes
         self.started = time.time()
         self.render_pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="agentrl-render")
         # a text longer than this has more than max_model_len tokens, whatever it says: refused
@@ -396,10 +392,13 @@ def create_app(
     allowed_hosts: tuple[str, ...] = (),
     allowed_origins: tuple[str, ...] = (),
     limits: Limits | None = None,
+    weights_dir: str | Path | None = None,
 ) -> FastAPI:
     """The FastAPI app; the engine's lifetime is the caller's.  ``tool_parser``: the chat
     route's tool-call format (:mod:`agentrl.tool_format`; None or ``auto``: from the template).
-    ``key`` (None: no key checks), ``allowed_hosts``, ``allowed_origins``, ``limits``: :mod:`agentrl.guard`."""
+    ``key`` (None: no key checks, and every weight push refused: pushes are signed with it),
+    ``allowed_hosts``, ``allowed_origins``, ``limits``: :mod:`agentrl.guard`; ``weights_dir``: where disk
+    pushes land (default: a private dir)."""
     srv = EngineServer(engine, served_model_name or engine.model_dir.name, tool_parser)
     app = FastAPI(title="agentrl embedded engine")
     app.state.server = srv
@@ -428,8 +427,7 @@ def create_app(
     _generation_routes(app, srv)
     _token_routes(app, srv)
     _info_routes(app, srv)
-    weight_routes(app, srv)
-    network_weight_routes(app, srv)
+    weight_routes(app, srv, key.value if key is not None else None, weights_dir)
     return app
 
 
@@ -529,11 +527,13 @@ def serve(
     allowed_hosts: tuple[str, ...] = (),
     allowed_origins: tuple[str, ...] = (),
     limits: Limits | None = None,
+    weights_dir: str | Path | None = None,
 ) -> None:
     """Load the model, bind ``host:port`` (0 = a free port), serve until interrupted.
 
     The key: ``api_key``, else ``AGENTRL_API_KEY``, else a new one written 0600 to ``key_file``
-    (default :func:`default_key_file`) before the port file appears."""
+    (default :func:`default_key_file`) before the port file appears.  ``weights_dir``: the one dir
+    disk pushes and ``/update_weights_from_disk`` read (default: a private one)."""
     import uvicorn
 
     limits = limits or Limits()
@@ -546,7 +546,7 @@ def serve(
     bound = sock.getsockname()[1]
     key = server_key(api_key, write_to=key_file or default_key_file(bound))
     app = create_app(engine, served_model_name, tool_parser, key=key, allowed_hosts=(host, *allowed_hosts),
-                     allowed_origins=allowed_origins, limits=limits)
+                     allowed_origins=allowed_origins, limits=limits, weights_dir=weights_dir)
     if parent_pid:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     if port_file:
@@ -569,6 +569,8 @@ def serve(
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
+        if app.state.server.weights is not None:
+            app.state.server.weights.close()  # its shared-memory files and private weights dir
         engine.close()
 
 
@@ -603,6 +605,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--key-file", default=None, help="where a key made here is written (0600)")
     ap.add_argument("--allowed-hosts", type=split_names, default=(), help="more Host names to serve (comma-separated; *: any)")
     ap.add_argument("--allowed-origins", type=split_names, default=(), help="web origins allowed to call (comma-separated)")
+    ap.add_argument("--weights-dir", default=None, help="the one dir disk weight pushes are read from")
     a = ap.parse_args(argv)
     try:
         serve(
@@ -617,6 +620,7 @@ def main(argv: list[str] | None = None) -> None:
             key_file=a.key_file,
             allowed_hosts=a.allowed_hosts,
             allowed_origins=a.allowed_origins,
+            weights_dir=a.weights_dir,
         )
     except EngineStartError as e:  # a refusal is one line (the launcher reports it as is)
         print(f"{STARTUP_ERROR}{e}", file=sys.stderr, flush=True)

@@ -1,37 +1,60 @@
-"""The engine server's weight routes: pause/resume, versions, full or LoRA updates from
-disk or shared memory, and the network transfer (begin, chunks, commit).  Mounted by
-:func:`agentrl.inference.server.create_app`; the trainer side is :mod:`agentrl.weights`."""
+"""The engine server's weight routes: pause/resume, versions, and weight pushes.
+
+Mounted by :func:`agentrl.inference.server.create_app`; the trainer side is :mod:`agentrl.weights`.
+Every push goes through one :class:`~agentrl.weights.receive.WeightReceiver` (its module doc
+has the rules: signed, the model's own size, no host path from a caller, one transfer at a
+time, checked before the swap, versions only increase)::
+
+    POST /weights/begin   {transfer, transport: http|shm|disk, weight_version, size, manifest,
+                           chunks (http), lora, signature}   → {transfer, path?, signature?}
+    PUT  /weights/chunk?transfer=T&index=i   raw bytes, header X-Agentrl-Signature
+    POST /weights/commit  {transfer, sha256 (disk), signature}
+    POST /weights/abort   {transfer, signature}
+    POST /update_weight_version   {weight_version, signature}
+    POST /update_weights_from_disk {model_path (inside the weights dir), weight_version?, lora?, signature}
+
+These routes parse and answer; a refusal is an OpenAI-style error with the receiver's status
+(401 unsigned, 409 a transfer in progress or an older version, 400 a push that does not fit).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
 from agentrl.errors import RequestError
-from agentrl.inference.protocol import (
-    APIError,
-    CommitWeightsRequest,
-    DiskWeightsRequest,
-    NetworkWeightsRequest,
-    ShmWeightsRequest,
-    VersionRequest,
-    from_request_error,
-)
-from agentrl.weights.manifest import manifest_views
-from agentrl.weights.network import ChunkReceiver, load_views
-from agentrl.weights.receive import load_safetensors_path, read_safetensors
+from agentrl.inference.protocol import APIError
+from agentrl.weights.manifest import SIGNATURE_HEADER
+from agentrl.weights.receive import STATUS, WeightReceiver
 
 if TYPE_CHECKING:
     from agentrl.inference.server import EngineServer
 
 
-def weight_routes(app: FastAPI, srv: EngineServer) -> None:
-    """``/pause``, ``/resume``, versions, and full or LoRA weight updates (agentrl.weights)."""
+def weight_routes(app: FastAPI, srv: EngineServer, key: str | None, weights_dir: str | Path | None = None) -> None:
+    """``/pause``, ``/resume``, versions and weight pushes; ``key``: the engine's API key, which
+    signs every push (None: pushes are refused); ``weights_dir``: where disk pushes land."""
     engine = srv.engine
+    rx = srv.weights = WeightReceiver(engine, key, weights_dir=weights_dir)
+
+    async def call(fn: Callable, *args: Any) -> Any:
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except RequestError as e:
+            raise APIError(STATUS.get(e.code, 400), str(e), param=e.param, code=e.code) from e
+
+    async def body_of(http: Request) -> dict[str, Any]:
+        try:
+            body = await http.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        return body
 
     @app.post("/pause")
     async def pause(mode: str = "keep"):
@@ -59,69 +82,34 @@ def weight_routes(app: FastAPI, srv: EngineServer) -> None:
         return {"weight_version": engine.version}
 
     @app.post("/update_weight_version")
-    async def update_weight_version(req: VersionRequest):
-        version = await asyncio.to_thread(engine.update_weights, lambda m: None, req.weight_version)
-        return {"success": True, "weight_version": version}
+    async def update_weight_version(http: Request):
+        body = await body_of(http)
+        version = body.get("weight_version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise APIError(400, "weight_version must be an integer", param="weight_version")
+        new = await call(rx.set_version, version, body.get("signature"))
+        return {"success": True, "weight_version": new}
 
     @app.post("/update_weights_from_disk")
-    async def update_from_disk(req: DiskWeightsRequest):
-        return await apply_update(
-            srv, req.weight_version, req.lora,
-            lambda m: load_safetensors_path(m, req.model_path), lambda: read_safetensors(req.model_path),
-        )
-
-    @app.post("/update_weights_from_shm")
-    async def update_from_shm(req: ShmWeightsRequest):
-        return await apply_update(
-            srv, req.weight_version, req.lora,
-            lambda m: srv.shared.apply(m, req.path, req.manifest, req.size),
-            lambda: srv.shared.views(req.path, req.manifest, req.size),
-        )
-
-
-async def apply_update(srv: EngineServer, version: int | None, lora: bool, load: Callable,
-                        read_factors: Callable) -> dict[str, Any]:
-    """Full weights (``load(model)``) or LoRA factors (``read_factors()``) as ``version``."""
-
-    def apply(model) -> int:
-        if lora:
-            return srv.adapters.apply(model, read_factors())
-        n = load(model)
-        srv.adapters.reset()  # new base weights: adapters merged before no longer apply
-        return n
-
-    t0 = time.perf_counter()
-    count: list[int] = []
-    try:
-        new = await asyncio.to_thread(srv.engine.update_weights, lambda m: count.append(apply(m)), version)
-    except RequestError as e:
-        raise from_request_error(e) from e
-    return {"success": True, "weight_version": new, "num_tensors": count[0] if count else 0,
-            "seconds": time.perf_counter() - t0}
-
-
-def network_weight_routes(app: FastAPI, srv: EngineServer) -> None:
-    """``weight_transport = "http"``: begin, chunks, commit (:mod:`agentrl.weights.network`)."""
-    rx = ChunkReceiver()
-
-    async def call(fn: Callable, *args: Any) -> Any:  # a push that does not fit is the caller's 400
-        try:
-            return await asyncio.to_thread(fn, *args)
-        except RequestError as e:
-            raise from_request_error(e) from e
+    async def update_from_disk(http: Request):
+        return await call(rx.load_disk, await body_of(http))
 
     @app.post("/weights/begin")
-    async def begin(r: NetworkWeightsRequest):
-        await call(rx.begin, r.transfer, r.size, r.manifest, r.chunks, r.weight_version, r.lora)
-        return {"transfer": r.transfer, "chunks": len(r.chunks)}
+    async def begin(http: Request):
+        return await call(rx.begin, await body_of(http))
 
     @app.put("/weights/chunk")
     async def chunk(transfer: str, index: int, http: Request):
-        await call(rx.chunk, transfer, index, await http.body())
+        await call(rx.chunk, transfer, index, await http.body(), http.headers.get(SIGNATURE_HEADER))
         return {"transfer": transfer, "index": index}
 
     @app.post("/weights/commit")
-    async def commit(r: CommitWeightsRequest):
-        t = await call(rx.take, r.transfer)
-        views = manifest_views(t.buffer, t.manifest)
-        return await apply_update(srv, t.version, t.lora, lambda m: load_views(m, views), lambda: views)
+    async def commit(http: Request):
+        body = await body_of(http)
+        return await call(rx.commit, str(body.get("transfer")), body.get("signature"), body.get("sha256"))
+
+    @app.post("/weights/abort")
+    async def abort(http: Request):
+        body = await body_of(http)
+        await call(rx.abort, str(body.get("transfer")), body.get("signature"))
+        return {"aborted": True}

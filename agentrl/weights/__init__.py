@@ -5,9 +5,9 @@ Trainer side: :func:`make_weight_sync` returns the :class:`WeightSync` for the r
 disk, full weights or LoRA factors), :class:`~agentrl.weights.network.HttpWeightSync` (HTTP chunks
 to engines on other hosts, shm to those on the trainer's) or :class:`~agentrl.weights.vllm.VLLMWeightSync`
 (``vllm serve``: disk reload, or vLLM's NCCL engine on a GPU).
-Engine side: :mod:`agentrl.weights.receive` (load named tensors, safetensors files, shared
-memory) and :mod:`agentrl.weights.lora` (merge adapter factors).  The byte layout both sides
-of a shared-memory push agree on: :mod:`agentrl.weights.manifest`.
+Engine side: :mod:`agentrl.weights.receive` (who may push, what fits the model, the engine's
+private shared memory and weights dir, the swap) and :mod:`agentrl.weights.lora` (merge adapter
+factors).  The byte layout and the signatures both sides agree on: :mod:`agentrl.weights.manifest`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,22 @@
-"""Trainer side of a weight push into running embedded engines (no restart).
+"""Trainer side of a weight push into running embedded engines on this host (no restart).
 
-``await EmbeddedWeightSync(urls, transport).push(named_tensors, version) -> seconds``:
-``/pause`` every engine (the current decode step finishes; requests stay in flight) → move
-the tensors → ``/update_weights_from_*`` with ``weight_version=version`` → ``/resume``.
-Tokens generated afterwards carry the new version.
+``await EmbeddedWeightSync(urls, transport).push(named_tensors, version) -> seconds``: each
+engine opens a signed transfer and says where to write (``/weights/begin``), the trainer
+writes the tensors there while generation goes on, then ``/pause`` every engine (the current
+decode step finishes; requests stay in flight) → ``/weights/commit`` (checked, then swapped in
+as ``version``) → ``/resume``.  Tokens generated afterwards carry the new version.
 
 Transports:
 
-- ``"shm"`` (same host): tensors are copied into one flat file in ``/dev/shm`` laid out by
-  :mod:`agentrl.weights.manifest`.  A CPU engine maps that file and points its parameters
-  at it, so after the first push a push costs one memcpy on the trainer side plus three
-  small HTTP calls; a CUDA engine copies from the mapping to the device.
-- ``"disk"``: a safetensors file in ``work_dir`` and ``/update_weights_from_disk``; works
-  across hosts that share a filesystem.
+- ``"shm"`` (same host): the engine hands out a shared-memory file it created in its own 0700
+  directory, laid out by :mod:`agentrl.weights.manifest`; the trainer maps it (never grows it)
+  and copies the tensors in.  A CPU engine points its parameters at that file (no copy) and
+  hands out another one next time, so a push costs one memcpy per engine plus a few small HTTP
+  calls; a CUDA engine copies from the mapping to the device.
+- ``"disk"``: a safetensors file in the engine's weights dir (``--weights-dir``: put it on a
+  shared filesystem for engines on other hosts), its SHA-256 signed in the commit.
 
+Every message is signed with the engines' key (``api_key``, default ``AGENTRL_API_KEY``).
 ``push(..., lora=True)`` sends LoRA factors (``{module}.lora_A`` / ``.lora_B``) instead of
 weights over the same transports; the engine merges them into its base weights
 (:mod:`agentrl.weights.lora`), so a LoRA run moves only the adapters.
@@ -22,10 +25,9 @@ weights over the same transports; the engine merges them into its base weights
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
-import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +36,7 @@ import torch
 
 from agentrl.auth import auth_headers, client_key
 from agentrl.errors import WeightSyncError
+from agentrl.weights import sync as wire
 from agentrl.weights.manifest import layout
 from agentrl.weights.sync import NamedTensors, items_of, url_root
 
@@ -50,7 +53,8 @@ class EmbeddedWeightSync:
         timeout: float = 300.0,
         api_key: str | None = None,
     ):
-        """``api_key``: the engines' key (default ``AGENTRL_API_KEY``); their weight routes need it."""
+        """``api_key``: the engines' key (default ``AGENTRL_API_KEY``); every push is signed with it.
+        ``work_dir`` is unused: an engine says where it reads (kept for callers that pass it)."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("make_weight_sync needs at least one engine URL")
@@ -60,22 +64,14 @@ class EmbeddedWeightSync:
         self.transport = transport
         self.timeout = timeout
         self.api_key = api_key or client_key()
-        default_dir = "/dev/shm" if transport == "shm" and os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        self.work_dir = Path(work_dir or default_dir)
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        self._tag = f"agentrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._shm_path: Path | None = None
-        self._shm_buf: torch.Tensor | None = None
-        self._manifest: list[dict[str, Any]] | None = None
-        self._layout_key: tuple | None = None
-        self._last_disk: Path | None = None
+        self._maps: dict[str, torch.Tensor] = {}  # segment path -> our mapping of it
         self.last_stats: dict[str, float] = {}
         self._http: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
 
     def _client(self) -> httpx.AsyncClient:
         """One HTTP client per event loop (building one costs ~30 ms of TLS setup)."""
         loop = asyncio.get_running_loop()
-        if self._http is None or self._http[0] is not loop or self._http[0].is_closed():
+        if self._http is None or self._http[0] is not loop or self._http[1].is_closed:
             self._http = (loop, httpx.AsyncClient(timeout=self.timeout, headers=auth_headers(self.api_key)))
         return self._http[1]
 
@@ -84,39 +80,45 @@ class EmbeddedWeightSync:
     async def push(self, named_tensors: NamedTensors, version: int, *, lora: bool = False) -> float:
         """``lora=True``: the tensors are LoRA factors for the engine to merge (adapter-only push)."""
         t0 = time.perf_counter()
+        key = wire.need_key(self.api_key)
         items = items_of(named_tensors)
-        http = self._client()
+        manifest, size = layout(items)
+        http, transfer = self._client(), wire.new_transfer()
+        begun: list[str] = []
+        sha: dict[str, str] = {}
+
+        async def stage(root: str) -> None:  # begin, then write where the engine says
+            answer = await wire.begin(http, root, key, transfer=transfer, transport=self.transport,
+                                      version=version, manifest=manifest, size=size, lora=lora)
+            begun.append(root)
+            if self.transport == "shm":
+                await asyncio.to_thread(self._write_shm, answer["path"], size, items, manifest)
+            else:
+                sha[root] = await asyncio.to_thread(self._write_disk, answer["path"], items)
+
         t_paused = t_written = t0
-        aliased = False  # the write went into the buffer CPU engines already map as their weights
-        try:  # pause, write, load: whatever fails, every engine is resumed
+        committed: list[str] = []
+        try:
+            await asyncio.gather(*(stage(r) for r in self.roots))
+            t_written = time.perf_counter()
             await self._all(http, "POST", "/pause", params={"mode": "keep"})
             t_paused = time.perf_counter()
-            if self.transport == "shm":
-                reused = self._layout_key == tuple((n, t.dtype, tuple(t.shape)) for n, t in items)
-                manifest, size = await asyncio.to_thread(self._write_shm, items)
-                aliased, t_written = reused, time.perf_counter()
-                body = {
-                    "path": str(self._shm_path), "size": size, "manifest": manifest, "weight_version": version,
-                    "lora": lora,
-                }
-                await self._all(http, "POST", "/update_weights_from_shm", json=body)
-            else:
-                path = await asyncio.to_thread(self._write_disk, items, version)
-                t_written = time.perf_counter()
-                body = {"model_path": str(path), "weight_version": version, "lora": lora}
-                await self._all(http, "POST", "/update_weights_from_disk", json=body)
-                self._drop_old_disk(path)
+            done = await asyncio.gather(*(wire.commit(http, r, key, transfer, sha.get(r)) for r in self.roots),
+                                        return_exceptions=True)
+            committed += [r for r, d in zip(self.roots, done, strict=True) if not isinstance(d, BaseException)]
+            failed = [d for d in done if isinstance(d, BaseException)]
+            if failed:
+                raise failed[0]
         except BaseException:
-            if aliased:  # CPU engines alias the shared buffer: they already hold the new weights
-                await self._all(http, "POST", "/update_weight_version", check=False, json={"weight_version": version})
+            await asyncio.gather(*(wire.abort(http, r, key, transfer) for r in begun if r not in committed))
             raise
         finally:
             await self._all(http, "POST", "/resume", check=False)
         t1 = time.perf_counter()
         self.last_stats = {
-            "pause_s": t_paused - t0,
-            "write_s": t_written - t_paused,
-            "load_s": t1 - t_written,
+            "write_s": t_written - t0,
+            "pause_s": t_paused - t_written,
+            "load_s": t1 - t_paused,
             "total_s": t1 - t0,
             "bytes": float(sum(t.numel() * t.element_size() for _, t in items)),
         }
@@ -125,43 +127,33 @@ class EmbeddedWeightSync:
     async def _all(self, http: httpx.AsyncClient, method: str, path: str, *, check: bool = True, **kw) -> list[Any]:
         async def one(root: str):
             try:
-                r = await http.request(method, root + path, **kw)
-            except httpx.HTTPError as e:
+                return await wire.call(http, method, root + path, **kw)
+            except WeightSyncError:
                 if check:
-                    raise WeightSyncError(f"{root}{path}: {e!r}") from e
+                    raise
                 return None
-            if check and r.status_code >= 400:
-                try:
-                    msg = r.json()["error"]["message"]
-                except Exception:
-                    msg = r.text[:300]
-                raise WeightSyncError(f"{root}{path} → {r.status_code}: {msg}")
-            return r.json() if r.status_code < 400 else None
 
         return await asyncio.gather(*(one(root) for root in self.roots))
 
     # ------------------------------------------------------------------ transports
 
-    def _write_shm(self, items: list[tuple[str, torch.Tensor]]) -> tuple[list[dict[str, Any]], int]:
-        key = tuple((n, t.dtype, tuple(t.shape)) for n, t in items)
-        if key != self._layout_key:  # (re)allocate the file for this set of tensors
-            manifest, size = layout(items)
-            self._close_shm()
-            self._shm_path = self.work_dir / f"{self._tag}-{uuid.uuid4().hex[:6]}.bin"
-            self._shm_buf = torch.from_file(str(self._shm_path), shared=True, size=size, dtype=torch.uint8)
-            self._manifest, self._layout_key = manifest, key
-        assert self._shm_buf is not None and self._manifest is not None
+    def _write_shm(self, path: str, size: int, items: list[tuple[str, torch.Tensor]],
+                   manifest: list[dict[str, Any]]) -> None:
+        buf = self._maps.get(path)
+        if buf is None:
+            buf = self._maps[path] = wire.map_segment(path, size)
+            while len(self._maps) > 2 * len(self.roots):  # each engine uses two in turn
+                self._maps.pop(next(iter(self._maps)))
         with torch.no_grad():
-            for (_, t), entry in zip(items, self._manifest, strict=True):
-                nbytes = t.numel() * t.element_size()
-                off = entry["offset"]
-                self._shm_buf[off : off + nbytes].view(t.dtype).view(t.shape).copy_(t)
-        return self._manifest, int(self._shm_buf.numel())
+            for (_, t), entry in zip(items, manifest, strict=True):
+                nbytes, off = t.numel() * t.element_size(), entry["offset"]
+                buf[off : off + nbytes].view(t.dtype).view(t.shape).copy_(t)
 
-    def _write_disk(self, items: list[tuple[str, torch.Tensor]], version: int) -> Path:
-        from safetensors.torch import save_file
+    @staticmethod
+    def _write_disk(path: str, items: list[tuple[str, torch.Tensor]]) -> str:
+        """Write a safetensors file at the engine's path (created here, never followed); its SHA-256."""
+        from safetensors.torch import save
 
-        path = self.work_dir / f"{self._tag}-v{version}.safetensors"
         tensors = {}
         seen: dict[int, str] = {}
         for name, t in items:  # safetensors refuses shared storage (tied weights): clone those
@@ -169,32 +161,14 @@ class EmbeddedWeightSync:
             ptr = t.untyped_storage().data_ptr()
             tensors[name] = t.clone() if ptr in seen else t
             seen[ptr] = name
-        save_file(tensors, str(path))
-        return path
-
-    def _drop_old_disk(self, keep: Path) -> None:
-        if self._last_disk is not None and self._last_disk != keep:
-            self._last_disk.unlink(missing_ok=True)
-        self._last_disk = keep
-
-    def _close_shm(self) -> None:
-        self._shm_buf = None
-        if self._shm_path is not None:
-            self._shm_path.unlink(missing_ok=True)  # engines keep their mappings alive
-            self._shm_path = None
+        data = save(tensors)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return hashlib.sha256(data).hexdigest()
 
     async def close(self) -> None:
         if self._http is not None and self._http[0] is asyncio.get_running_loop():
             await self._http[1].aclose()
         self._http = None
-        self._close_shm()
-        if self._last_disk is not None:
-            self._last_disk.unlink(missing_ok=True)
-            self._last_disk = None
-        self._layout_key = None
-
-    def __del__(self) -> None:
-        try:
-            self._close_shm()
-        except Exception:
-            pass
+        self._maps.clear()

@@ -1,23 +1,91 @@
-"""Engine side of a weight push: load named tensors into a live model.
+"""Engine side of a weight push: who may push, what fits, and the swap into a live model.
 
-``copy_named_tensors`` (any transport), ``load_safetensors_path`` / ``read_safetensors``
-(the disk transport), :class:`SharedWeights` (the shared-memory transport, read through
-the manifest format of :mod:`agentrl.weights.manifest`).  LoRA factors are merged by
-:class:`agentrl.weights.lora.AdapterMerger`.  Everything raises
-:class:`~agentrl.errors.RequestError` for a push that does not fit the model, before any
-weight is changed where the transport allows it.
+:class:`WeightReceiver` is the engine's one owner of weight updates (the routes in
+:mod:`agentrl.inference.weight_routes` only parse and answer).  Its rules:
+
+- **Signed.** Every message carries an HMAC of the engine's key
+  (:func:`agentrl.weights.manifest.signature`): the begin over the whole manifest, each HTTP
+  chunk over its bytes, the commit, the abort, a version bump, a disk reload.  The signature is
+  checked before anything else, so a caller without the key learns nothing (no names, shapes,
+  paths or transfer ids in the refusal).  An engine without a key refuses every push.
+- **The model's own size.** A full push names every tensor of the served model exactly once
+  with its exact shape (floating tensors as float32/16/bfloat16, others in their own dtype):
+  a partial push is refused.  A LoRA push (``lora: true``) names (A, B) factor pairs of the
+  model's 2-D weights, one rank for all, no larger than the matrix; after the first one the
+  adapted modules and the rank are fixed until the next full push.  The staging buffer is
+  the manifest's compact layout (:func:`~agentrl.weights.manifest.check_layout`), so no caller
+  chooses how much the engine allocates.
+- **No host path from a caller.** Shared memory lives only in files the engine creates itself
+  (``O_CREAT|O_EXCL|O_NOFOLLOW``, at their final size, never grown) in its own 0700 directory
+  (``/dev/shm/agentrl-XXXX``); the begin answers the path, signed, to the key holder.  The disk
+  transport writes into the engine's weights dir (``--weights-dir``, else a private 0700 one);
+  ``/update_weights_from_disk`` reads only inside that dir and answers every path outside it
+  with the same refusal, whether or not it exists.
+- **One transfer at a time, with its owner.** The transfer id is the trainer's; a begin while
+  another transfer is in progress is refused (409) and does not disturb it; only the owner
+  (a signed abort) ends it early, or ``idle_timeout_s`` without a message.  A transfer id is
+  never reused, so a recorded push cannot be replayed.
+- **Checked before the swap.** NaN/Inf anywhere refuses the push; every check runs before any
+  weight changes, so a refused push leaves the served weights and the version as they were.
+- **Versions only increase.** A push or ``/update_weight_version`` to a lower version is
+  refused (409).  The same version is accepted: a push repeated after a partial failure, or to
+  an engine restarted under a run, carries the version the other engines already have (the
+  weights are the trainer's same state), and a version bump to the current version is a no-op.
+
+Shared-memory double buffering: a CPU engine whose dtypes match points its parameters at the
+pushed buffer (no copy); the next push is handed another segment, never one the live weights
+use, so the trainer never writes into weights being served.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import mmap
+import os
+import secrets
+import stat
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from agentrl.errors import RequestError
-from agentrl.weights.manifest import manifest_views
+from agentrl.weights.lora import AdapterMerger, split_adapter_name
+from agentrl.weights.manifest import (
+    DTYPES,
+    body_signed_by,
+    check_layout,
+    manifest_views,
+    signature,
+    signed_by,
+)
+
+FLOAT_PUSH_DTYPES = ("float32", "float16", "bfloat16")  # at most 4 bytes per model element
+TRANSPORTS = ("http", "shm", "disk")
+REFUSED_UNSIGNED = "weight push refused: missing or wrong signature (the sender must hold this engine's API key)"
+# HTTP status of each refusal code (everything else is a 400)
+STATUS = {"unauthorized": 401, "transfer_in_progress": 409, "stale_version": 409, "unknown_transfer": 409,
+          "transfer_reused": 409}
+
+
+class Engine(Protocol):  # what the receiver needs of agentrl.inference.engine.Engine
+    model: torch.nn.Module
+    version: int
+
+    def update_weights(self, apply: Callable[[torch.nn.Module], Any], version: int | None = None) -> int: ...
+
+
+def _refuse(message: str, code: str = "invalid_request", param: str | None = None) -> RequestError:
+    return RequestError(message, code=code, param=param)
+
+
+# ----------------------------------------------------------------------------- what fits the model
 
 
 def _named_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -42,67 +110,507 @@ def check_named_tensors(
     return pairs
 
 
-def copy_named_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy tensors into the model's parameters/buffers by name, all checked first."""
-    pairs = check_named_tensors(model, tensors)
-    for dst, t in pairs:
-        dst.data.copy_(t)
+def check_full_manifest(model: torch.nn.Module, manifest: list[dict[str, Any]]) -> None:
+    """A full push: every tensor of the model exactly once, its exact shape, a fitting dtype."""
+    targets = _named_targets(model)
+    seen: set[str] = set()
+    for entry in manifest:
+        name, dtype, shape = entry["name"], entry["dtype"], tuple(entry["shape"])
+        dst = targets.get(name)
+        if dst is None:
+            raise _refuse(f"unknown weight name {name!r} (model has e.g. {next(iter(targets))!r})")
+        if name in seen:
+            raise _refuse(f"weight {name!r} is named twice")
+        seen.add(name)
+        if tuple(dst.shape) != shape:
+            raise _refuse(f"shape mismatch for {name!r}: model {tuple(dst.shape)}, got {shape}")
+        fits = dtype in FLOAT_PUSH_DTYPES if torch.is_floating_point(dst) else DTYPES.get(dtype) == dst.dtype
+        if not fits:
+            raise _refuse(f"dtype mismatch for {name!r}: model {dst.dtype}, got {dtype}")
+    missing = [n for n in targets if n not in seen]
+    if missing:
+        raise _refuse(f"partial push refused: it names {len(seen)} of the model's {len(targets)} tensors "
+                      f"(missing e.g. {missing[0]!r}); push every tensor, or LoRA factors with lora=true",
+                      code="partial_push")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What a LoRA push must look like: the adapted modules and the rank (fixed by the first one)."""
+
+    modules: frozenset[str]
+    rank: int
+
+
+def check_adapter_manifest(model: torch.nn.Module, manifest: list[dict[str, Any]],
+                           spec: AdapterSpec | None) -> AdapterSpec:
+    """A LoRA push: (A, B) pairs fitting the model's 2-D weights, one rank, matching ``spec``."""
+    params = dict(model.named_parameters())
+    factors: dict[str, dict[str, tuple[int, ...]]] = {}
+    for entry in manifest:
+        module, part = split_adapter_name(entry["name"])
+        if entry["dtype"] not in FLOAT_PUSH_DTYPES:
+            raise _refuse(f"adapter factor {entry['name']!r} must be one of {FLOAT_PUSH_DTYPES}, not {entry['dtype']}")
+        if part in factors.setdefault(module, {}):
+            raise _refuse(f"adapter factor {entry['name']!r} is named twice")
+        factors[module][part] = tuple(entry["shape"])
+    ranks = set()
+    for module, ab in factors.items():
+        if set(ab) != {"A", "B"}:
+            raise _refuse(f"adapter for {module!r} needs both lora_A and lora_B")
+        w = params.get(module + ".weight")
+        if w is None or w.dim() != 2:
+            raise _refuse(f"unknown adapted matrix {module + '.weight'!r}")
+        (out_f, in_f), a, b = w.shape, ab["A"], ab["B"]
+        if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1] or not 1 <= a[0] <= min(w.shape):
+            raise _refuse(f"adapter shapes for {module!r} do not fit {tuple(w.shape)}: A {a}, B {b}")
+        ranks.add(a[0])
+    if not factors:
+        raise _refuse("an adapter push needs at least one (lora_A, lora_B) pair")
+    if len(ranks) != 1:
+        raise _refuse(f"adapter factors of one push must share one rank, got {sorted(ranks)}")
+    pushed = AdapterSpec(frozenset(factors), ranks.pop())
+    if spec is not None and pushed != spec:
+        raise _refuse(f"adapter push does not match the adapters being served ({len(spec.modules)} modules at rank "
+                      f"{spec.rank}; this push: {len(pushed.modules)} at rank {pushed.rank}); a full push resets them",
+                      code="partial_push")
+    return pushed
+
+
+def check_finite(views: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse NaN or Inf anywhere (the engine would serve empty text from such weights)."""
+    for name, t in views:
+        if torch.is_floating_point(t) and not bool(torch.isfinite(t).all()):
+            raise _refuse(f"weight {name!r} contains NaN or Inf: push refused, the served weights are unchanged",
+                          code="non_finite")
+
+
+def swap_in(model: torch.nn.Module, views: list[tuple[str, torch.Tensor]]) -> int:
+    """Load checked views: a CPU parameter of the same dtype is pointed at its view (the buffer is
+    never written again while it is live), anything else is copied."""
+    pairs = check_named_tensors(model, views)
+    for (_, view), (dst, _) in zip(views, pairs, strict=True):
+        if dst.device.type == "cpu" and dst.dtype == view.dtype:
+            dst.data = view
+        else:
+            dst.data.copy_(view)
     return len(pairs)
 
 
-def _safetensors_files(path: str | Path) -> list[Path]:
-    p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-    if not files or not all(f.is_file() for f in files):
-        raise RequestError(f"no safetensors weights at {str(p)!r}", code="weights_not_found", param="model_path")
-    return files
+# ----------------------------------------------------------------------------- private places to write
 
 
-def read_safetensors(path: str | Path) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor of a .safetensors file (or of all such files in a directory), on the CPU."""
-    from safetensors.torch import load_file
-
-    return [item for f in _safetensors_files(path) for item in load_file(str(f)).items()]
-
-
-def load_safetensors_path(model: torch.nn.Module, path: str | Path) -> int:
-    """Load every tensor from a .safetensors file, or all such files in a directory."""
-    return copy_named_tensors(model, read_safetensors(path))
+def private_dir(parent: str | None, prefix: str) -> Path:
+    """A new directory only this user can enter (mkdtemp: 0700, a random name, never reused)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    st = os.stat(path, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
+        raise OSError(f"{path} is not a private directory")
+    return path
 
 
-class SharedWeights:
-    """Weights in one flat shared-memory file (``/dev/shm``) described by a manifest.
+@dataclass
+class Segment:
+    """One shared-memory file the engine created, mapped at its final size."""
 
-    Manifest entries: ``{"name", "dtype", "shape", "offset"}`` (offset in bytes).  On a CPU
-    engine whose parameter dtypes match, the parameters are re-pointed at views of the
-    mapped file (no copy): a later push is the writer filling the file while generation is
-    paused.  Otherwise (CUDA engine, dtype change) each tensor is copied into the model.
+    path: Path
+    size: int
+    buffer: torch.Tensor  # uint8 over the mapping (keeps it alive)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        start = self.buffer.data_ptr()
+        return t.device.type == "cpu" and start <= t.data_ptr() < start + self.size
+
+
+class SharedSegments:
+    """The engine's shared-memory files: created by the engine, in its own 0700 directory."""
+
+    def __init__(self, parent: str | None = None) -> None:
+        self.parent = parent if parent is not None else ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.dir: Path | None = None
+        self.segments: list[Segment] = []
+
+    def lease(self, size: int, live: Iterable[torch.Tensor]) -> Segment:
+        """A segment of ``size`` bytes no live weight points into (the others are dropped)."""
+        live = list(live)
+        busy = [s for s in self.segments if any(s.holds(t) for t in live)]
+        free = [s for s in self.segments if s not in busy]
+        pick = next((s for s in free if s.size == size), None)
+        for s in free:
+            if s is not pick:
+                s.path.unlink(missing_ok=True)  # the mapping goes with its last tensor
+        self.segments = busy + ([pick] if pick is not None else [])
+        if pick is None:
+            pick = self._create(size)
+            self.segments.append(pick)
+        return pick
+
+    def _create(self, size: int) -> Segment:
+        if self.dir is None:
+            self.dir = private_dir(self.parent, "agentrl-")
+        path = self.dir / f"w-{secrets.token_hex(8)}.bin"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return Segment(path, size, torch.frombuffer(mapping, dtype=torch.uint8))
+
+    def close(self) -> None:
+        for s in self.segments:
+            s.path.unlink(missing_ok=True)
+        self.segments = []
+        if self.dir is not None:
+            for p in self.dir.iterdir():
+                p.unlink(missing_ok=True)
+            self.dir.rmdir()
+            self.dir = None
+
+
+# ----------------------------------------------------------------------------- reading safetensors safely
+
+
+def read_inside(root: Path, model_path: str, max_bytes: int) -> list[tuple[str, bytes]]:
+    """The bytes of ``model_path`` (a .safetensors file, or a dir of them) inside ``root``.
+
+    Any path that is not lexically inside ``root`` gets one refusal, decided before the file
+    system is touched (so it tells nothing about what exists elsewhere); inside, no component
+    may be a symlink and every file is opened with ``O_NOFOLLOW`` and must be regular.
     """
+    outside = _refuse("model_path must name a safetensors file or dir inside the engine's weights dir "
+                      "(start the engine with --weights-dir to choose it)", code="weights_not_found",
+                      param="model_path")
+    if not isinstance(model_path, str) or not model_path or "\x00" in model_path:
+        raise outside
+    root = Path(os.path.abspath(root))
+    target = Path(os.path.normpath(os.path.join(root, model_path)))
+    if target != root and root not in target.parents:
+        raise outside
+    if os.path.realpath(target) != str(target):  # a symlink somewhere on the way: it may point out
+        raise outside
+    missing = _refuse(f"no safetensors weights at {str(target.relative_to(root))!r} in the weights dir",
+                      code="weights_not_found", param="model_path")
+    try:
+        st = os.stat(target, follow_symlinks=False)
+    except OSError:
+        raise missing from None
+    names = sorted(p.name for p in target.iterdir() if p.name.endswith(".safetensors")) if stat.S_ISDIR(st.st_mode) \
+        else [target.name]
+    base = target if stat.S_ISDIR(st.st_mode) else target.parent
+    if not names:
+        raise missing
+    out, total = [], 0
+    dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for name in names:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError:
+                raise missing from None
+            with os.fdopen(fd, "rb") as f:
+                fst = os.fstat(f.fileno())
+                if not stat.S_ISREG(fst.st_mode):
+                    raise missing
+                total += fst.st_size
+                if total > max_bytes:
+                    raise _refuse(f"weights at {str(target.relative_to(root))!r} are larger than the model allows "
+                                  f"({total} > {max_bytes} bytes)", code="too_large", param="model_path")
+                out.append((name, f.read(max_bytes + 1)))
+    finally:
+        os.close(dir_fd)
+    return out
 
-    def __init__(self) -> None:
-        self.path: str | None = None
-        self.size = 0
-        self.buffer: torch.Tensor | None = None
-        self.aliased: set[str] = set()
 
-    def apply(self, model: torch.nn.Module, path: str, manifest: list[dict[str, Any]], size: int) -> int:
-        views = self.views(path, manifest, size)
-        pairs = check_named_tensors(model, views)  # every entry checked before any weight changes
-        for (name, view), (dst, _) in zip(views, pairs, strict=True):
-            if name not in self.aliased:
-                if dst.device.type == "cpu" and dst.dtype == view.dtype:
-                    dst.data = view
-                    self.aliased.add(name)
-                else:
-                    dst.data.copy_(view)
-        return len(pairs)
+def tensors_of(files: list[tuple[str, bytes]]) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load as load_bytes
 
-    def views(self, path: str, manifest: list[dict[str, Any]], size: int) -> list[tuple[str, torch.Tensor]]:
-        """Map the file (once per path/size) and return a checked view per manifest entry."""
-        if self.path != path or self.size != size:
-            if not Path(path).is_file():
-                raise RequestError(f"no shared-memory weights file {path!r}", code="weights_not_found")
-            self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            self.path, self.size, self.aliased = path, size, set()
-        assert self.buffer is not None
-        return manifest_views(self.buffer, manifest)
+    out = []
+    for name, data in files:
+        try:
+            out.extend(load_bytes(data).items())
+        except Exception as e:  # a malformed file is the pusher's error, not the engine's crash
+            raise _refuse(f"{name} is not a readable safetensors file ({type(e).__name__})") from None
+    return out
+
+
+def manifest_of(tensors: list[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """The (name, dtype, shape) of loaded tensors, in the manifest's shape (offsets unused: 0)."""
+    return [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": 0}
+            for n, t in tensors]
+
+
+# ----------------------------------------------------------------------------- the receiver
+
+
+@dataclass
+class Transfer:
+    """One push in progress: its owner's id, what it carries and where its bytes land."""
+
+    transfer: str
+    transport: str
+    version: int | None
+    lora: bool
+    manifest: list[dict[str, Any]]
+    size: int
+    buffer: torch.Tensor | None  # uint8 staging buffer (http) or the leased segment (shm)
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (offset, nbytes), http only
+    received: set[int] = field(default_factory=set)
+    path: Path | None = None  # where the trainer writes (shm segment, disk file)
+    adapters: AdapterSpec | None = None
+    last_seen: float = 0.0
+    committing: bool = False
+
+
+class WeightReceiver:
+    """The engine's weight updates (module doc: the rules)."""
+
+    def __init__(self, engine: Engine, key: str | None, *, weights_dir: str | Path | None = None,
+                 shm_parent: str | None = None, idle_timeout_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``key``: the engine's API key (None: every push is refused).  ``weights_dir``: where
+        disk pushes and ``/update_weights_from_disk`` read (default: a private dir made on first use)."""
+        self.engine, self.key = engine, key
+        self.idle_timeout_s, self.clock = idle_timeout_s, clock
+        self.segments = SharedSegments(shm_parent)
+        self.adapters = AdapterMerger()
+        self.adapter_spec: AdapterSpec | None = None
+        self._weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self._own_weights_dir = False
+        self.current: Transfer | None = None
+        self._used: OrderedDict[str, None] = OrderedDict()  # transfer ids seen (a replayed begin is refused)
+        self._lock = threading.Lock()
+
+    # -- limits
+
+    def max_bytes(self) -> int:
+        """The most a push of this model can take: 4 bytes per element, plus alignment and headers."""
+        targets = _named_targets(self.engine.model)
+        return sum(4 * t.numel() + 64 for t in targets.values()) + (1 << 20)
+
+    def weights_dir(self) -> Path:
+        if self._weights_dir is None:
+            self._weights_dir, self._own_weights_dir = private_dir(None, "agentrl-weights-"), True
+        return self._weights_dir
+
+    def _check(self, ok: bool) -> None:
+        if not ok:
+            raise _refuse(REFUSED_UNSIGNED, code="unauthorized")
+
+    # -- the transfer
+
+    def begin(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Start a push (``body``: the signed begin); answers where to write (shm/disk), signed."""
+        self._check(body_signed_by(self.key, "begin", body))
+        transfer, transport = body.get("transfer"), body.get("transport", "http")
+        version, lora, size, manifest = body.get("weight_version"), bool(body.get("lora", False)), body.get("size"), \
+            body.get("manifest")
+        if not isinstance(transfer, str) or not 16 <= len(transfer) <= 64 or not transfer.isalnum():
+            raise _refuse("transfer must be 16-64 letters or digits (a fresh random id per push)", param="transfer")
+        if transport not in TRANSPORTS:
+            raise _refuse(f"unknown transport {transport!r}; use one of {TRANSPORTS}", param="transport")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise _refuse("weight_version must be an integer", param="weight_version")
+        if not isinstance(size, int) or not isinstance(manifest, list):
+            raise _refuse("a begin needs size (bytes) and manifest (a list)")
+        check_layout(manifest, size)
+        model = self.engine.model
+        spec = check_adapter_manifest(model, manifest, self.adapter_spec) if lora else None
+        if not lora:
+            check_full_manifest(model, manifest)
+        if size > self.max_bytes():
+            raise _refuse(f"buffer of {size} bytes is larger than the model allows", code="too_large")
+        self._check_version(version)
+        chunks: list[tuple[int, int]] = []
+        if transport == "http":
+            chunks = self._chunk_plan(body.get("chunks"), size)
+        with self._lock:
+            self._expire_idle()
+            if self.current is not None:
+                raise _refuse("another weight transfer is in progress; wait for it, or its owner aborts it "
+                              f"(it expires after {self.idle_timeout_s:g}s without a message)",
+                              code="transfer_in_progress")
+            if transfer in self._used:
+                raise _refuse("transfer id already used; every push needs a fresh one", code="transfer_reused")
+            self._used[transfer] = None
+            while len(self._used) > 1024:
+                self._used.popitem(last=False)
+            t = Transfer(transfer, transport, version, lora, manifest, size, None, chunks, adapters=spec,
+                         last_seen=self.clock())
+            self.current = t
+        try:
+            answer: dict[str, Any] = {"transfer": transfer}
+            if transport == "http":
+                t.buffer = torch.empty(max(size, 1), dtype=torch.uint8)
+                answer["chunks"] = len(chunks)
+            elif transport == "shm":
+                live = list(_named_targets(model).values())
+                seg = self.segments.lease(size, live)
+                t.buffer, t.path = seg.buffer, seg.path
+            else:
+                t.path = self.weights_dir() / f"push-{transfer}.safetensors"
+                t.path.unlink(missing_ok=True)
+            if t.path is not None:
+                answer["path"] = str(t.path)
+                answer["signature"] = signature(self.key or "", "lease", transfer, str(t.path), str(size))
+            return answer
+        except BaseException:
+            self._end(t)
+            raise
+
+    @staticmethod
+    def _chunk_plan(chunks: Any, size: int) -> list[tuple[int, int]]:
+        if not isinstance(chunks, list) or not chunks or len(chunks) > 1 << 16:
+            raise _refuse("an http begin needs chunks: [[offset, nbytes], ...] (at most 65536)")
+        plan, pos = [], 0
+        for i, c in enumerate(chunks):
+            if not (isinstance(c, list) and len(c) == 2 and all(isinstance(x, int) for x in c)):
+                raise _refuse(f"chunk {i} must be [offset, nbytes]")
+            off, nbytes = c
+            if off != pos or nbytes <= 0:
+                raise _refuse(f"chunk {i} starts at {off}, expected {pos}")
+            plan.append((off, nbytes))
+            pos += nbytes
+        if pos != size:
+            raise _refuse(f"chunks cover {pos} bytes, the buffer has {size}")
+        return plan
+
+    def _expire_idle(self) -> None:  # holds self._lock
+        cur = self.current
+        if cur is not None and not cur.committing and self.clock() - cur.last_seen > self.idle_timeout_s:
+            self._end(cur)
+
+    def _end(self, t: Transfer) -> None:
+        if self.current is t:
+            self.current = None
+        if t.transport == "disk" and t.path is not None:
+            t.path.unlink(missing_ok=True)
+        t.buffer = None
+
+    def _owned(self, transfer: str) -> Transfer:  # holds self._lock
+        self._expire_idle()
+        cur = self.current
+        if cur is None or cur.transfer != transfer or cur.committing:
+            raise _refuse("this transfer is not in progress (finished, aborted, expired or never begun); "
+                          "begin a new one", code="unknown_transfer")
+        cur.last_seen = self.clock()
+        return cur
+
+    def chunk(self, transfer: str, index: int, data: bytes, sig: str | None) -> None:
+        """Write one HTTP chunk at its offset (its HMAC checked first)."""
+        self._check(signed_by(self.key, sig, "chunk", transfer, str(index), data))
+        with self._lock:
+            cur = self._owned(transfer)
+            if cur.transport != "http" or not 0 <= index < len(cur.chunks):
+                raise _refuse(f"this transfer has {len(cur.chunks)} chunks, not index {index}")
+            off, nbytes = cur.chunks[index]
+            if len(data) != nbytes:
+                raise _refuse(f"chunk {index}: {len(data)} bytes, expected {nbytes}")
+            buffer = cur.buffer
+        assert buffer is not None
+        memoryview(buffer.numpy())[off : off + nbytes] = data
+        with self._lock:
+            if self.current is cur:
+                cur.received.add(index)
+
+    def abort(self, transfer: str, sig: str | None) -> None:
+        """End the owner's own transfer early (nothing was loaded)."""
+        self._check(signed_by(self.key, sig, "abort", transfer))
+        with self._lock:
+            self._end(self._owned(transfer))
+
+    def commit(self, transfer: str, sig: str | None, sha256: str | None = None) -> dict[str, Any]:
+        """Check everything, then swap the pushed weights in as the transfer's version."""
+        self._check(signed_by(self.key, sig, "commit", transfer, sha256 or ""))
+        with self._lock:
+            cur = self._owned(transfer)
+            if cur.transport == "http":
+                missing = sorted(set(range(len(cur.chunks))) - cur.received)
+                if missing:
+                    raise _refuse(f"transfer is missing {len(missing)} of {len(cur.chunks)} chunks "
+                                  f"(first: {missing[:5]})", code="incomplete_transfer")
+            cur.committing = True
+        try:
+            if cur.transport == "disk":
+                views = self._disk_views(cur, sha256)
+            else:
+                assert cur.buffer is not None
+                views = manifest_views(cur.buffer, cur.manifest)
+            return self._apply(views, cur.version, cur.lora, cur.adapters)
+        finally:
+            with self._lock:
+                self._end(cur)
+
+    def _disk_views(self, t: Transfer, sha256: str | None) -> list[tuple[str, torch.Tensor]]:
+        assert t.path is not None
+        files = read_inside(self.weights_dir(), t.path.name, self.max_bytes())
+        if len(files) != 1 or not sha256 or hashlib.sha256(files[0][1]).hexdigest() != sha256:
+            raise _refuse("the weights file's SHA-256 is not the one the commit signed (changed after writing?)",
+                          code="checksum_mismatch")
+        tensors = tensors_of(files)
+        if sorted((e["name"], e["dtype"], e["shape"]) for e in manifest_of(tensors)) != \
+                sorted((e["name"], e["dtype"], e["shape"]) for e in t.manifest):
+            raise _refuse("the weights file does not hold the tensors its begin named")
+        return tensors
+
+    # -- versions and disk reloads
+
+    def _check_version(self, version: int | None) -> None:
+        if version is not None and version < self.engine.version:
+            raise _refuse(f"weight version {version} is older than the served version {self.engine.version}; "
+                          "versions only increase", code="stale_version", param="weight_version")
+
+    def set_version(self, version: int, sig: str | None) -> int:
+        """``/update_weight_version``: the same weights under a newer version (the same: a no-op)."""
+        self._check(signed_by(self.key, sig, "version", str(version)))
+        if version == self.engine.version:
+            return version
+
+        def bump(_: torch.nn.Module) -> None:
+            self._check_version(version)
+
+        return self.engine.update_weights(bump, version)
+
+    def load_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``/update_weights_from_disk``: safetensors inside the weights dir, every check of a push."""
+        self._check(body_signed_by(self.key, "disk", body))
+        version, lora = body.get("weight_version"), bool(body.get("lora", False))
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise _refuse("weight_version must be an integer", param="weight_version")
+        self._check_version(version)
+        tensors = tensors_of(read_inside(self.weights_dir(), body.get("model_path"), self.max_bytes()))
+        manifest = manifest_of(tensors)
+        spec = check_adapter_manifest(self.engine.model, manifest, self.adapter_spec) if lora else None
+        if not lora:
+            check_full_manifest(self.engine.model, manifest)
+        return self._apply(tensors, version, lora, spec)
+
+    # -- the swap
+
+    def _apply(self, views: list[tuple[str, torch.Tensor]], version: int | None, lora: bool,
+               spec: AdapterSpec | None) -> dict[str, Any]:
+        check_finite(views)
+        t0 = time.perf_counter()
+        count: list[int] = []
+
+        def apply(model: torch.nn.Module) -> None:  # between two decode steps: the version is current here
+            self._check_version(version)
+            if lora:
+                count.append(self.adapters.apply(model, views))
+            else:
+                count.append(swap_in(model, views))
+                self.adapters.reset()  # new base weights: adapters merged before no longer apply
+
+        new = self.engine.update_weights(apply, version)
+        self.adapter_spec = spec if lora else None
+        return {"success": True, "weight_version": new, "num_tensors": count[0] if count else 0,
+                "seconds": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        """Remove the engine's shared-memory files and its own weights dir."""
+        self.segments.close()
+        if self._own_weights_dir and self._weights_dir is not None:
+            for p in self._weights_dir.iterdir():
+                p.unlink(missing_ok=True)
+            self._weights_dir.rmdir()
+

@@ -1,11 +1,20 @@
-"""The WeightSync protocol every transport implements, and helpers they share."""
+"""The WeightSync protocol every transport implements, and what the trainer-side transports share:
+the signed begin/commit/abort of a push (:mod:`agentrl.weights.receive` has the engine's rules)."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import secrets
+import stat
 from collections.abc import Iterable, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+import httpx
 import torch
+
+from agentrl.errors import WeightSyncError
+from agentrl.weights.manifest import sign_body, signature, signed_by
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -30,3 +39,76 @@ def url_root(url: str) -> str:
     """``http://host:port/v1`` → ``http://host:port`` (weight routes live at the root)."""
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
+
+
+def new_transfer() -> str:
+    """A fresh transfer id (engines refuse one they have seen: a push cannot be replayed)."""
+    return secrets.token_hex(16)
+
+
+def need_key(key: str | None) -> str:
+    if not key:
+        raise WeightSyncError("no API key to sign the weight push with: set AGENTRL_API_KEY to the engines' key "
+                              "(a run hands its own key to its weight sync)")
+    return key
+
+
+async def call(http: httpx.AsyncClient, method: str, url: str, **kw: Any) -> Any:
+    """One weight-route request; a refusal becomes a WeightSyncError with the engine's message."""
+    try:
+        r = await http.request(method, url, **kw)
+    except httpx.HTTPError as e:
+        raise WeightSyncError(f"{url}: {e!r}") from e
+    if r.status_code >= 400:
+        try:
+            msg = r.json()["error"]["message"]
+        except Exception:
+            msg = r.text[:300]
+        raise WeightSyncError(f"{url} → {r.status_code}: {msg}")
+    return r.json()
+
+
+async def begin(http: httpx.AsyncClient, root: str, key: str, *, transfer: str, transport: str, version: int,
+                manifest: list[dict[str, Any]], size: int, lora: bool,
+                chunks: list[list[int]] | None = None) -> dict[str, Any]:
+    """Open a transfer on one engine; a place to write (shm, disk) must come back signed."""
+    body: dict[str, Any] = {"transfer": transfer, "transport": transport, "weight_version": version,
+                            "size": size, "manifest": manifest, "lora": lora}
+    if chunks is not None:
+        body["chunks"] = chunks
+    answer = await call(http, "POST", root + "/weights/begin", json=sign_body(key, "begin", body))
+    if "path" in answer and not signed_by(key, answer.get("signature"), "lease", transfer, str(answer["path"]),
+                                           str(size)):
+        raise WeightSyncError(f"{root}: the engine's answer to a weight push is not signed with the run's key "
+                              "(another process on its port?); nothing was written")
+    return answer
+
+
+async def commit(http: httpx.AsyncClient, root: str, key: str, transfer: str, sha256: str | None = None) -> Any:
+    body: dict[str, Any] = {"transfer": transfer, "signature": signature(key, "commit", transfer, sha256 or "")}
+    if sha256 is not None:
+        body["sha256"] = sha256
+    return await call(http, "POST", root + "/weights/commit", json=body)
+
+
+async def abort(http: httpx.AsyncClient, root: str, key: str, transfer: str) -> None:
+    """End our own transfer (best effort: a dead engine's transfer expires by itself)."""
+    try:
+        await http.post(root + "/weights/abort", json={"transfer": transfer,
+                                                        "signature": signature(key, "abort", transfer)}, timeout=5.0)
+    except httpx.HTTPError:
+        pass
+
+
+def map_segment(path: str, size: int) -> torch.Tensor:
+    """The engine's shared-memory segment, mapped for writing (uint8).  Only a regular file of
+    exactly ``size`` bytes owned by this user is mapped: the trainer never grows or follows a link."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != size:
+            raise WeightSyncError(f"the engine's shared-memory segment {path} is not a {size}-byte file of this user")
+        mapping = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8)

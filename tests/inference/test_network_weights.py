@@ -8,49 +8,94 @@ to them over HTTP only (no shared file: the engine never opens a path the traine
 from __future__ import annotations
 
 import asyncio
-import glob
-import os
 import socket
-import zlib
 
 import httpx
 import pytest
 import torch
 from testkit import perturbed_state
+from transformers import AutoModelForCausalLM
 
+from agentrl.auth import auth_headers
 from agentrl.errors import RequestError, WeightSyncError
 from agentrl.inference import start_embedded_engine
 from agentrl.weights import make_weight_sync
-from agentrl.weights.network import ChunkReceiver, HttpWeightSync, chunk_plan
+from agentrl.weights.manifest import layout, sign_body, signature
+from agentrl.weights.network import HttpWeightSync, chunk_plan
+from agentrl.weights.receive import WeightReceiver
+
+KEY = "arl-network-test-key"
 
 # ----------------------------------------------------------------------------- the receiver alone
 
 
-def _plan(data: bytes, bucket: int) -> list[list[int]]:
-    return [[o, n, zlib.crc32(data[o : o + n])] for o, n in chunk_plan(len(data), bucket)]
+class StubEngine:
+    """What the receiver needs of an engine, as strict as the real one's update_weights (the real
+    engine runs the same receiver in the tests below)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.version = model, 0
+
+    def update_weights(self, apply, version=None) -> int:
+        with torch.no_grad():
+            apply(self.model)
+        self.version = self.version + 1 if version is None else int(version)
+        return self.version
 
 
-def test_receiver_checks_every_chunk_and_the_transfer():
-    """Catches: a corrupted chunk loaded, a transfer committed with a chunk missing, a chunk of an
-    older push written into a newer one, a chunk plan with a gap."""
-    data = bytes(range(256)) * 4  # 1024 bytes: one float32 tensor of 256
-    manifest = [{"name": "w", "dtype": "float32", "shape": [256], "offset": 0}]
-    rx = ChunkReceiver()
-    rx.begin("t1", len(data), manifest, _plan(data, 300), 3, False)
-    with pytest.raises(RequestError, match="CRC-32"):
-        rx.chunk("t1", 0, b"\xff" + data[1:300])
-    rx.chunk("t1", 0, data[:300])
-    with pytest.raises(RequestError, match="missing 3 of 4"):
-        rx.take("t1")
-    rx.begin("t2", len(data), manifest, _plan(data, 512), 4, False)  # a new push replaces t1
+def _begin(rx, transfer, data, manifest, bucket, version, key=KEY):
+    body = {"transfer": transfer, "transport": "http", "weight_version": version, "size": len(data),
+            "manifest": manifest, "lora": False, "chunks": [[o, n] for o, n in chunk_plan(len(data), bucket)]}
+    return rx.begin(sign_body(key, "begin", body))
+
+
+def _chunk(rx, transfer, i, piece, key=KEY):
+    rx.chunk(transfer, i, piece, signature(key, "chunk", transfer, str(i), piece))
+
+
+def test_receiver_checks_every_chunk_and_the_transfer(tmp_path):
+    """Catches: a forged or corrupted chunk loaded, a transfer committed with a chunk missing, a
+    chunk of one push written into another, a stray begin replacing the transfer in progress, a
+    transfer that never finishes holding the engine forever, a replayed transfer id."""
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2))
+    state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    manifest, size = layout(list(state.items()))
+    data = bytearray(size)
+    for e, t in zip(manifest, state.values(), strict=True):
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        data[e["offset"] : e["offset"] + len(raw)] = raw
+    data = bytes(data)
+    bucket = size // 3 + 1
+    now = [0.0]
+    rx = WeightReceiver(StubEngine(model), KEY, idle_timeout_s=60, clock=lambda: now[0])
+    _begin(rx, "t1" * 8, data, manifest, bucket, 3)
+    with pytest.raises(RequestError, match="signature"):  # flipped byte: the HMAC no longer matches
+        rx.chunk("t1" * 8, 0, b"\xff" + data[1:bucket], signature(KEY, "chunk", "t1" * 8, "0", data[:bucket]))
+    with pytest.raises(RequestError, match="signature"):
+        _chunk(rx, "t1" * 8, 0, data[:bucket], key="someone-else")
+    _chunk(rx, "t1" * 8, 0, data[:bucket])
+    with pytest.raises(RequestError, match="missing 2 of 3"):
+        rx.commit("t1" * 8, signature(KEY, "commit", "t1" * 8, ""))
+    with pytest.raises(RequestError, match="in progress") as stray:  # a signed begin of another push waits
+        _begin(rx, "t2" * 8, data, manifest, bucket, 4)
+    assert stray.value.code == "transfer_in_progress"
+    with pytest.raises(RequestError, match="signature"):  # only the owner aborts
+        rx.abort("t1" * 8, "0" * 64)
+    now[0] += 61  # the owner went quiet: its transfer expires, a new one may begin
+    _begin(rx, "t2" * 8, data, manifest, bucket, 4)
     with pytest.raises(RequestError, match="not in progress"):
-        rx.chunk("t1", 1, data[300:600])
-    rx.chunk("t2", 1, data[512:])
-    rx.chunk("t2", 0, data[:512])
-    done = rx.take("t2")
-    assert done.version == 4 and bytes(done.buffer.numpy()) == data
-    with pytest.raises(RequestError, match="expected 300"):
-        rx.begin("t3", len(data), manifest, [[0, 300, 0], [400, 624, 0]], 5, False)
+        _chunk(rx, "t1" * 8, 1, data[bucket : 2 * bucket])
+    for i, (o, n) in enumerate(chunk_plan(size, bucket)):
+        _chunk(rx, "t2" * 8, i, data[o : o + n])
+    assert rx.commit("t2" * 8, signature(KEY, "commit", "t2" * 8, ""))["weight_version"] == 4
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, state[name]), name
+    with pytest.raises(RequestError, match="already used"):  # a recorded push cannot be replayed
+        _begin(rx, "t2" * 8, data, manifest, bucket, 5)
+    with pytest.raises(RequestError, match="starts at"):
+        rx.begin(sign_body(KEY, "begin", {"transfer": "t3" * 8, "transport": "http", "weight_version": 5,
+                                          "size": size, "manifest": manifest, "lora": False,
+                                          "chunks": [[0, 300], [400, size - 400]]}))
 
 
 # ----------------------------------------------------------------------------- real engines over HTTP
@@ -62,9 +107,6 @@ async def _greedy_and_version(http: httpx.AsyncClient, eng, prompt: list[int]) -
     r = (await http.post(eng.base_url + "/completions", json=body)).json()
     version = (await http.get(eng.root_url + "/get_weight_version")).json()["weight_version"]
     return r["choices"][0]["token_ids"], version
-
-
-KEY = "arl-test-network-weights"  # both engines share the run's key
 
 
 def _hung_server() -> tuple[socket.socket, str]:
@@ -80,7 +122,7 @@ def test_http_push_reaches_each_engine_on_its_own(tmp_path, small_model):
     """Two engines with separate temp roots get the weights over HTTP only; a hung engine times
     out without holding the others back; an engine that was down rejoins at the current version.
 
-    Catches: a push that goes through a file (a shm/disk file appears), weights that arrive
+    Catches: a push that goes through a file (a disk file appears in an engine's temp root), weights that arrive
     corrupted or misplaced (greedy tokens differ from the pushed model's), a version not applied,
     one slow engine failing the whole push, an engine left behind for good."""
     model = small_model
@@ -88,7 +130,7 @@ def test_http_push_reaches_each_engine_on_its_own(tmp_path, small_model):
     for r in roots:
         r.mkdir()
     engines = [start_embedded_engine(model, max_batch_size=4, max_model_len=64, device="cpu",
-                                     env={"TMPDIR": str(r), "OMP_NUM_THREADS": "1"}, api_key=KEY) for r in roots]
+                                     env={"TMPDIR": str(r), "OMP_NUM_THREADS": "1", "AGENTRL_API_KEY": KEY}) for r in roots]
     hung, hung_url = _hung_server()
     prompt = [1, 40, 41, 42]
     try:
@@ -96,7 +138,7 @@ def test_http_push_reaches_each_engine_on_its_own(tmp_path, small_model):
             sync = make_weight_sync([e.base_url for e in engines] + [hung_url], "http", local_urls=[],
                                     bucket_mb=0.0625, timeout=4.0, api_key=KEY)
             assert isinstance(sync, HttpWeightSync) and not sync.local
-            async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as http:
+            async with httpx.AsyncClient(timeout=30, headers=auth_headers(KEY)) as http:
                 state, ref = perturbed_state(model, seed=1)
                 await sync.push(state, version=1)
                 assert [r.ok for r in sync.results] == [True, True, False]
@@ -121,13 +163,12 @@ def test_http_push_reaches_each_engine_on_its_own(tmp_path, small_model):
                     assert await _greedy_and_version(http, eng, prompt) == (expect3, 3)
             await sync.close()
             # no engine at all: the push says so, naming each engine's cause
-            dead = make_weight_sync([hung_url], "http", local_urls=[], timeout=1.0)
+            dead = make_weight_sync([hung_url], "http", local_urls=[], timeout=1.0, api_key=KEY)
             with pytest.raises(WeightSyncError, match="reached no engine.*timed out"):
                 await dead.push(state3, version=4)
             await dead.close()
 
         asyncio.run(scenario())
-        assert not glob.glob(f"/dev/shm/agentrl-weights-{os.getpid()}-*"), "the http push wrote a shared file"
         for r in roots:
             assert not list(r.iterdir()), f"an engine wrote into its temp root {r}"
     finally:

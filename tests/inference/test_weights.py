@@ -10,15 +10,24 @@ import pytest
 import torch
 from testkit import perturbed_state
 
+from agentrl.auth import auth_headers
 from agentrl.inference import start_embedded_engine
 from agentrl.weights import WeightSync, WeightSyncError, make_weight_sync
+
+KEY = "arl-weights-test-key"  # the engine's key: every push is signed with it
 
 
 @pytest.fixture(scope="module")
 def wengine(model_dir):
     """An engine of its own: these tests change its weights."""
-    with start_embedded_engine(model_dir, max_batch_size=8, max_model_len=256, device="cpu") as eng:
+    with start_embedded_engine(model_dir, max_batch_size=8, max_model_len=256, device="cpu",
+                               env={"AGENTRL_API_KEY": KEY}) as eng:
         yield eng
+
+
+def control() -> httpx.AsyncClient:
+    """A client of the engine's control routes (they need its key)."""
+    return httpx.AsyncClient(headers=auth_headers(KEY))
 
 
 async def greedy(ac, eng, prompt, n_tokens):
@@ -30,16 +39,16 @@ async def greedy(ac, eng, prompt, n_tokens):
 
 
 async def wait_for_tokens(eng, at_least: int) -> None:
-    async with httpx.AsyncClient(headers=eng.headers) as http:
+    async with control() as http:
         while (await http.get(eng.root_url + "/metrics")).json()["total_generated_tokens"] < at_least:
             await asyncio.sleep(0.005)
 
 
 @pytest.mark.parametrize("transport", ["shm", "disk"])
 async def test_update_during_inflight_requests(wengine, model_dir, transport):
-    sync = make_weight_sync(wengine.base_url, transport, api_key=wengine.api_key)
+    sync = make_weight_sync(wengine.base_url, transport, api_key=KEY)
     assert isinstance(sync, WeightSync)
-    async with openai.AsyncOpenAI(base_url=wengine.base_url, api_key="x", max_retries=0) as ac, httpx.AsyncClient(headers=wengine.headers) as http:
+    async with openai.AsyncOpenAI(base_url=wengine.base_url, api_key=KEY, max_retries=0) as ac, control() as http:
         v0 = (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"]
         prompt = [1, 40, 41, 42]
         before = await greedy(ac, wengine, prompt, 16)
@@ -73,8 +82,8 @@ async def test_update_during_inflight_requests(wengine, model_dir, transport):
 
 
 async def test_bad_push_is_refused_and_engine_keeps_serving(wengine):
-    sync = make_weight_sync(wengine.root_url, "shm", api_key=wengine.api_key)
-    async with httpx.AsyncClient(headers=wengine.headers) as http:
+    sync = make_weight_sync(wengine.root_url, "shm", api_key=KEY)
+    async with control() as http:
         v = (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"]
         with pytest.raises(WeightSyncError, match="unknown weight name"):
             await sync.push({"not.a.weight": torch.zeros(3)}, version=v + 1)
@@ -83,12 +92,12 @@ async def test_bad_push_is_refused_and_engine_keeps_serving(wengine):
         assert (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"] == v
         assert not (await http.get(wengine.root_url + "/is_paused")).json()["is_paused"]
     await sync.close()
-    async with openai.AsyncOpenAI(base_url=wengine.base_url, api_key="x", max_retries=0) as ac:
+    async with openai.AsyncOpenAI(base_url=wengine.base_url, api_key=KEY, max_retries=0) as ac:
         assert len((await greedy(ac, wengine, [1, 2, 3], 5)).token_ids) == 5
 
 
 async def test_pause_holds_generation_until_resume(wengine):
-    async with httpx.AsyncClient(headers=wengine.headers) as http, openai.AsyncOpenAI(base_url=wengine.base_url, api_key="x") as ac:
+    async with control() as http, openai.AsyncOpenAI(base_url=wengine.base_url, api_key=KEY) as ac:
         assert (await http.post(wengine.root_url + "/pause")).json() == {"is_paused": True}
         assert (await http.get(wengine.root_url + "/is_paused")).json()["is_paused"]
         before = (await http.get(wengine.root_url + "/metrics")).json()["total_generated_tokens"]
@@ -106,8 +115,8 @@ async def test_pause_holds_generation_until_resume(wengine):
 @pytest.mark.parametrize("transport", ["shm", "disk"])
 async def test_adapter_only_push_is_merged_by_the_engine(wengine, model_dir, transport):
     """lora=True sends only LoRA factors; the engine serves exactly W0 + B·A, push after push."""
-    sync = make_weight_sync(wengine.base_url, transport, api_key=wengine.api_key)
-    async with httpx.AsyncClient(headers=wengine.headers) as http, openai.AsyncOpenAI(base_url=wengine.base_url, api_key="x") as ac:
+    sync = make_weight_sync(wengine.base_url, transport, api_key=KEY)
+    async with control() as http, openai.AsyncOpenAI(base_url=wengine.base_url, api_key=KEY) as ac:
         v = (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"]
         base_state, ref = perturbed_state(model_dir, seed=100)
         await sync.push(base_state, version=v + 1)  # a known base W0 (a full push resets adapters)
@@ -143,10 +152,10 @@ async def test_a_push_that_fails_on_one_engine_leaves_no_engine_paused(wengine):
     s.bind(("127.0.0.1", 0))
     dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     s.close()
-    sync = make_weight_sync([wengine.root_url, dead], "shm", api_key=wengine.api_key)
-    async with httpx.AsyncClient(headers=wengine.headers) as http:
+    sync = make_weight_sync([wengine.root_url, dead], "shm", api_key=KEY)
+    async with control() as http:
         v = (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"]
-        with pytest.raises(WeightSyncError, match="/pause"):
+        with pytest.raises(WeightSyncError, match="weights/begin"):
             await sync.push({"model.norm.weight": torch.ones(64)}, version=v + 1)
         assert not (await http.get(wengine.root_url + "/is_paused")).json()["is_paused"]
         assert (await http.get(wengine.root_url + "/get_weight_version")).json()["weight_version"] == v
