@@ -4,10 +4,10 @@ Builds a tiny-architecture model of a chosen size (default ~34M parameters, 134 
 starts the embedded engine on it, and times, in the same run:
 
 - baseline: ``model.load_state_dict(new_state)`` inside the trainer process;
-- ``shm`` push: WeightSync pause → copy into the /dev/shm buffer → update route → resume;
-- ``disk`` push: safetensors file + ``/update_weights_from_disk`` (for context);
+- ``shm`` push: copy into the engine's /dev/shm segment → pause → signed commit → resume;
+- ``disk`` push: a safetensors file in the engine's weights dir (for context);
 - LoRA (``--lora-rank``, 0 = skip): an adapter-only push (A and B of every adapted
-  matrix, merged by the engine) vs pushing the merged adapted matrices, both over shm.
+  matrix, merged by the engine) vs pushing the merged weights, both over shm.
 
 Medians over ``--reps`` pushes (the first shm push maps the buffer and is reported
 separately).  A greedy completion after the last push is checked against the pushed
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -28,6 +29,7 @@ import openai
 import torch
 from transformers import AutoModelForCausalLM
 
+from agentrl.auth import KEY_ENV, new_key
 from agentrl.inference import start_embedded_engine
 from agentrl.tiny_model import build_tiny_model
 from agentrl.weights import make_weight_sync
@@ -39,11 +41,12 @@ def new_states(model, reps: int) -> list[dict[str, torch.Tensor]]:
 
 
 def lora_factors(model, rank: int, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Random factors for every matrix a LoRA trainer adapts, and the merged matrices."""
+    """Random factors for every matrix a LoRA trainer adapts, and the merged weights (every tensor:
+    an engine refuses a push of only some)."""
     from agentrl.trainer.trainer import LORA_TARGETS
 
     g = torch.Generator().manual_seed(seed)
-    factors, merged = {}, {}
+    factors, merged = {}, dict(model.state_dict())
     for name, w in model.state_dict().items():
         module = name.removesuffix(".weight")
         if w.dim() == 2 and module.rsplit(".", 1)[-1] in LORA_TARGETS:
@@ -62,6 +65,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--lora-rank", type=int, default=16)
     args = ap.parse_args()
+    os.environ.setdefault(KEY_ENV, new_key())  # the engine's key; the weight syncs sign with it
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = build_tiny_model(Path(tmp.name) / "m", layers=args.layers, hidden=args.hidden, heads=args.heads)
@@ -81,8 +85,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 model.load_state_dict(sd)
                 base.append(time.perf_counter() - t0)
-                shm_t.append(await shm.push(sd, 2 + i))
-                disk_t.append(await disk.push(sd, 2 + args.reps + i))
+                shm_t.append(await shm.push(sd, 2 + 2 * i))  # versions only increase
+                disk_t.append(await disk.push(sd, 3 + 2 * i))
             last = 2 + 2 * args.reps
             await shm.push(states[-1], last)
             stats = dict(shm.last_stats)
@@ -106,7 +110,7 @@ def main() -> None:
                 await adapter_sync.close()
             await shm.close()
             await disk.close()
-            async with openai.AsyncOpenAI(base_url=eng.base_url, api_key="x") as ac:
+            async with openai.AsyncOpenAI(base_url=eng.base_url, api_key=os.environ[KEY_ENV]) as ac:
                 r = await ac.completions.create(
                     model=eng.model, prompt=[1, 20, 30], max_tokens=8, temperature=0,
                     extra_body={"return_token_ids": True, "ignore_eos": True},

@@ -4,15 +4,15 @@ Builds a tiny-architecture model of ~100M parameters (default: 6 layers, hidden 
 intermediate 4096: 101M parameters, 386 MiB fp32), starts the embedded engine on it and
 times, interleaved in the same run so machine noise hits both alike:
 
-- baseline: ``weight_transport = "shm"`` (pause → one copy into /dev/shm → the engine's
-  parameters alias the mapping → resume), the same-host path;
-- ``weight_transport = "http"``: pack into a flat buffer, CRC-32 per bucket, stream the
-  buckets over loopback HTTP, the engine checks and stages them while generating, then one
+- baseline: ``weight_transport = "shm"`` (one copy into a /dev/shm segment the engine made →
+  pause → the engine's parameters alias it → resume), the same-host path;
+- ``weight_transport = "http"``: pack into a flat buffer, an HMAC-SHA256 per bucket, stream
+  the buckets over loopback HTTP, the engine checks and stages them while generating, then one
   commit between decode steps (what an engine on another host gets).
 
 Medians over ``--reps`` pushes after one warm-up push each.  After the last push a greedy
 completion is checked against the pushed weights.  Prints a table, the ratio http / shm,
-and a JSON line last.  On loopback the http path pays packing, checksums and two copies
+and a JSON line last.  On loopback the http path pays packing, signatures and two copies
 through the socket that shm avoids; across hosts it is bounded by the network instead.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -30,6 +31,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
+from agentrl.auth import KEY_ENV, auth_headers, new_key
 from agentrl.inference import start_embedded_engine
 from agentrl.tiny_model import build_tiny_model
 from agentrl.weights import make_weight_sync
@@ -38,7 +40,7 @@ from agentrl.weights import make_weight_sync
 async def _greedy(eng, prompt: list[int]) -> tuple[list[int], list[int]]:
     body = {"model": eng.model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0,
             "return_token_ids": True, "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=120, headers=auth_headers(os.environ[KEY_ENV])) as http:
         ch = (await http.post(eng.base_url + "/completions", json=body)).json()["choices"][0]
     return ch["token_ids"], ch["token_versions"]
 
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=32.0)
     args = ap.parse_args()
+    os.environ.setdefault(KEY_ENV, new_key())  # the engine's key; the weight syncs sign with it
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = build_tiny_model(Path(tmp.name) / "m", layers=args.layers, hidden=args.hidden, heads=16,
@@ -93,7 +96,7 @@ def main() -> None:
     print(f"model: {n_params / 1e6:.1f}M params, {mbytes:.0f} MiB fp32; median of {args.reps}; "
           f"http buckets {args.bucket_mb:g} MiB ({stats['chunks']:.0f} chunks)")
     print(f"{'push, shm (same host)':30}{s * 1000:>9.1f} ms")
-    print(f"{'push, http (network)':30}{n * 1000:>9.1f} ms   (of which pack + CRC {stats['pack_s'] * 1000:.1f} ms)")
+    print(f"{'push, http (network)':30}{n * 1000:>9.1f} ms   (of which pack + HMAC {stats['pack_s'] * 1000:.1f} ms)")
     print(f"ratio http / shm = {n / s:.2f}x; throughput http {mbytes / n:.0f} MiB/s; verified: {verified}")
     print(json.dumps({
         "benchmark": "weight_transport", "params": n_params, "mib": round(mbytes, 1), "reps": args.reps,

@@ -113,6 +113,7 @@ def start_embedded_engine(
     tool_parser: str | None = None,
     api_key: str | None = None,
     allowed_hosts: tuple[str, ...] = (),
+    weights_dir: str | Path | None = None,
     **overrides: Any,
 ) -> EngineHandle:
     """Launch ``python -m agentrl.inference.server`` and wait until ``/health`` answers.
@@ -122,6 +123,8 @@ def start_embedded_engine(
     ``api_key``: the engine's key (every route but /health needs it); without one (and no
     ``AGENTRL_API_KEY``) the engine makes its own, guarding its control routes: ``handle.api_key``.
     ``allowed_hosts``: Host names it serves besides loopback names and IP literals.
+    ``weights_dir``: the one dir its disk weight pushes and ``/update_weights_from_disk`` read
+    (default: a private dir of the engine's own).
     """
     args = dataclasses.replace(args or EngineArgs(), **overrides)
     model_dir = Path(model_dir)
@@ -135,6 +138,7 @@ def start_embedded_engine(
         "--host", host, "--port", str(port), *args.cli_args(), "--served-model-name", name,
         "--port-file", str(port_file), "--parent-pid", str(os.getpid()),
         "--tool-call-parser", tool_parser or "auto", "--key-file", str(key_file),
+        *(["--weights-dir", str(weights_dir)] if weights_dir is not None else []),
     ]  # fmt: skip
     if allowed_hosts:
         cmd += ["--allowed-hosts", ",".join(allowed_hosts)]
@@ -168,7 +172,7 @@ def start_embedded_engine(
     handle._relaunch = lambda on_port: start_embedded_engine(  # the same key: the run's clients keep theirs
         model_dir, args, port=on_port, host=host, served_model_name=served_model_name,
         startup_timeout=startup_timeout, env=env, tool_parser=tool_parser, api_key=handle.api_key,
-        allowed_hosts=allowed_hosts,
+        allowed_hosts=allowed_hosts, weights_dir=weights_dir,
     )
     return handle
 

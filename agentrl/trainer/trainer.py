@@ -343,13 +343,18 @@ class Trainer:
 
     @torch.no_grad()
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """Weights to push, named as in the plain HF model (CPU, contiguous)."""
+        """Weights to push: every tensor of the plain HF model (CPU, contiguous), LoRA merged into
+        the adapted matrices (engines refuse a push that names only some of their tensors)."""
         if not self.lora:
             return {k: v.detach().to("cpu").contiguous() for k, v in self.model.state_dict().items()}
-        return {
-            name + ".weight": (base + b @ a * scale).to("cpu").contiguous()
-            for name, base, a, b, scale in self._adapted_modules()
-        }
+        merged = {name + ".weight": base + b @ a * scale for name, base, a, b, scale in self._adapted_modules()}
+        out = {}
+        for k, v in self.model.state_dict().items():
+            if ".lora_" in k:
+                continue
+            name = _hf_name(k.replace(".base_layer.", "."))
+            out[name] = merged.get(name, v).detach().to("cpu").contiguous()
+        return out
 
     @torch.no_grad()
     def adapter_tensors(self) -> dict[str, torch.Tensor]:

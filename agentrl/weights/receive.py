@@ -283,8 +283,10 @@ def read_inside(root: Path, model_path: str, max_bytes: int) -> list[tuple[str, 
                       param="model_path")
     if not isinstance(model_path, str) or not model_path or "\x00" in model_path:
         raise outside
-    root = Path(os.path.abspath(root))
+    given, root = Path(os.path.abspath(root)), Path(os.path.realpath(root))
     target = Path(os.path.normpath(os.path.join(root, model_path)))
+    if os.path.isabs(model_path) and (target == given or given in target.parents):
+        target = root / target.relative_to(given)  # the dir as named, not as resolved
     if target != root and root not in target.parents:
         raise outside
     if os.path.realpath(target) != str(target):  # a symlink somewhere on the way: it may point out
