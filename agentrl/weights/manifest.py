@@ -62,6 +62,8 @@ def check_layout(manifest: list[dict[str, Any]], size: int) -> None:
     for i, entry in enumerate(manifest):
         if not isinstance(entry, dict) or set(entry) != {"name", "dtype", "shape", "offset"}:
             raise RequestError(f"manifest entry {i} must have exactly name, dtype, shape, offset")
+        if not isinstance(entry["name"], str) or not entry["name"]:
+            raise RequestError(f"manifest entry {i}: name must be a non-empty string")
         dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
         shape = entry["shape"]
         if dtype is None:

@@ -407,7 +407,7 @@ class WeightReceiver:
         transfer, transport = body.get("transfer"), body.get("transport", "http")
         version, lora, size, manifest = body.get("weight_version"), bool(body.get("lora", False)), body.get("size"), \
             body.get("manifest")
-        if not isinstance(transfer, str) or not 16 <= len(transfer) <= 64 or not transfer.isalnum():
+        if not isinstance(transfer, str) or not 16 <= len(transfer) <= 64 or not (transfer.isascii() and transfer.isalnum()):
             raise _refuse("transfer must be 16-64 letters or digits (a fresh random id per push)", param="transfer")
         if transport not in TRANSPORTS:
             raise _refuse(f"unknown transport {transport!r}; use one of {TRANSPORTS}", param="transport")
