@@ -100,6 +100,9 @@ def weight_routes(app: FastAPI, srv: EngineServer, key: str | None, weights_dir:
 
     @app.put("/weights/chunk")
     async def chunk(transfer: str, index: int, http: Request):
+        declared = http.headers.get("content-length", "")
+        if not declared.isdigit() or int(declared) > rx.max_bytes():  # never read more than a model's worth
+            raise APIError(413, "a chunk needs a Content-Length no larger than the model", code="too_large")
         await call(rx.chunk, transfer, index, await http.body(), http.headers.get(SIGNATURE_HEADER))
         return {"transfer": transfer, "index": index}
 

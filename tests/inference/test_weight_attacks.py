@@ -302,3 +302,38 @@ def test_disk_route_refuses_outside_paths_alike(target, model_dir, tmp_path):
             assert r.status_code == 200 and r.json()["weight_version"] == v + 2, r.text
 
     asyncio.run(attack())
+
+
+def test_adapter_push_must_match_the_adapters_served(target, model_dir):
+    """The one partial push allowed is LoRA factors (``lora=True``): pairs that fit the model's
+    matrices, at one rank no larger than the matrix, for the same modules every time until a
+    full push resets them (a push adapting fewer modules would leave stale merges behind)."""
+    modules = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    base, _ = perturbed_state(model_dir, seed=21)
+
+    def factors(mods: list[str], rank: int) -> dict[str, torch.Tensor]:
+        g, out = torch.Generator().manual_seed(rank), {}
+        for m in mods:
+            out_f, in_f = base[m + ".weight"].shape
+            out[m + ".lora_A"], out[m + ".lora_B"] = torch.randn(rank, in_f, generator=g), torch.randn(out_f, rank, generator=g)
+        return out
+
+    async def attack() -> None:
+        sync = make_weight_sync(target.base_url, "shm", api_key=KEY)
+        async with control() as http:
+            v = (await served(http, target))[0]
+            await sync.push(base, version=v + 1)
+            await sync.push(factors(modules, 4), version=v + 2, lora=True)
+            before = await served(http, target)
+            for bad, why in ((factors(modules[:1], 4), "does not match the adapters"),
+                             (factors(modules, 8), "does not match the adapters"),
+                             (factors(modules, 65), "do not fit")):
+                with pytest.raises(WeightSyncError, match=why):
+                    await sync.push(bad, version=v + 3, lora=True)
+                assert await served(http, target) == before
+            await sync.push(base, version=v + 3)  # a full push resets the adapters
+            await sync.push(factors(modules[:1], 8), version=v + 4, lora=True)
+            assert (await served(http, target))[0] == v + 4
+        await sync.close()
+
+    asyncio.run(attack())
