@@ -90,37 +90,6 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-class DiskWeightsRequest(_Body):
-    model_path: str
-    weight_version: int | None = None
-    lora: bool = False  # the tensors are LoRA factors to merge (agentrl.inference.lora)
-
-
-class ShmWeightsRequest(_Body):
-    path: str
-    size: int = Field(ge=0)
-    manifest: list[dict[str, Any]]
-    weight_version: int | None = None
-    lora: bool = False
-
-
-class NetworkWeightsRequest(_Body):
-    transfer: str
-    size: int = Field(ge=0)
-    manifest: list[dict[str, Any]]
-    chunks: list[list[int]]  # [offset, nbytes, crc32] per chunk
-    weight_version: int | None = None
-    lora: bool = False
-
-
-class CommitWeightsRequest(_Body):
-    transfer: str
-
-
-class VersionRequest(_Body):
-    weight_version: int
-
-
 # ----------------------------------------------------------------------------- errors
 
 
