@@ -20,6 +20,7 @@ from agentrl.inference import PolicyClient  # noqa: E402
 from agentrl.plugins import load_environment  # noqa: E402
 from agentrl.rollout import TaskSampler  # noqa: E402
 from agentrl.types import SamplingParams  # noqa: E402
+from agentrl.weights.manifest import signature  # noqa: E402
 
 pytestmark = pytest.mark.slow
 G, B, STEPS = 4, 2, 6
@@ -83,7 +84,8 @@ def test_two_rollout_workers_share_one_buffer_and_a_dead_one_is_restarted(tmp_pa
 def _tag_version(urls: list[str], version: int, key: str) -> None:
     for url in urls:
         root = url.removesuffix("/v1")
-        req = urllib.request.Request(f"{root}/update_weight_version", data=json.dumps({"weight_version": version}).encode(),
+        body = {"weight_version": version, "signature": signature(key, "version", str(version))}  # pushes are signed
+        req = urllib.request.Request(f"{root}/update_weight_version", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})  # fmt: skip
         urllib.request.urlopen(req, timeout=30).close()
 

@@ -111,8 +111,12 @@ async def test_a_weight_push_needs_the_key(engine, hf_model, monkeypatch):
     version = httpx.get(engine.root_url + "/get_weight_version", headers=engine.headers).json()["weight_version"]
     stranger = make_weight_sync(engine.base_url, "shm")
     try:
-        with pytest.raises(WeightSyncError, match="401"):
+        with pytest.raises(WeightSyncError, match="no API key to sign"):  # refused before it sends
             await stranger.push(tensors, version + 1)
+        forger = make_weight_sync(engine.base_url, "shm", api_key="arl-not-the-key")
+        with pytest.raises(WeightSyncError, match="401"):
+            await forger.push(tensors, version + 1)
+        await forger.close()
     finally:
         await stranger.close()
     assert httpx.get(engine.root_url + "/get_weight_version", headers=engine.headers).json()["weight_version"] == version

@@ -53,11 +53,11 @@ def _chunk(rx, transfer, i, piece, key=KEY):
     rx.chunk(transfer, i, piece, signature(key, "chunk", transfer, str(i), piece))
 
 
-def test_receiver_checks_every_chunk_and_the_transfer(tmp_path):
+def test_receiver_checks_every_chunk_and_the_transfer(small_model):
     """Catches: a forged or corrupted chunk loaded, a transfer committed with a chunk missing, a
     chunk of one push written into another, a stray begin replacing the transfer in progress, a
     transfer that never finishes holding the engine forever, a replayed transfer id."""
-    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "tiny", layers=1, hidden=32, heads=2))
+    model = AutoModelForCausalLM.from_pretrained(small_model)
     state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
     manifest, size = layout(list(state.items()))
     data = bytearray(size)
