@@ -80,6 +80,7 @@ class HttpWeightSync:
         from agentrl.weights.push import EmbeddedWeightSync
 
         self.api_key = api_key or client_key()
+        self.session = wire.new_transfer()  # versions never decrease within it (engines check)
         # one shm sync per local engine: a failure there stays that engine's
         self.local = {r: EmbeddedWeightSync(r, "shm", timeout=timeout, api_key=self.api_key)
                       for r in self.roots if r in local}
@@ -150,7 +151,8 @@ class HttpWeightSync:
                          version: int, lora: bool) -> None:
         http = self._client()
         await wire.begin(http, root, key, transfer=transfer, transport="http", version=version,
-                         manifest=self._manifest, size=size, lora=lora, chunks=[[o, n] for o, n, _ in chunks])
+                         manifest=self._manifest, size=size, lora=lora, session=self.session,
+                         chunks=[[o, n] for o, n, _ in chunks])
         try:
             assert self._buf is not None
             data, window = memoryview(self._buf.numpy()), asyncio.Semaphore(self.in_flight_chunks)

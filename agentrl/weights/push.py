@@ -64,6 +64,7 @@ class EmbeddedWeightSync:
         self.transport = transport
         self.timeout = timeout
         self.api_key = api_key or client_key()
+        self.session = wire.new_transfer()  # versions never decrease within it (engines check)
         self._maps: dict[str, torch.Tensor] = {}  # segment path -> our mapping of it
         self.last_stats: dict[str, float] = {}
         self._http: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
@@ -89,7 +90,7 @@ class EmbeddedWeightSync:
 
         async def stage(root: str) -> None:  # begin, then write where the engine says
             answer = await wire.begin(http, root, key, transfer=transfer, transport=self.transport,
-                                      version=version, manifest=manifest, size=size, lora=lora)
+                                      version=version, manifest=manifest, size=size, lora=lora, session=self.session)
             begun.append(root)
             if self.transport == "shm":
                 await asyncio.to_thread(self._write_shm, answer["path"], size, items, manifest)

@@ -28,9 +28,11 @@
 - **Checked before the swap.** NaN/Inf anywhere refuses the push; every check runs before any
   weight changes, so a refused push leaves the served weights and the version as they were.
 - **Versions only increase.** A push or ``/update_weight_version`` to a lower version is
-  refused (409).  The same version is accepted: a push repeated after a partial failure, or to
-  an engine restarted under a run, carries the version the other engines already have (the
-  weights are the trainer's same state), and a version bump to the current version is a no-op.
+  refused (409), a negative one always.  The same version is accepted: a push repeated after a
+  partial failure, or to an engine restarted under a run, carries the version the other engines
+  already have (the weights are the trainer's same state), and a version bump to the current
+  version is a no-op.  The order is per trainer session (a random id each weight sync signs
+  into its begins): a new run against a running engine starts its own sequence at its step 1.
 
 Shared-memory double buffering: a CPU engine whose dtypes match points its parameters at the
 pushed buffer (no copy); the next push is handed another segment, never one the live weights
@@ -83,6 +85,11 @@ class Engine(Protocol):  # what the receiver needs of agentrl.inference.engine.E
 
 def _refuse(message: str, code: str = "invalid_request", param: str | None = None) -> RequestError:
     return RequestError(message, code=code, param=param)
+
+
+def _is_id(value: Any, min_len: int = 8) -> bool:
+    """A random id as the trainer makes them: ASCII letters or digits, ``min_len``-64 long."""
+    return isinstance(value, str) and min_len <= len(value) <= 64 and value.isascii() and value.isalnum()
 
 
 # ----------------------------------------------------------------------------- what fits the model
@@ -364,6 +371,7 @@ class Transfer:
     received: set[int] = field(default_factory=set)
     path: Path | None = None  # where the trainer writes (shm segment, disk file)
     adapters: AdapterSpec | None = None
+    session: str | None = None  # the pushing trainer's (versions never decrease within one)
     last_seen: float = 0.0
     committing: bool = False
 
@@ -381,6 +389,7 @@ class WeightReceiver:
         self.segments = SharedSegments(shm_parent)
         self.adapters = AdapterMerger()
         self.adapter_spec: AdapterSpec | None = None
+        self.session: str | None = None  # the session of the last push loaded
         self._weights_dir = Path(weights_dir) if weights_dir is not None else None
         self._own_weights_dir = False
         self.current: Transfer | None = None
@@ -414,8 +423,11 @@ class WeightReceiver:
         transfer, transport = body.get("transfer"), body.get("transport", "http")
         version, lora, size, manifest = body.get("weight_version"), bool(body.get("lora", False)), body.get("size"), \
             body.get("manifest")
-        if not isinstance(transfer, str) or not 16 <= len(transfer) <= 64 or not (transfer.isascii() and transfer.isalnum()):
+        if not _is_id(transfer, 16):
             raise _refuse("transfer must be 16-64 letters or digits (a fresh random id per push)", param="transfer")
+        session = body.get("session")
+        if session is not None and not _is_id(session):
+            raise _refuse("session must be 8-64 letters or digits", param="session")
         if transport not in TRANSPORTS:
             raise _refuse(f"unknown transport {transport!r}; use one of {TRANSPORTS}", param="transport")
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
@@ -429,7 +441,7 @@ class WeightReceiver:
             check_full_manifest(model, manifest)
         if size > self.max_bytes():
             raise _refuse(f"buffer of {size} bytes is larger than the model allows", code="too_large")
-        self._check_version(version)
+        self._check_version(version, session)
         chunks: list[tuple[int, int]] = []
         if transport == "http":
             chunks = self._chunk_plan(body.get("chunks"), size)
@@ -445,7 +457,7 @@ class WeightReceiver:
             while len(self._used) > 1024:
                 self._used.popitem(last=False)
             t = Transfer(transfer, transport, version, lora, manifest, size, None, chunks, adapters=spec,
-                         last_seen=self.clock())
+                         session=session, last_seen=self.clock())
             self.current = t
         try:
             answer: dict[str, Any] = {"transfer": transfer}
@@ -545,7 +557,7 @@ class WeightReceiver:
             else:
                 assert cur.buffer is not None
                 views = manifest_views(cur.buffer, cur.manifest)
-            return self._apply(views, cur.version, cur.lora, cur.adapters)
+            return self._apply(views, cur.version, cur.lora, cur.adapters, cur.session)
         finally:
             with self._lock:
                 self._end(cur)
@@ -564,8 +576,16 @@ class WeightReceiver:
 
     # -- versions and disk reloads
 
-    def _check_version(self, version: int | None) -> None:
-        if version is not None and version < self.engine.version:
+    def _check_version(self, version: int | None, session: str | None = None) -> None:
+        """Versions never go below 0 and never decrease within a trainer's session; a new session
+        (another trainer process: a new run against a running engine) starts its own sequence."""
+        if version is None:
+            return
+        if version < 0:
+            raise _refuse(f"weight version {version} is negative", code="stale_version", param="weight_version")
+        if session is not None and session != self.session:
+            return
+        if version < self.engine.version:
             raise _refuse(f"weight version {version} is older than the served version {self.engine.version}; "
                           "versions only increase", code="stale_version", param="weight_version")
 
@@ -583,27 +603,29 @@ class WeightReceiver:
     def load_disk(self, body: dict[str, Any]) -> dict[str, Any]:
         """``/update_weights_from_disk``: safetensors inside the weights dir, every check of a push."""
         self._check(body_signed_by(self.key, "disk", body))
-        version, lora = body.get("weight_version"), bool(body.get("lora", False))
+        version, lora, session = body.get("weight_version"), bool(body.get("lora", False)), body.get("session")
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise _refuse("weight_version must be an integer", param="weight_version")
-        self._check_version(version)
+        if session is not None and not _is_id(session):
+            raise _refuse("session must be 8-64 letters or digits", param="session")
+        self._check_version(version, session)
         tensors = tensors_of(read_inside(self.weights_dir(), body.get("model_path"), self.max_bytes()))
         manifest = manifest_of(tensors)
         spec = check_adapter_manifest(self.engine.model, manifest, self.adapter_spec) if lora else None
         if not lora:
             check_full_manifest(self.engine.model, manifest)
-        return self._apply(tensors, version, lora, spec)
+        return self._apply(tensors, version, lora, spec, session)
 
     # -- the swap
 
     def _apply(self, views: list[tuple[str, torch.Tensor]], version: int | None, lora: bool,
-               spec: AdapterSpec | None) -> dict[str, Any]:
+               spec: AdapterSpec | None, session: str | None = None) -> dict[str, Any]:
         check_finite(views)
         t0 = time.perf_counter()
         count: list[int] = []
 
         def apply(model: torch.nn.Module) -> None:  # between two decode steps: the version is current here
-            self._check_version(version)
+            self._check_version(version, session)
             if lora:
                 count.append(self.adapters.apply(model, views))
             else:
@@ -612,6 +634,8 @@ class WeightReceiver:
 
         new = self.engine.update_weights(apply, version)
         self.adapter_spec = spec if lora else None
+        if session is not None:
+            self.session = session
         return {"success": True, "weight_version": new, "num_tensors": count[0] if count else 0,
                 "seconds": time.perf_counter() - t0}
 

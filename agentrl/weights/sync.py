@@ -69,11 +69,12 @@ async def call(http: httpx.AsyncClient, method: str, url: str, **kw: Any) -> Any
 
 
 async def begin(http: httpx.AsyncClient, root: str, key: str, *, transfer: str, transport: str, version: int,
-                manifest: list[dict[str, Any]], size: int, lora: bool,
+                manifest: list[dict[str, Any]], size: int, lora: bool, session: str,
                 chunks: list[list[int]] | None = None) -> dict[str, Any]:
-    """Open a transfer on one engine; a place to write (shm, disk) must come back signed."""
+    """Open a transfer on one engine; a place to write (shm, disk) must come back signed.
+    ``session``: the weight sync's id (versions never decrease within one session)."""
     body: dict[str, Any] = {"transfer": transfer, "transport": transport, "weight_version": version,
-                            "size": size, "manifest": manifest, "lora": lora}
+                            "size": size, "manifest": manifest, "lora": lora, "session": session}
     if chunks is not None:
         body["chunks"] = chunks
     answer = await call(http, "POST", root + "/weights/begin", json=sign_body(key, "begin", body))

@@ -170,7 +170,8 @@ def test_partial_push_is_refused(target):
 
 def test_versions_only_increase(target, model_dir):
     """Anyone could set any weight version, even -5.  Now a lower version is refused (push or
-    bump); the same version is accepted (a repeated push after a partial failure) and changes nothing."""
+    bump) within a trainer's session, a negative one always; the same version is accepted (a
+    repeated push after a partial failure) and changes nothing; a new trainer starts its own."""
 
     async def attack() -> None:
         sync = make_weight_sync(target.base_url, "http", local_urls=[], api_key=KEY)
@@ -191,6 +192,12 @@ def test_versions_only_increase(target, model_dir):
             assert (await http.post(target.root_url + "/update_weight_version", json=same)).json()["weight_version"] == v + 3
             await sync.push(state, version=v + 3)  # a repeated push of the same version is taken
             assert await served(http, target) == before
+            fresh = make_weight_sync(target.base_url, "http", local_urls=[], api_key=KEY)  # a new run's trainer
+            await fresh.push(state, version=1)  # starts its own sequence
+            assert (await served(http, target))[0] == 1
+            with pytest.raises(WeightSyncError, match="negative"):
+                await fresh.push(state, version=-5)
+            await fresh.close()
         await sync.close()
 
     asyncio.run(attack())
