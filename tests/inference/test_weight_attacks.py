@@ -26,6 +26,7 @@ from agentrl.weights import WeightSyncError, make_weight_sync
 from agentrl.weights.manifest import layout, sign_body, signature
 from agentrl.weights.network import chunk_plan
 
+pytestmark = pytest.mark.slow  # one engine, ~20 s per attack on 2 cores (the receiver's own test stays fast)
 KEY = "arl-attack-test-key"
 PROMPT = [1, 40, 41, 42]
 
