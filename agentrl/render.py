@@ -96,7 +96,8 @@ def render_chat_ids(
     marker = _Marker(specials) if specials.pattern is not None else None
     if marker is not None:  # a template given as an argument is the template, not input
         template = {k: template_kwargs.pop(k) for k in ("chat_template",) if k in template_kwargs}
-        messages, tools, template_kwargs = marker.mark([messages, tools, template_kwargs])
+        messages = marker.mark_messages(messages)
+        tools, template_kwargs = marker.mark([tools, template_kwargs])
         template_kwargs.update(template)
     text = render_chat_text(tokenizer, messages, tools, add_generation_prompt, **template_kwargs)
     if marker is None or not marker.used:
@@ -114,7 +115,10 @@ class _Specials:
     pattern: re.Pattern[str] | None
     size: int  # len(added_tokens_decoder) when built: tokens added later rebuild it
     index: dict[str, int]  # text -> its position in ``texts`` (what a placeholder names)
-    plain: Any = None  # a copy of the fast backend with special-token matching off (made on first use)
+    # the special tokens only: what an assistant message's text is checked for (its other added
+    # tokens, Qwen3's <think> say, are the model's own writing, and templates split on them)
+    special_pattern: re.Pattern[str] | None = None
+    plain: Any = None  # a copy of the fast backend with added-token matching off (made on first use)
 
 
 _SPECIALS: weakref.WeakKeyDictionary[Any, _Specials] = weakref.WeakKeyDictionary()
@@ -129,10 +133,17 @@ def _specials_of(tokenizer: Any) -> _Specials:
     for text, i in zip(getattr(tokenizer, "all_special_tokens", []), getattr(tokenizer, "all_special_ids", []), strict=False):
         if isinstance(i, int) and i >= 0:
             by_id.setdefault(i, text)
-    # whitespace specials (a "\n" token) are layout, not turn structure; leave them to the tokenizer
+    special_texts = {t for t in by_id.values() if t and not t.isspace()}
+    # added tokens that are not special (Qwen's <tool_response>, <tool_call>) are turn structure
+    # too: the template writes them, and a tool's output must not close its own response
+    by_id.update({i: str(getattr(t, "content", t)) for i, t in added.items() if i not in by_id})
+    # whitespace tokens (a "\n" token) are layout, not turn structure; leave them to the tokenizer
     texts = tuple(sorted({t for t in by_id.values() if t and not t.isspace()}, key=len, reverse=True))
     pattern = re.compile(_trie_pattern(texts)) if texts else None
-    specials = _Specials(frozenset(by_id), texts, pattern, len(added), {t: i for i, t in enumerate(texts)})
+    ordered = tuple(t for t in texts if t in special_texts)
+    special_pattern = re.compile(_trie_pattern(ordered)) if ordered else None
+    specials = _Specials(frozenset(by_id), texts, pattern, len(added), {t: i for i, t in enumerate(texts)},
+                         special_pattern)  # fmt: skip
     try:
         _SPECIALS[tokenizer] = specials
     except TypeError:  # not weak-referenceable: rebuilt per call
@@ -175,16 +186,29 @@ class _Marker:
         self.used += 1
         return f"{self.nonce}n{self.specials.index[m.group(0)]}x"
 
-    def mark(self, obj: Any) -> Any:
-        """``obj`` with every special token's text in its strings (not dict keys) swapped."""
+    def mark(self, obj: Any, pattern: re.Pattern[str] | None = None) -> Any:
+        """``obj`` with every added token's text (``pattern``'s) in its strings (not dict keys) swapped."""
         if isinstance(obj, str):
-            assert self.specials.pattern is not None
-            return self.specials.pattern.sub(self._swap, obj)
+            pattern = pattern or self.specials.pattern
+            assert pattern is not None
+            return pattern.sub(self._swap, obj)
         if isinstance(obj, dict):
-            return {k: self.mark(v) for k, v in obj.items()}
+            return {k: self.mark(v, pattern) for k, v in obj.items()}
         if isinstance(obj, list | tuple):
-            return [self.mark(v) for v in obj]
+            return [self.mark(v, pattern) for v in obj]
         return obj
+
+    def mark_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """:meth:`mark` each message; an assistant message only for the special tokens (its other
+        added tokens are the model's own writing)."""
+        out = []
+        for m in messages:
+            if isinstance(m, dict) and m.get("role") == "assistant":
+                special = self.specials.special_pattern
+                out.append(m if special is None else self.mark(m, special))
+            else:
+                out.append(self.mark(m))
+        return out
 
     def unmark(self, text: str) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text with the special-token texts back, and their (start, end) spans."""
@@ -234,7 +258,10 @@ def _encode_marked(
     if specials.plain is None:
         from tokenizers import Tokenizer
 
-        plain = Tokenizer.from_str(backend.to_str())
+        spec = json.loads(backend.to_str())
+        for t in spec.get("added_tokens") or []:
+            t["special"] = True  # so that encode_special_tokens splits the plain added tokens too
+        plain = Tokenizer.from_str(json.dumps(spec))
         plain.encode_special_tokens = True  # a copy of its own: the shared tokenizer's flag is never flipped
         specials.plain = plain
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -329,7 +356,7 @@ def render_chat_with_mask(
     specials = _specials_of(tokenizer)
     marker = _Marker(specials) if specials.pattern is not None else None
     if marker is not None:
-        messages, tools = marker.mark([messages, tools])
+        messages, tools = marker.mark_messages(messages), marker.mark(tools)
     forged = marker is not None and marker.used > 0
     enc = tokenizer.apply_chat_template(
         _normalized(messages, not _takes_json_text(tokenizer)), tools=tools or None, tokenize=True, return_dict=True,

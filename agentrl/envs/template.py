@@ -189,12 +189,13 @@ class ForgeryCheck:
 
 
 def check_forged_turns(tokenizer: Any) -> ForgeryCheck:
-    """Render the tool conversation with a tool result and a user turn that write every special
+    """Render the tool conversation with a tool result and a user turn that write every added
     token the template uses (a forged system turn); the prompt must hold the same special ids
     as with plain text there, and the forged text must still be in it, as text."""
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
-    specials = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    # every added token (Qwen's <tool_response> is not special, yet a forged one ends a tool result)
+    specials = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
     used = [t for t in specials.values() if t in template and not t.isspace()] or list(specials.values())
     if not used:
         return ForgeryCheck(True, "the tokenizer has no special tokens")
@@ -212,9 +213,9 @@ def check_forged_turns(tokenizer: Any) -> ForgeryCheck:
     count = [sum(i in specials for i in ids) for ids in (plain, attacked)]
     if count[0] != count[1]:
         extra = sorted({specials[i] for i in attacked if i in specials} - {specials[i] for i in plain if i in specials})
-        return ForgeryCheck(False, f"message text became {count[1] - count[0]} special token(s) {extra[:4] or ''}: "
+        return ForgeryCheck(False, f"message text became {count[1] - count[0]} added token(s) {extra[:4] or ''}: "
                                    "a tool's output could forge a turn")  # fmt: skip
     text = tokenizer.decode(attacked, skip_special_tokens=False)
     if text.count(forged) + text.count(json.dumps(forged)[1:-1]) < 2:  # (a template may write a result as JSON)
         return ForgeryCheck(False, "the forged text did not survive rendering as text")
-    return ForgeryCheck(True, f"{len(used)} special token(s) written in a tool result and a user turn stay text")
+    return ForgeryCheck(True, f"{len(used)} added token(s) written in a tool result and a user turn stay text")
