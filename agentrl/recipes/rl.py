@@ -385,32 +385,124 @@ def train_metrics(stats: dict[str, Any]) -> dict[str, float]:
             if k != "skipped" and isinstance(v, int | float)}  # a logged step was never skipped whole
 
 
+class RunLogs:
+    """RUN_DIR/{metrics,ledger,rollouts,eval_rollouts}.jsonl (metrics also to TensorBoard / W&B)."""
+
+    def __init__(self, run_dir: Path, cfg: Config) -> None:
+        self.rollouts, self.ledger, self.eval_rollouts = (
+            JSONLLogger(run_dir / f"{name}.jsonl") for name in ("rollouts", "ledger", "eval_rollouts"))
+        self.metrics = open_metrics_logger(run_dir, cfg.metrics, cfg.model_dump(mode="json"))
+
+    def record_eval(self, version: int, trajs: list[Any]) -> None:
+        """The same held-out tasks at every eval version."""
+        for t in trajs:
+            self.eval_rollouts.log({"eval_version": version, **t.to_dict()})
+
+    def drain_ledger(self, buffer: StalenessBuffer) -> None:
+        """One line per episode that reached its fate since the last drain."""
+        for record in buffer.ledger.drain_records():
+            self.ledger.log(record)
+
+    def close(self) -> None:
+        for log in (self.ledger, self.rollouts, self.eval_rollouts, self.metrics):
+            log.close()
+
+
+class FinishedEpisodes:
+    """Episodes finished since the last step: a line each in rollouts.jsonl as they arrive, and
+    their rewards for the next metrics row."""
+
+    def __init__(self, out: JSONLLogger, buffer: StalenessBuffer) -> None:
+        self.out, self.buffer = out, buffer
+        self.rewards: list[float] = []
+
+    def saw(self, traj: Any) -> None:
+        """The local RolloutManager's ``on_trajectory``."""
+        if not traj.errored:
+            self.rewards.append(traj.reward)
+        self.out.log({"oldest_version": traj.oldest_version(), "trainer_version": self.buffer.version, **traj.to_dict()})
+
+    def saw_record(self, record: dict[str, Any]) -> None:
+        """A finished episode drained from the buffer actor (Ray rollout workers)."""
+        if record["error"] is None:
+            self.rewards.append(record["reward"])
+        self.out.log(record)
+
+    def take_rewards(self) -> list[float]:
+        out, self.rewards = self.rewards, []
+        return out
+
+
+@dataclass
+class Rollouts:
+    """The rollout side as the loop sees it: one local :class:`RolloutManager`, or
+    (``cluster.rollout_workers``) Ray rollout workers around one buffer actor, with the
+    buffer and sampler that answer for it."""
+
+    manager: Any  # RolloutManager | agentrl.distributed.pool.WorkerPool
+    buffer: Any  # StalenessBuffer | RemoteBuffer
+    sampler: Any  # TaskSampler | RemoteSampler
+    finished: FinishedEpisodes
+    pool: Any = None  # the WorkerPool, in Ray mode
+
+    @classmethod
+    def start(cls, cfg: Config, env: Any, engines: Engines, state: RLState, logs: RunLogs, start_model: Path) -> Rollouts:
+        finished = FinishedEpisodes(logs.rollouts, state.buffer)
+        if cfg.cluster.rollout_workers:  # the buffer and sampler move into the buffer actor
+            from agentrl.distributed.pool import start_rollout_workers
+
+            pool = start_rollout_workers(cfg, env, engines.client, state.buffer, state.sampler, start_model)
+            return cls(pool, pool.buffer, pool.sampler, finished, pool)
+        ro = cfg.rollout
+        manager = RolloutManager(
+            env, engines.client, state.buffer, state.sampler, ro.sampling(), group_size=ro.group_size,
+            max_in_flight=ro.max_in_flight, episode_timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns,
+            on_trajectory=finished.saw, admit=engines.all_alive,
+        )  # fmt: skip
+        return cls(manager, state.buffer, state.sampler, finished)
+
+    def step_rewards(self) -> list[float]:
+        """Rewards of the episodes finished since the last step (the workers' arrive through the actor)."""
+        if self.pool is not None:
+            for record in self.pool.drain_rollouts():
+                self.finished.saw_record(record)
+        return self.finished.take_rewards()
+
+    def metrics(self) -> dict[str, Any]:
+        return self.pool.metrics() if self.pool is not None else {}
+
+    @property
+    def on_engines(self) -> Callable[[list[str], bool], Awaitable[None]] | None:
+        """Workers in other processes follow the engines' addresses and hold admission while one is down."""
+        return self.pool.set_engines if self.pool is not None else None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
 @dataclass
 class StepLog:
     """Per-step metrics rows (the namespaced schema of :mod:`agentrl.metrics`)."""
 
-    manager: RolloutManager
-    buffer: StalenessBuffer
+    manager: Any  # RolloutManager | WorkerPool
+    buffer: Any  # StalenessBuffer | RemoteBuffer
     pusher: Any  # WeightPusher: the last push's stats
     t_start: float
     t_loop: float = field(default_factory=time.perf_counter)
-    finished_rewards: list[float] = field(default_factory=list)  # every episode finished since the last step
     last_t: float = field(default_factory=time.perf_counter)
     last_tokens: int = 0
 
-    def saw(self, traj: Any) -> None:
-        if not traj.errored:
-            self.finished_rewards.append(traj.reward)
-
-    def row(self, rep: StepReport) -> dict[str, Any]:
+    def row(self, rep: StepReport, finished_rewards: list[float]) -> dict[str, Any]:
+        """``finished_rewards``: every episode finished since the last step."""
         now, buffer, manager = time.perf_counter(), self.buffer, self.manager
         rewards = [t.reward for t in rep.batch.trajectories]
         st, stats = rep.batch.staleness, rep.stats
         row: dict[str, Any] = {
             "step": rep.step,
             "version": rep.version,
-            "rollout/reward_mean": statistics.fmean(self.finished_rewards) if self.finished_rewards else None,
-            "rollout/episodes": len(self.finished_rewards),
+            "rollout/reward_mean": statistics.fmean(finished_rewards) if finished_rewards else None,
+            "rollout/episodes": len(finished_rewards),
             "rollout/tokens_per_s": (manager.sampled_tokens - self.last_tokens) / max(now - self.last_t, 1e-9),
             "rollout/in_flight": manager.active_episodes,
             "rollout/groups_cancelled_stale": manager.groups_cancelled_stale,
@@ -433,108 +525,102 @@ class StepLog:
         if buffer.adaptive is not None:
             row["buffer/adaptive_reason"] = buffer.adaptive.last_reason
         self.last_t, self.last_tokens = now, manager.sampled_tokens
-        self.finished_rewards.clear()
         return row
+
+
+@dataclass
+class RunSteps:
+    """What the recipe does around each scheduler step: :func:`rl_loop` calls :meth:`train`,
+    :meth:`push`, :meth:`after_step` and :meth:`should_stop`."""
+
+    cfg: Config
+    run_dir: Path
+    trainer: Any
+    rollouts: Rollouts
+    engines: Engines
+    supervisor: Supervisor
+    held_out: HeldOut
+    steplog: StepLog
+    logs: RunLogs
+    live: LiveProgress
+    out_of_time: bool = False
+
+    async def train(self, batch: Batch) -> dict[str, float]:
+        """2) loss, backward, optimizer step, in a worker thread (rollouts keep running)."""
+        return await asyncio.to_thread(self.trainer.step, batch.groups)
+
+    async def push(self, version: int) -> float:
+        """3) live push; an evaluation in flight finishes first (it runs on one fixed version)."""
+        await self.held_out.before_push()
+        return await self.supervisor.push(version)
+
+    def should_stop(self) -> bool:
+        return self.out_of_time
+
+    async def after_step(self, rep: StepReport) -> None:
+        """5) metrics row, held-out eval, ledger lines, checkpoint."""
+        cfg, buffer = self.cfg, self.rollouts.buffer
+        row = self.steplog.row(rep, self.rollouts.step_rewards())  # 5a) metrics
+        row.update(self.rollouts.metrics())
+        row["engine/restarts"] = self.supervisor.restarts
+        row.update(await self.engines.metrics())
+        self.out_of_time = bool(cfg.run.max_wall_s) and row["time/wall_s"] > cfg.run.max_wall_s
+        final = rep.version == cfg.trainer.steps or self.out_of_time
+        await self.held_out.after_step(rep.version, final)  # 5b) held-out eval (the final one waits)
+        row.update(self.held_out.take_result())
+        row["ledger/top_error"] = buffer.ledger.top_error()
+        self.logs.drain_ledger(buffer)  # 5c) logs
+        self.logs.metrics.log(row)
+        self.live.update(row)
+        every = cfg.trainer.checkpoint_every
+        if final or (every and rep.version % every == 0):  # 5d) checkpoint
+            await checkpoint(self.run_dir, self.trainer, buffer, self.rollouts.sampler, rep.version,
+                             keep=cfg.trainer.keep_checkpoints)  # fmt: skip
 
 
 async def _train_loop(
     cfg: Config, run_dir: Path, env: Any, eval_tasks: list[Task], engines: Engines, state: RLState,
     live: LiveProgress, t_start: float, start_model: Path,
 ) -> None:
-    trainer, buffer, sampler = state.trainer, state.buffer, state.sampler
-    logs = {name: JSONLLogger(run_dir / f"{name}.jsonl") for name in ("ledger", "rollouts", "eval_rollouts")}
-    logs["metrics"] = open_metrics_logger(run_dir, cfg.metrics, cfg.model_dump(mode="json"))  # + TensorBoard/W&B
-    pusher = WeightPusher(trainer, engines, lora_push=cfg.trainer.lora_push)
-    steplog = StepLog(None, buffer, pusher, t_start)  # type: ignore[arg-type]
-
-    def on_trajectory(t: Any) -> None:
-        steplog.saw(t)
-        logs["rollouts"].log({"oldest_version": t.oldest_version(), "trainer_version": buffer.version, **t.to_dict()})
-
-    ro = cfg.rollout
-    if cfg.cluster.rollout_workers:  # Ray rollout workers around one buffer actor (agentrl.distributed.pool)
-        from agentrl.distributed.pool import start_rollout_workers
-
-        manager = start_rollout_workers(cfg, env, engines.client, buffer, sampler, start_model)
-        buffer, sampler = manager.buffer, manager.sampler  # type: ignore[assignment]
-        steplog.buffer = buffer
-    else:
-        manager = RolloutManager(
-            env, engines.client, buffer, sampler, ro.sampling(), group_size=ro.group_size,
-            max_in_flight=ro.max_in_flight, episode_timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns,
-            on_trajectory=on_trajectory, admit=engines.all_alive,
-        )  # fmt: skip
-    steplog.manager = manager
-
-    def record_eval(version: int, trajs: list[Any]) -> None:  # the same held-out tasks at every eval version
-        for t in trajs:
-            logs["eval_rollouts"].log({"eval_version": version, **t.to_dict()})
-
-    held_out = HeldOut(manager, eval_tasks, cfg.eval, ro.max_tokens, record=record_eval)
-    await engines.align(pusher, state.start_step)  # the engines serve the trainer's weights, as its version
-    if cfg.eval.every > 0 and state.start_step == 0:  # baseline, before any rollout competes with it
-        live.note(f"evaluating the warm-start model on {len(eval_tasks)} held-out tasks ...")
-        held_out.pending = await held_out.evaluate(0)
-        live.note(f"warm start: eval/reward_mean {held_out.pending['eval/reward_mean']:.3f}")
-    stop = {"now": False}
-    steplog.t_loop = steplog.last_t = time.perf_counter()
-
-    on_change = manager.set_engines if cfg.cluster.rollout_workers else None  # workers follow the engines
-    supervisor = Supervisor(engines, pusher, buffer, live, on_change=on_change)  # type: ignore[attr-defined]
-    watcher = asyncio.create_task(supervisor.watch())
-
-    async def push(version: int) -> float:
-        await held_out.before_push()
-        return await supervisor.push(version)
-
-    async def on_step(rep: StepReport) -> None:
-        if cfg.cluster.rollout_workers:  # the workers' finished episodes, through the buffer actor
-            for record in manager.drain_rollouts():
-                steplog.finished_rewards += [] if record["error"] is not None else [record["reward"]]
-                logs["rollouts"].log(record)
-        row = steplog.row(rep)
-        if cfg.cluster.rollout_workers:
-            row.update(manager.metrics())
-        row["engine/restarts"] = supervisor.restarts
-        row.update(await engines.metrics())
-        out_of_time = bool(cfg.run.max_wall_s) and row["time/wall_s"] > cfg.run.max_wall_s
-        final = rep.version == cfg.trainer.steps or out_of_time
-        stop["now"] = out_of_time
-        await held_out.after_step(rep.version, final)
-        row.update(held_out.take_result())
-        row["ledger/top_error"] = buffer.ledger.top_error()
-        for record in buffer.ledger.drain_records():  # one line per episode that reached its fate
-            logs["ledger"].log(record)
-        logs["metrics"].log(row)
-        live.update(row)
-        every = cfg.trainer.checkpoint_every
-        if final or (every and rep.version % every == 0):
-            await checkpoint(run_dir, trainer, buffer, sampler, rep.version, keep=cfg.trainer.keep_checkpoints)
-
+    logs = RunLogs(run_dir, cfg)
+    rollouts: Rollouts | None = None
     try:
+        # 6a) wiring: the rollout side (local, or Ray workers), held-out eval, weight push under the engine supervisor
+        rollouts = Rollouts.start(cfg, env, engines, state, logs, start_model)
+        manager, buffer = rollouts.manager, rollouts.buffer
+        held_out = HeldOut(manager, eval_tasks, cfg.eval, cfg.rollout.max_tokens, record=logs.record_eval)
+        pusher = WeightPusher(state.trainer, engines, lora_push=cfg.trainer.lora_push)
+        supervisor = Supervisor(engines, pusher, buffer, live, on_change=rollouts.on_engines)
+        # 6b) the engines serve the trainer's weights, as its version; a baseline eval before any rollout competes
+        await engines.align(pusher, state.start_step)
+        if cfg.eval.every > 0 and state.start_step == 0:
+            live.note(f"evaluating the warm-start model on {len(eval_tasks)} held-out tasks ...")
+            held_out.pending = await held_out.evaluate(0)
+            live.note(f"warm start: eval/reward_mean {held_out.pending['eval/reward_mean']:.3f}")
+        steps = RunSteps(cfg, run_dir, state.trainer, rollouts, engines, supervisor, held_out,
+                         StepLog(manager, buffer, pusher, t_start), logs, live)  # fmt: skip
+        # 6c) the loop: data, train, push, commit, after_step (rl_loop's numbered phases)
+        watcher = asyncio.create_task(supervisor.watch())
         try:
-            # 6) the loop
             await rl_loop(
-                buffer, manager, start_step=state.start_step, steps=cfg.trainer.steps,
-                train=lambda batch: asyncio.to_thread(trainer.step, batch.groups), push=push, on_step=on_step,
-                push_every=cfg.trainer.push_every, should_stop=lambda: stop["now"], guards=(watcher,),
-            )
+                buffer, manager, start_step=state.start_step, steps=cfg.trainer.steps, train=steps.train,
+                push=steps.push, on_step=steps.after_step, push_every=cfg.trainer.push_every,
+                should_stop=steps.should_stop, guards=(watcher,),
+            )  # fmt: skip
         except BufferStalled as e:
             raise TrainingStalled(
                 f"training stalled at step {buffer.version}: {e} (checkpoints and logs so far are kept)"
             ) from None
         finally:
             watcher.cancel()
-            for record in buffer.ledger.drain_records():
-                logs["ledger"].log(record)
+            logs.drain_ledger(buffer)
         held_out.cancel()
         # 7) finish
-        await finish(cfg, run_dir, trainer, buffer, start_model, live, t_start)
+        await finish(cfg, run_dir, state.trainer, buffer, start_model, live, t_start)
     finally:
-        for log in logs.values():
-            log.close()
-        if cfg.cluster.rollout_workers:
-            manager.close()
+        logs.close()
+        if rollouts is not None:
+            rollouts.close()
 
 
 class TrainingStalled(AgentrlError):
