@@ -1,5 +1,6 @@
 """The driver's side of ``cluster.rollout_workers = N``: the RL recipe's buffer, sampler and rollout
-manager, backed by the buffer actor and N rollout worker actors (:mod:`agentrl.distributed.roles`).
+manager, backed by the buffer actor and N rollout worker actors (:mod:`agentrl.distributed.roles`);
+each implements the local class's protocol (:mod:`agentrl.protocols`).
 
 :func:`start_rollout_workers` moves the recipe's (possibly resumed) buffer and sampler into one
 buffer actor and starts the workers; it returns a :class:`WorkerPool` that ``rl_loop``,
@@ -57,13 +58,20 @@ class RemoteLedger:
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
-    def check(self, running: set[str]) -> None:
-        ray.get(self.actor.check_ledger.remote(running))
+    def check(self, held: set[str]) -> None:
+        """``held``: the episodes the workers report running (the actor checks them and what it holds)."""
+        ray.get(self.actor.check_ledger.remote(held))
 
     def drain_records(self) -> list[dict[str, Any]]:
         return ray.get(self.actor.drain_records.remote())
 
-    def __getattr__(self, name: str) -> Any:  # as_metrics, top_error, trained, in_flight, ...
+    def as_metrics(self) -> dict[str, Any]:
+        return ray.get(self.actor.ledger.remote()).as_metrics()
+
+    def top_error(self) -> str | None:
+        return ray.get(self.actor.ledger.remote()).top_error()
+
+    def __getattr__(self, name: str) -> Any:  # counts: trained, stale, in_flight, ...
         return getattr(ray.get(self.actor.ledger.remote()), name)
 
 
@@ -76,8 +84,8 @@ class RemoteBuffer:
     async def take(self) -> Batch:
         return await self.actor.take.remote()
 
-    def commit_step(self, version: int, skipped: dict[str, str] | None = None) -> list[str]:
-        return ray.get(self.actor.commit_step.remote(version, skipped))
+    def commit_step(self, new_version: int, skipped: dict[str, str] | None = None) -> list[str]:
+        return ray.get(self.actor.commit_step.remote(new_version, skipped))
 
     def skip_step(self, reason: str, skipped: dict[str, str] | None = None) -> list[str]:
         return ray.get(self.actor.skip_step.remote(reason, skipped))

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl.buffer import StalenessBuffer
 from agentrl.config import Config, InferenceConfig
 from agentrl.errors import AgentrlError, WeightSyncError
 from agentrl.metrics import LiveProgress
+from agentrl.protocols import TrainingBuffer
 
 
 @dataclass
@@ -321,7 +321,7 @@ class Supervisor:
     restarts hold one lock, so a push never races a restart.
     """
 
-    def __init__(self, engines: Engines, pusher: WeightPusher, buffer: StalenessBuffer, live: LiveProgress,
+    def __init__(self, engines: Engines, pusher: WeightPusher, buffer: TrainingBuffer, live: LiveProgress,
                  on_change: Callable[[list[str], bool], Awaitable[None]] | None = None):  # fmt: skip
         """``on_change(urls, down)``: told when an engine goes down or comes back (maybe at a new
         address): rollout workers in other processes hold admission and follow the address."""

@@ -34,6 +34,7 @@ from agentrl.buffer import AdaptiveStaleness, Batch, BufferStalled, StalenessBuf
 from agentrl.config import BufferConfig, Config, EvalConfig
 from agentrl.errors import AgentrlError, RunDirExists
 from agentrl.metrics import JSONLLogger, LiveProgress, open_metrics_logger
+from agentrl.protocols import RolloutSource, SamplerState, TrainingBuffer
 from agentrl.recipes.engines import Engines, Supervisor, WeightPusher, open_engines, preflight
 from agentrl.rollout import RolloutManager, TaskSampler, mean_reward
 from agentrl.types import SamplingParams, Task
@@ -245,8 +246,8 @@ class StepReport:
 
 
 async def rl_loop(
-    buffer: StalenessBuffer,
-    manager: RolloutManager,
+    buffer: TrainingBuffer,
+    manager: RolloutSource,
     *,
     start_step: int,
     steps: int,
@@ -325,7 +326,7 @@ async def rl_loop(
     return step
 
 
-def check_ledger(buffer: StalenessBuffer, manager: RolloutManager) -> None:
+def check_ledger(buffer: TrainingBuffer, manager: RolloutSource) -> None:
     """The ledger's live set must be exactly the episodes the manager and the buffer hold."""
     buffer.ledger.check(manager.running_episode_ids() | buffer.held_ids())
 
@@ -334,7 +335,7 @@ class HeldOut:
     """Held-out evaluation on a fixed weight version (``[eval]``): before the first step, every
     ``eval.every`` steps in the background, and on the final weights."""
 
-    def __init__(self, manager: RolloutManager, tasks: list[Task], ec: EvalConfig, max_tokens: int,
+    def __init__(self, manager: RolloutSource, tasks: list[Task], ec: EvalConfig, max_tokens: int,
                  record: Callable[[int, list[Any]], None] | None = None):
         self.manager, self.tasks, self.every, self.record = manager, tasks, ec.every, record
         self.concurrency = ec.concurrency
@@ -398,7 +399,7 @@ class RunLogs:
         for t in trajs:
             self.eval_rollouts.log({"eval_version": version, **t.to_dict()})
 
-    def drain_ledger(self, buffer: StalenessBuffer) -> None:
+    def drain_ledger(self, buffer: TrainingBuffer) -> None:
         """One line per episode that reached its fate since the last drain."""
         for record in buffer.ledger.drain_records():
             self.ledger.log(record)
@@ -412,7 +413,7 @@ class FinishedEpisodes:
     """Episodes finished since the last step: a line each in rollouts.jsonl as they arrive, and
     their rewards for the next metrics row."""
 
-    def __init__(self, out: JSONLLogger, buffer: StalenessBuffer) -> None:
+    def __init__(self, out: JSONLLogger, buffer: TrainingBuffer) -> None:
         self.out, self.buffer = out, buffer
         self.rewards: list[float] = []
 
@@ -439,9 +440,9 @@ class Rollouts:
     (``cluster.rollout_workers``) Ray rollout workers around one buffer actor, with the
     buffer and sampler that answer for it."""
 
-    manager: Any  # RolloutManager | agentrl.distributed.pool.WorkerPool
-    buffer: Any  # StalenessBuffer | RemoteBuffer
-    sampler: Any  # TaskSampler | RemoteSampler
+    manager: RolloutSource  # RolloutManager | agentrl.distributed.pool.WorkerPool
+    buffer: TrainingBuffer  # StalenessBuffer | RemoteBuffer
+    sampler: SamplerState  # TaskSampler | RemoteSampler
     finished: FinishedEpisodes
     pool: Any = None  # the WorkerPool, in Ray mode
 
@@ -485,8 +486,8 @@ class Rollouts:
 class StepLog:
     """Per-step metrics rows (the namespaced schema of :mod:`agentrl.metrics`)."""
 
-    manager: Any  # RolloutManager | WorkerPool
-    buffer: Any  # StalenessBuffer | RemoteBuffer
+    manager: RolloutSource
+    buffer: TrainingBuffer
     pusher: Any  # WeightPusher: the last push's stats
     t_start: float
     t_loop: float = field(default_factory=time.perf_counter)
@@ -630,7 +631,7 @@ class TrainingStalled(AgentrlError):
 
 
 async def checkpoint(
-    run_dir: Path, trainer: Any, buffer: StalenessBuffer, sampler: TaskSampler, version: int, keep: int = 2
+    run_dir: Path, trainer: Any, buffer: TrainingBuffer, sampler: SamplerState, version: int, keep: int = 2
 ) -> None:
     """Trainer, buffer (with the ledger), sampler, and how far each log had been written."""
     from agentrl.trainer.checkpoint import save_checkpoint
@@ -645,7 +646,7 @@ async def checkpoint(
 
 
 async def finish(
-    cfg: Config, run_dir: Path, trainer: Any, buffer: StalenessBuffer, start_model: Path, live: LiveProgress,
+    cfg: Config, run_dir: Path, trainer: Any, buffer: TrainingBuffer, start_model: Path, live: LiveProgress,
     t_start: float,
 ) -> None:
     final_dir = run_dir / "final"
