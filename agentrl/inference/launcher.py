@@ -47,9 +47,10 @@ class EngineHandle:
     """A running embedded engine: ``base_url`` (…/v1), ``root_url``, ``model``, ``api_key``, ``stop()``."""
 
     def __init__(self, proc: subprocess.Popen, host: str, port: int, model: str, log_path: Path,
-                 tmp_dir: Path | None = None, api_key: str | None = None):
+                 tmp_dir: Path | None = None, api_key: str | None = None, shm_dir: Path | None = None):
         self.proc, self.host, self.port, self.model, self.log_path = proc, host, port, model, log_path
         self.tmp_dir = tmp_dir  # removed by stop()
+        self.shm_dir = shm_dir  # the engine's shared-memory segments live here: removed by stop(), even after a kill
         self.api_key = api_key
         self.restarts = 0
         self._relaunch: Callable[[int], EngineHandle] | None = None  # set by start_embedded_engine
@@ -78,6 +79,9 @@ class EngineHandle:
         if self.tmp_dir is not None:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             self.tmp_dir = None
+        if self.shm_dir is not None:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+            self.shm_dir = None
 
     def restart(self) -> None:
         """Start the engine again on the same address (after it died); it comes back on the
@@ -87,7 +91,7 @@ class EngineHandle:
         self.stop()
         fresh = self._relaunch(self.port)
         self.proc, self.log_path, self.tmp_dir, self.api_key = fresh.proc, fresh.log_path, fresh.tmp_dir, fresh.api_key
-        fresh.tmp_dir = None
+        self.shm_dir, fresh.tmp_dir, fresh.shm_dir = fresh.shm_dir, None, None
         atexit.unregister(fresh.stop)
         self.restarts += 1
 
@@ -131,6 +135,8 @@ def start_embedded_engine(
     if not (model_dir / "config.json").is_file():
         raise EngineStartError(f"no model at {str(model_dir)!r} (expected a HF model dir with config.json)")
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-engine-"))  # 0700
+    # 0700 too; the engine makes its own private dir inside, and stop() removes both even if it was killed
+    shm = Path(tempfile.mkdtemp(prefix="agentrl-engine-", dir="/dev/shm")) if os.path.isdir("/dev/shm") else None
     port_file, log_path, key_file = tmp / "port.json", tmp / "engine.log", tmp / "api_key"
     name = served_model_name or model_dir.name
     cmd = [
@@ -139,6 +145,7 @@ def start_embedded_engine(
         "--port-file", str(port_file), "--parent-pid", str(os.getpid()),
         "--tool-call-parser", tool_parser or "auto", "--key-file", str(key_file),
         *(["--weights-dir", str(weights_dir)] if weights_dir is not None else []),
+        *(["--shm-dir", str(shm)] if shm is not None else []),
     ]  # fmt: skip
     if allowed_hosts:
         cmd += ["--allowed-hosts", ",".join(allowed_hosts)]
@@ -167,8 +174,10 @@ def start_embedded_engine(
             proc.kill()
         proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
         raise
-    handle = EngineHandle(proc, host, port, name, log_path, tmp, given or read_key(key_file))
+    handle = EngineHandle(proc, host, port, name, log_path, tmp, given or read_key(key_file), shm)
     handle._relaunch = lambda on_port: start_embedded_engine(  # the same key: the run's clients keep theirs
         model_dir, args, port=on_port, host=host, served_model_name=served_model_name,
         startup_timeout=startup_timeout, env=env, tool_parser=tool_parser, api_key=handle.api_key,

@@ -393,6 +393,7 @@ def create_app(
     allowed_origins: tuple[str, ...] = (),
     limits: Limits | None = None,
     weights_dir: str | Path | None = None,
+    shm_dir: str | Path | None = None,
 ) -> FastAPI:
     """The FastAPI app; the engine's lifetime is the caller's.  ``tool_parser``: the chat
     route's tool-call format (:mod:`agentrl.tool_format`; None or ``auto``: from the template).
@@ -427,7 +428,7 @@ def create_app(
     _generation_routes(app, srv)
     _token_routes(app, srv)
     _info_routes(app, srv)
-    weight_routes(app, srv, key.value if key is not None else None, weights_dir)
+    weight_routes(app, srv, key.value if key is not None else None, weights_dir, shm_dir)
     return app
 
 
@@ -528,6 +529,7 @@ def serve(
     allowed_origins: tuple[str, ...] = (),
     limits: Limits | None = None,
     weights_dir: str | Path | None = None,
+    shm_dir: str | Path | None = None,
 ) -> None:
     """Load the model, bind ``host:port`` (0 = a free port), serve until interrupted.
 
@@ -546,7 +548,7 @@ def serve(
     bound = sock.getsockname()[1]
     key = server_key(api_key, write_to=key_file or default_key_file(bound))
     app = create_app(engine, served_model_name, tool_parser, key=key, allowed_hosts=(host, *allowed_hosts),
-                     allowed_origins=allowed_origins, limits=limits, weights_dir=weights_dir)
+                     allowed_origins=allowed_origins, limits=limits, weights_dir=weights_dir, shm_dir=shm_dir)
     if parent_pid:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     if port_file:
@@ -606,6 +608,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--allowed-hosts", type=split_names, default=(), help="more Host names to serve (comma-separated; *: any)")
     ap.add_argument("--allowed-origins", type=split_names, default=(), help="web origins allowed to call (comma-separated)")
     ap.add_argument("--weights-dir", default=None, help="the one dir disk weight pushes are read from")
+    ap.add_argument("--shm-dir", default=None, help="where the engine makes its private shared-memory dir (default /dev/shm)")
     a = ap.parse_args(argv)
     try:
         serve(
@@ -621,6 +624,7 @@ def main(argv: list[str] | None = None) -> None:
             allowed_hosts=a.allowed_hosts,
             allowed_origins=a.allowed_origins,
             weights_dir=a.weights_dir,
+            shm_dir=a.shm_dir,
         )
     except EngineStartError as e:  # a refusal is one line (the launcher reports it as is)
         print(f"{STARTUP_ERROR}{e}", file=sys.stderr, flush=True)

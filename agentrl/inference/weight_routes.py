@@ -35,11 +35,14 @@ if TYPE_CHECKING:
     from agentrl.inference.server import EngineServer
 
 
-def weight_routes(app: FastAPI, srv: EngineServer, key: str | None, weights_dir: str | Path | None = None) -> None:
+def weight_routes(app: FastAPI, srv: EngineServer, key: str | None, weights_dir: str | Path | None = None,
+                  shm_dir: str | Path | None = None) -> None:
     """``/pause``, ``/resume``, versions and weight pushes; ``key``: the engine's API key, which
-    signs every push (None: pushes are refused); ``weights_dir``: where disk pushes land."""
+    signs every push (None: pushes are refused); ``weights_dir``: where disk pushes land;
+    ``shm_dir``: where the engine makes its private shared-memory dir (default ``/dev/shm``)."""
     engine = srv.engine
-    rx = srv.weights = WeightReceiver(engine, key, weights_dir=weights_dir)
+    rx = srv.weights = WeightReceiver(engine, key, weights_dir=weights_dir,
+                                      shm_parent=str(shm_dir) if shm_dir is not None else None)
 
     async def call(fn: Callable, *args: Any) -> Any:
         try:
