@@ -85,6 +85,26 @@ class _Root(torch.nn.Module):
         return fn(**inputs)
 
 
+def tensor_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this process holds of weights, gradients and optimizer state (a DTensor: its local shard)."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.numel() * local.element_size()
+
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"param_bytes": sum(nbytes(p) for p in params),
+            "grad_bytes": sum(nbytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_bytes": sum(nbytes(v) for v in state)}  # fmt: skip
+
+
+def _max_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -164,6 +184,10 @@ class _RankTrainer(Trainer):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
+    def memory(self) -> dict[str, float]:
+        """This rank's bytes of weights, gradients and optimizer state (its shards), and its peak RSS."""
+        return {"rank": self.rank, **tensor_bytes(self.model, self.optimizer), "max_rss_bytes": _max_rss()}
+
     # weights out: one tensor gathered at a time; only rank 0 keeps it (CPU)
 
     @torch.no_grad()
@@ -242,7 +266,7 @@ def _rank_main(rank: int, world: int, backend: str, port: int, model_dir: str, c
             if method == "close":
                 break
             result = getattr(trainer, method)(*args)
-            conn.send(("ok", result if rank == 0 else None))
+            conn.send(("ok", result if rank == 0 or method == "memory" else None))
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which names the rank
         line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -318,6 +342,10 @@ class ShardedTrainer:
         light = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
         self._call("load_state_dict", state, others=(light,))
 
+    def memory_by_rank(self) -> list[dict[str, float]]:
+        """Per rank: bytes of its weight, gradient and optimizer-state shards, and its peak RSS."""
+        return self._call("memory", every=True)
+
     def merged_model(self):
         """A plain HF model (CPU, float32) with the current weights, LoRA merged."""
         from transformers import AutoModelForCausalLM
@@ -355,7 +383,7 @@ class ShardedTrainer:
 
     # the plumbing
 
-    def _call(self, method: str, *args: Any, others: tuple[Any, ...] | None = None) -> Any:
+    def _call(self, method: str, *args: Any, others: tuple[Any, ...] | None = None, every: bool = False) -> Any:
         if self._closed:
             raise TrainerDied(f"the sharded trainer is closed; cannot run {method}")
         for rank, c in enumerate(self._conns):
@@ -363,10 +391,10 @@ class ShardedTrainer:
                 c.send((method, args if others is None or rank == 0 else others))
             except OSError:
                 self._died(rank, None)
-        return self._wait()
+        return self._wait(every)
 
-    def _wait(self) -> Any:
-        """Every rank's reply (rank 0's returned); a rank that dies or fails raises :class:`TrainerDied`."""
+    def _wait(self, every: bool = False) -> Any:
+        """Every rank's reply (rank 0's returned, or all in rank order); a rank that dies or fails raises :class:`TrainerDied`."""
         replies: dict[int, Any] = {}
         while len(replies) < self.world:
             waiting = {c: r for r, c in enumerate(self._conns) if r not in replies}
@@ -385,7 +413,7 @@ class ShardedTrainer:
                     rank = sentinels[ready]
                     if not self._conns[rank].poll():  # exited without a last word
                         self._died(rank, None)
-        return replies[0]
+        return [replies[r] for r in range(self.world)] if every else replies[0]
 
     def _died(self, rank: int, error: str | None) -> None:
         """Stop every rank and raise one line: which rank (a killed one before a peer that saw it fail)."""
