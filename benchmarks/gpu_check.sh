@@ -111,6 +111,18 @@ else
   done
 fi
 
+# ---------------------------------------------------------------------------------------------------------------
+# 6) the sharded trainer (trainer.world_size = 2: FSDP2 on nccl, one GPU per rank; agentrl/trainer/sharded.py).
+#    Its own block: it needs 2 GPUs, the checks above need one.
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  check fsdp2_parity 600 $PY benchmarks/trainer_parity.py --world-size 2 --losses icepop,gspo --device cuda
+  check fsdp2_rl 600 bash -c "$PY -m agentrl.cli run ${RUN[*]} --run.dir=$WORK/fsdp2_rl --trainer.world_size=2 \
+    && test \$(wc -l < $WORK/fsdp2_rl/metrics.jsonl) -eq 3"
+else
+  for k in fsdp2_parity fsdp2_rl; do skip "$k" "needs 2 GPUs (trainer.world_size = 2 on nccl)"; done
+fi
+# ---------------------------------------------------------------------------------------------------------------
+
 failed=0; json="{\"benchmark\": \"gpu_check\", \"cuda\": true"
 for k in "${!RESULT[@]}"; do json+=", \"$k\": \"${RESULT[$k]}\""; [ "${RESULT[$k]}" = failed ] && failed=1; done
 echo "$json}"

@@ -7,7 +7,7 @@ statistic.  A sharded trainer that averaged per rank instead of using the global
 trajectory weights would differ here (the batch's trajectories have different lengths, so the
 ranks hold different token counts).
 
-    python benchmarks/trainer_parity.py --world-size 2 [--steps 3 --losses icepop,gspo]
+    python benchmarks/trainer_parity.py --world-size 2 [--steps 3 --losses icepop,gspo --device cuda]
 
 Prints one line per case and, last, a JSON line with ``max_param_diff`` (the largest over all
 cases; goal ≤ 1e-5 in float32), ``max_stat_diff`` and each case's numbers.
@@ -53,14 +53,14 @@ def fixed_batch(seed: int, vocab: int, n_groups: int = 3, group_size: int = 3) -
 
 
 def run_case(model_dir: Path, loss: str, share_prompt: bool, world: int, steps: int, seed: int = 0,
-             vocab: int = 512) -> dict:  # fmt: skip
+             vocab: int = 512, device: str = "cpu") -> dict:  # fmt: skip
     """Max |Δ| of the weights and of the logged statistics after ``steps`` steps on one batch."""
     from agentrl.config import TrainerConfig
     from agentrl.trainer.sharded import ShardedTrainer
     from agentrl.trainer.trainer import Trainer
     from agentrl.types import SamplingParams
 
-    kw = {"lr": 1e-3, "share_prompt": share_prompt, "device": "cpu", "micro_batch_tokens": 64,
+    kw = {"lr": 1e-3, "share_prompt": share_prompt, "device": device, "micro_batch_tokens": 64,
           "loss": {"name": loss}}  # fmt: skip
     sampling = SamplingParams(temperature=1.0)
     batch = fixed_batch(seed, vocab)
@@ -99,6 +99,7 @@ def main() -> None:
     p.add_argument("--losses", default="", help="comma-separated (default: every registered loss)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (one GPU per rank: nccl)")
     args = p.parse_args()
     from agentrl.tiny_model import build_tiny_model
     from agentrl.trainer.losses import LOSSES
@@ -110,7 +111,7 @@ def main() -> None:
         model = build_tiny_model(Path(tmp) / "m", layers=args.layers, hidden=args.hidden, heads=4, vocab_size=512)
         for loss in losses:
             for share in (False, True):
-                c = run_case(model, loss, share, args.world_size, args.steps)
+                c = run_case(model, loss, share, args.world_size, args.steps, device=args.device)
                 print(f"{loss:14s} packing={'on ' if share else 'off'} max_param_diff={c['max_param_diff']:.2e} "
                       f"max_stat_diff={c['max_stat_diff']:.2e} (weights moved {c['max_param_moved']:.2e})", flush=True)
                 cases.append(c)

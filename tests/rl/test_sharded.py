@@ -60,3 +60,28 @@ def _zombie(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] == "Z"
     except OSError:
         return True
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_the_same_run(small_model, tmp_path):
+    # weights, AdamW moments, LR schedule and every rank's RNG come back: the step after a resume is the step
+    # the first trainer would have taken (a resume that lost the moments takes a different Adam step)
+    from agentrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    batch = load_benchmark("trainer_parity").fixed_batch(0, 512)
+    cfg = TrainerConfig(device="cpu", world_size=2, lr=1e-3, warmup_steps=2, steps=4)
+    first = ShardedTrainer(small_model, cfg, SamplingParams(), run_dir=tmp_path)
+    try:
+        first.step(batch)
+        save_checkpoint(tmp_path, 1, first.state_dict(), {"step": 1})
+        expected = first.step(batch), first.named_tensors()
+    finally:
+        first.close()
+    second = ShardedTrainer(small_model, cfg, SamplingParams(), seed=1, run_dir=tmp_path)
+    try:
+        second.load_state_dict(load_checkpoint(latest_checkpoint(tmp_path))[0])
+        got = second.step(batch), second.named_tensors()
+    finally:
+        second.close()
+    assert got[0]["lr"] == expected[0]["lr"] and abs(got[0]["loss"] - expected[0]["loss"]) < 1e-7
+    assert max(float((got[1][k] - v).abs().max()) for k, v in expected[1].items()) < 1e-7
