@@ -99,6 +99,16 @@ def tensor_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
             "optimizer_bytes": sum(nbytes(v) for v in state)}  # fmt: skip
 
 
+def _copied(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _copied(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_copied(v) for v in tree)
+    return tree
+
+
 def _max_rss() -> int:
     import resource
 
@@ -224,6 +234,9 @@ class _RankTrainer(Trainer):
         model_sd, optim_sd = get_state_dict(
             self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        # copies: on CPU the gathered state may share storage with the live optimizer state, and the
+        # driver receives tensors through shared memory (a later step would change a saved checkpoint)
+        model_sd, optim_sd = _copied(model_sd), _copied(optim_sd)
         rngs: list[Any] = [None] * self.world
         dist.all_gather_object(rngs, rng_state())
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(), "rng": rngs[0],
@@ -235,7 +248,7 @@ class _RankTrainer(Trainer):
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state.get("model", {}),
             optim_state_dict=state.get("optimizer", {}),
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            options=StateDictOptions(full_state_dict=True),  # each rank keeps its shards of the full state
         )  # fmt: skip
         self.scheduler.load_state_dict(state["scheduler"])
         rngs = state["rng_ranks"]
@@ -338,9 +351,7 @@ class ShardedTrainer:
                 "this checkpoint was written by the one-process trainer (trainer.world_size = 1); resume it with "
                 "world_size = 1, or export it (`agentrl export`) and start a new run from the exported model"
             )
-        # only rank 0 needs the tensors (it broadcasts them); the others need the schedule and their RNG
-        light = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-        self._call("load_state_dict", state, others=(light,))
+        self._call("load_state_dict", state)
 
     def memory_by_rank(self) -> list[dict[str, float]]:
         """Per rank: bytes of its weight, gradient and optimizer-state shards, and its peak RSS."""
