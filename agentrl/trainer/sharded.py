@@ -245,6 +245,8 @@ class _RankTrainer(Trainer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        state = _copied(state)  # every rank receives the same shared-memory tensors: loaded by reference, the
+        # ranks' optimizers would step one shared ``step`` counter
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state.get("model", {}),
             optim_state_dict=state.get("optimizer", {}),

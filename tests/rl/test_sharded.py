@@ -65,8 +65,8 @@ def _zombie(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_the_same_run(small_model, tmp_path):
-    # weights, AdamW moments and LR schedule come back through the checkpoint files: the state after loading is
-    # the saved one (a load that lost the moments or the schedule differs), and the next loss is the same
+    # weights, AdamW moments and step counts and the LR schedule come back through the checkpoint files: the
+    # state after loading is the saved one, and the next step is the uninterrupted run's
     from agentrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     batch = load_benchmark("trainer_parity").fixed_batch(0, 512)
@@ -75,7 +75,7 @@ def test_a_sharded_checkpoint_resumes_the_same_run(small_model, tmp_path):
     try:
         first.step(batch)
         save_checkpoint(tmp_path, 1, first.state_dict(), {"step": 1})
-        expected = first.step(batch)
+        expected = first.step(batch), first.named_tensors()
     finally:
         first.close()
     saved = load_checkpoint(latest_checkpoint(tmp_path))[0]
@@ -83,7 +83,7 @@ def test_a_sharded_checkpoint_resumes_the_same_run(small_model, tmp_path):
     try:
         second.load_state_dict(saved)
         loaded = second.state_dict()
-        got = second.step(batch)
+        got = second.step(batch), second.named_tensors()
     finally:
         second.close()
     assert saved["optimizer"]["state"] and loaded["scheduler"] == saved["scheduler"]
@@ -92,4 +92,6 @@ def test_a_sharded_checkpoint_resumes_the_same_run(small_model, tmp_path):
             assert torch.equal(loaded["optimizer"]["state"][name][k], v), (name, k)
     for k, v in saved["model"].items():
         assert torch.equal(loaded["model"][k], v), k
-    assert got["lr"] == expected["lr"] and abs(got["loss"] - expected["loss"]) < 1e-7
+    assert got[0]["lr"] == expected[0]["lr"] and abs(got[0]["loss"] - expected[0]["loss"]) < 1e-7
+    # the step after the resume is the one the first trainer took (AdamW's step count included)
+    assert max(float((got[1][k] - v).abs().max()) for k, v in expected[1].items()) < 1e-7
