@@ -16,10 +16,10 @@ import pytest
 
 from agentrl.auth import KEY_ENV, read_key
 from agentrl.errors import EndpointError, WeightSyncError
-from agentrl.inference import PolicyClient
+from agentrl.inference import PolicyClient, start_embedded_engine
 from agentrl.types import SamplingParams
 from agentrl.weights import make_weight_sync
-from tests.inference.conftest import ENGINE_KEY
+from tests.inference.conftest import ENGINE_KEY, MAX_MODEL_LEN
 
 # every control and weight route, with a body that would do harm if it got through
 CONTROL = [
@@ -105,7 +105,16 @@ async def test_clients_read_the_key_from_the_environment(keyed_engine, monkeypat
         assert (await pc.complete([1, 2, 3], SamplingParams(max_tokens=2)))[0].token_ids
 
 
-async def test_a_weight_push_needs_the_key(engine, hf_model, monkeypatch):
+@pytest.fixture
+def own_engine(model_dir):
+    """An engine of this test's own: the push below moves its version, which only increases,
+    and the session's shared engine must stay at version 0 for the tests after this one."""
+    with start_embedded_engine(model_dir, max_batch_size=4, max_model_len=MAX_MODEL_LEN, device="cpu") as eng:
+        yield eng
+
+
+async def test_a_weight_push_needs_the_key(own_engine, hf_model, monkeypatch):
+    engine = own_engine
     monkeypatch.delenv(KEY_ENV, raising=False)
     tensors = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     version = httpx.get(engine.root_url + "/get_weight_version", headers=engine.headers).json()["weight_version"]
