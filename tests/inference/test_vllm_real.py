@@ -232,8 +232,9 @@ def test_external_vllm_gets_the_warm_start_pushed(vllm, model_dir, tmp_path, mon
     assert rows[0]["engine/0/version"] == 1 and abs(rows[0]["train/mismatch_kl"]) < 1e-3
 
 
-def test_a_server_that_cannot_take_a_push_is_refused_in_one_line(engine, model_dir, tmp_path):
+def test_a_server_that_cannot_take_a_push_is_refused_in_one_line(engine, model_dir, tmp_path, monkeypatch):
     """An 'external vLLM' without the weight routes (here: the embedded engine) stops the run before step 0."""
+    monkeypatch.setenv("AGENTRL_API_KEY", engine.api_key)  # past the key check: the push is what fails
     overrides = _run_overrides(model_dir, tmp_path / "refused", **{"trainer.steps": 1, "eval.every": 0})
     overrides += [f"--inference.base_url={engine.base_url}", f"--inference.model_name={engine.model}"]
     with pytest.raises(AgentrlError, match="cannot push the warm start") as e:
