@@ -100,7 +100,12 @@ class EmbeddedWeightSync:
         t_paused = t_written = t0
         committed: list[str] = []
         try:
-            await asyncio.gather(*(stage(r) for r in self.roots))
+            # every stage finishes before a failure is raised: a begin still in flight when the
+            # abort below ran left its transfer open, and the engine refused the next push (409)
+            staged = await asyncio.gather(*(stage(r) for r in self.roots), return_exceptions=True)
+            failed_stage = [s for s in staged if isinstance(s, BaseException)]
+            if failed_stage:
+                raise failed_stage[0]
             t_written = time.perf_counter()
             await self._all(http, "POST", "/pause", params={"mode": "keep"})
             t_paused = time.perf_counter()
