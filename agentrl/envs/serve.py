@@ -33,10 +33,10 @@ The rules (README: "Env server hygiene"), each against an attack a review found:
   episode takes no step once done or past the env's ``max_turns`` (the client's own loop enforces
   them otherwise: a run may set a larger ``rollout.max_turns``).
 - **Bounded.**  At most ``max_open`` episodes open at once and ``max_open_per_client`` per
-  client address (the next ``/reset`` answers 429 naming the limit, before ``setup`` takes a
-  sandbox); an open episode nobody touched for ``idle_timeout_s`` (its client died) is
-  expired: cleaned up, forgotten, counted in ``/health``; a later call naming it answers 404
-  saying so.
+  client (:func:`client_of`: all loopback is one client, IPv6 counts by /64; the next
+  ``/reset`` answers 429 naming the limit, before ``setup`` takes a sandbox); an open
+  episode nobody touched for ``idle_timeout_s`` (its client died) is expired: cleaned up,
+  forgotten, counted in ``/health``; a later call naming it answers 404 saying so.
 
 A hook that raises answers 200 with ``{"error", "error_kind"}`` (the boundary it crossed, as
 in a local episode); a request the server cannot act on (unknown episode, bad JSON) answers
@@ -325,7 +325,7 @@ def make_app(
     async def reset(request: web.Request) -> web.Response:
         body = await _body(request, "task_id")
         task = tasks.by_id(body["task_id"])
-        client = request.remote or "?"
+        client = client_of(request.remote)
         episodes.reserve(client)
         try:
             state = await env.setup(task)
@@ -468,6 +468,24 @@ async def _score(env: Environment, episodes: _Episodes, items: list[dict[str, An
         traj.state = state
     await score_episodes(env.rubric, trajs)
     return [{"reward": t.reward, "metrics": t.metrics, "error": t.error, "error_kind": t.error_kind} for t in trajs]
+
+
+def client_of(address: str | None) -> str:
+    """The client an address counts as for ``max_open_per_client``: every loopback address
+    (127.0.0.0/8, ::1 and their IPv4-mapped forms) is one client, ``loopback``: they are all
+    this machine, and 127.0.0.2..255 cost nothing to bind.  An IPv4-mapped address counts as
+    its IPv4 address, any other IPv6 address by its /64 (the block one host is given)."""
+    try:
+        ip = ipaddress.ip_address((address or "").split("%", 1)[0])
+    except ValueError:
+        return address or "?"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return "loopback"
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 def is_loopback(host: str) -> bool:

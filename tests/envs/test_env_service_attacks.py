@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from agentrl.envs.remote import RemoteEnvironment
-from agentrl.envs.serve import make_app
+from agentrl.envs.serve import client_of, make_app
 from agentrl.errors import AgentrlError
 from agentrl.plugins import load_environment
 from agentrl.types import Trajectory
@@ -118,8 +118,8 @@ async def test_episode_ids_and_secrets_cannot_be_guessed():
 
 async def test_open_episodes_are_capped_per_client_and_in_all_before_setup_runs():
     """Attack: 3,000 episodes were accepted from one client, each holding env state (and, for a
-    sandbox env, a sandbox).  A second client address (127.0.0.2) shows the two caps apart; a
-    refused reset never runs the env's setup, and closing an episode frees its slot."""
+    sandbox env, a sandbox).  A refused reset never runs the env's setup, and closing an episode
+    frees its slot; the total cap holds with a per-client cap above it."""
     env = calc()
     setups = 0
     orig = env.setup
@@ -131,27 +131,49 @@ async def test_open_episodes_are_capped_per_client_and_in_all_before_setup_runs(
 
     env.setup = counting_setup
     async with served(env, max_open=3, max_open_per_client=2) as url:
-        one = aiohttp.ClientSession()
-        two = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0)))
-        try:
+        async with aiohttp.ClientSession() as one:
             _, page = await get(one, f"{url}/tasks?split=eval&limit=1")
             tid = page["tasks"][0]["id"]
             first = [await post(one, f"{url}/reset", {"task_id": tid}) for _ in range(2)]
             assert [s for s, _ in first] == [200, 200]
             status, out = await post(one, f"{url}/reset", {"task_id": tid})
-            assert status == 429 and "--max-open-per-client" in out["error"] and "127.0.0.1" in out["error"], out
-            assert (await post(two, f"{url}/reset", {"task_id": tid}))[0] == 200
-            status, out = await post(two, f"{url}/reset", {"task_id": tid})
-            assert status == 429 and "3 open episodes (its --max-open)" in out["error"], out
-            assert setups == 3
+            assert status == 429 and "--max-open-per-client" in out["error"] and "loopback" in out["error"], out
+            assert setups == 2
             eid, secret = first[0][1]["episode_id"], first[0][1]["episode_secret"]
             assert (await post(one, f"{url}/close", {"episode_id": eid, "episode_secret": secret}))[0] == 200
-            assert (await post(two, f"{url}/reset", {"task_id": tid}))[0] == 200
+            assert (await post(one, f"{url}/reset", {"task_id": tid}))[0] == 200
             _, health = await get(one, f"{url}/health")
-            assert health["open"] == 3
+            assert health["open"] == 2
+    async with served(calc(), max_open=3, max_open_per_client=10) as url:
+        async with aiohttp.ClientSession() as one:
+            tid = (await get(one, f"{url}/tasks?split=eval&limit=1"))[1]["tasks"][0]["id"]
+            assert [(await post(one, f"{url}/reset", {"task_id": tid}))[0] for _ in range(3)] == [200] * 3
+            status, out = await post(one, f"{url}/reset", {"task_id": tid})
+            assert status == 429 and "3 open episodes (its --max-open)" in out["error"], out
+
+
+async def test_other_loopback_addresses_are_the_same_client():
+    """Attack: the per-client cap counted addresses, and every 127.x.y.z reaches a loopback
+    server: a client bound 127.0.0.2..11 in turn and held ten times its cap.  All loopback
+    (and ::1, and the IPv4-mapped forms a dual-stack socket reports) is one client."""
+    async with served(calc(), max_open_per_client=2) as url:
+        sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(f"127.0.0.{k}", 0)))
+                    for k in range(1, 12)]  # fmt: skip
+        try:
+            _, page = await get(sessions[0], f"{url}/tasks?split=eval&limit=1")
+            tid = page["tasks"][0]["id"]
+            statuses = [(await post(s, f"{url}/reset", {"task_id": tid}))[0] for s in sessions]
+            assert statuses == [200, 200] + [429] * 9, statuses
+            _, health = await get(sessions[0], f"{url}/health")
+            assert health["open"] == 2
         finally:
-            await one.close()
-            await two.close()
+            for s in sessions:
+                await s.close()
+    assert {client_of(a) for a in ("127.0.0.1", "127.0.0.2", "127.255.0.9", "::1", "::ffff:127.0.0.3",
+                                   "::ffff:7f00:2")} == {"loopback"}  # fmt: skip
+    assert client_of("::ffff:10.1.2.3") == client_of("10.1.2.3") == "10.1.2.3"
+    assert client_of("2001:db8::1") == client_of("2001:db8::ffff:2") != client_of("2001:db8:0:1::1")
+    assert client_of("fe80::1%eth0") == client_of("fe80::2") and client_of(None) == "?"
 
 
 async def test_a_client_cannot_set_the_answer():
