@@ -6,7 +6,8 @@
                 run's ``model.path`` from ``RUN_DIR/config.toml`` (as a path, or relative to
                 the directory holding ``runs/``), else ``RUN_DIR/final``.  The SFT warm
                 start keeps the base model's architecture and tokenizer, so the base serves.
-3. weights      the checkpoint's model state, loaded strictly into that architecture;
+3. weights      the checkpoint's model state (a sharded one's shards put together), loaded
+                strictly into that architecture;
                 a LoRA checkpoint (its keys hold ``lora_A``/``lora_B``) is rebuilt with the
                 same adapters (rank from the tensors, alpha from ``trainer.lora_alpha``) and
                 merged, so the output is a plain model
@@ -30,7 +31,13 @@ import torch
 
 from agentrl.config import load_config
 from agentrl.errors import AgentrlError
-from agentrl.trainer.checkpoint import checkpoint_name, checkpoint_step, complete_checkpoints, load_checkpoint
+from agentrl.trainer.checkpoint import (
+    checkpoint_name,
+    checkpoint_step,
+    complete_checkpoints,
+    load_checkpoint,
+    load_sharded_weights,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_A\.default\.weight$")
@@ -64,7 +71,8 @@ def export_checkpoint(
     source = resolve_model_dir(run_dir, cfg, model_dir)
     # 3) weights
     trainer_state, _ = load_checkpoint(ckpt)
-    model, lora = _build_model(source, trainer_state["model"], cfg, ckpt)
+    weights = load_sharded_weights(trainer_state["sharded"]) if "sharded" in trainer_state else trainer_state["model"]
+    model, lora = _build_model(source, weights, cfg, ckpt)
     if dtype != "auto":
         model = model.to(DTYPES[dtype])
     # 4) write

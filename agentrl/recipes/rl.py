@@ -638,7 +638,9 @@ async def checkpoint(
 
     logs = {name: (run_dir / f"{name}.jsonl").stat().st_size for name in LOGS if (run_dir / f"{name}.jsonl").exists()}
     state = {"step": version, "buffer": buffer.state_dict(), "sampler": sampler.state_dict(), "logs": logs}
-    trainer_state = await asyncio.to_thread(trainer.state_dict)  # a trainer actor's comes through Ray
+    # the sharded trainer's ranks write their own shards into the checkpoint; the others hand over one state
+    # dict (a trainer actor's comes through Ray)
+    trainer_state = getattr(trainer, "write_state", None) or await asyncio.to_thread(trainer.state_dict)
     await asyncio.to_thread(save_checkpoint, run_dir, version, trainer_state, state, keep)
 
 

@@ -2,10 +2,13 @@
 
 ``RUN_DIR/checkpoints/step_00000020/`` holds ``trainer.pt`` (model, optimizer, LR
 schedule, every RNG state), ``state.json`` (buffer + ledger, task-sampler cursor, version,
-and whatever the loop adds) and ``COMPLETE`` (the step and each file's size).
-:func:`save_checkpoint`:
+and whatever the loop adds) and ``COMPLETE`` (the step and each file's size).  A sharded
+trainer (``trainer.world_size = N``) writes ``trainer/`` instead of ``trainer.pt``: its
+weights and AdamW state with ``torch.distributed.checkpoint``, each rank its own shards
+(nothing is gathered), plus ``rank_K.pt`` (rank K's RNG states and LR schedule) and
+``meta.json`` (the world size).  :func:`save_checkpoint`:
 
-1. writes all three into ``checkpoints/.tmp-step_00000020/``, fsyncing each file and the
+1. writes everything into ``checkpoints/.tmp-step_00000020/``, fsyncing each file and the
    directory (leftovers of a save that was killed are removed first);
 2. renames that directory to ``step_00000020`` and fsyncs ``checkpoints/``.  Should that
    name already be taken (a resumed run saving the same step again) the old directory is
@@ -26,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -36,6 +40,7 @@ from agentrl.errors import CheckpointError
 from agentrl.types import json_default
 
 MARKER = "COMPLETE"
+SHARDED = "trainer"  # a sharded trainer's directory in a checkpoint (module docstring)
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -46,10 +51,13 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, trainer_state: dict[str, Any], state: dict[str, Any], keep: int = 2
+    run_dir: Path, step: int, trainer_state: dict[str, Any] | Callable[[Path], Any], state: dict[str, Any],
+    keep: int = 2,
 ) -> Path:
     """Write checkpoint ``step`` (module docstring); returns its directory.
 
+    ``trainer_state``: a state dict (saved as ``trainer.pt``), or a function that writes the
+    trainer's own files into the directory it is given (the sharded trainer: every rank its shards).
     ``keep``: complete checkpoints to keep, this one included (0 = all).
     """
     if keep < 0:
@@ -64,10 +72,14 @@ def save_checkpoint(
     # 1) everything into the temporary directory
     try:
         tmp.mkdir()
-        sizes = {
-            "trainer.pt": _write_durable(tmp / "trainer.pt", lambda f: torch.save(trainer_state, f)),
-            "state.json": _write_durable(tmp / "state.json", lambda f: f.write(json.dumps(state, default=json_default).encode())),
-        }
+        if callable(trainer_state):
+            trainer_state(tmp)
+            sizes = _sync_tree(tmp)
+        else:
+            sizes = {"trainer.pt": _write_durable(tmp / "trainer.pt", lambda f: torch.save(trainer_state, f))}
+        sizes["state.json"] = _write_durable(
+            tmp / "state.json", lambda f: f.write(json.dumps(state, default=json_default).encode())
+        )
         marker = json.dumps({"step": step, "files": sizes}).encode()
         _write_durable(tmp / MARKER, lambda f: f.write(marker))
         _fsync_dir(tmp)
@@ -113,12 +125,38 @@ def checkpoint_step(ckpt: Path) -> int:
 
 
 def load_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(trainer state for ``Trainer.load_state_dict``, loop state); a damaged one is a CheckpointError."""
+    """(trainer state for ``Trainer.load_state_dict``, loop state); a damaged one is a CheckpointError.
+
+    A sharded checkpoint's trainer state is only where its files are, ``{"sharded": DIR,
+    "world_size": N}``: each rank of the resumed trainer reads its own shards from there."""
     ckpt = Path(ckpt)
     _verify(ckpt)
-    trainer_state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
+    if (ckpt / SHARDED / "meta.json").is_file():
+        trainer_state = {**json.loads((ckpt / SHARDED / "meta.json").read_text()), "sharded": str(ckpt / SHARDED)}
+    else:
+        trainer_state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
     state = json.loads((ckpt / "state.json").read_text())
     return trainer_state, state
+
+
+def load_sharded_weights(sharded_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The full model state of a sharded checkpoint (every rank's shards put together), in this process.
+
+    Reads only the weights, not the AdamW state; needs no process group (``agentrl export``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(sharded_dir))
+    entries = reader.read_metadata().state_dict_metadata
+    model = {
+        key.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in entries.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+    return model
 
 
 # ----------------------------------------------------------------------------- RNG states
@@ -159,6 +197,22 @@ def _write_durable(path: Path, write: Callable[[IO[bytes]], Any]) -> int:
         return f.tell()
 
 
+def _sync_tree(root: Path) -> dict[str, int]:
+    """fsync every file and directory under ``root``; each file's size by its path relative to it."""
+    sizes = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            sizes[str(path.relative_to(root))] = path.stat().st_size
+        elif path.is_dir():
+            _fsync_dir(path)
+    return sizes
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -192,7 +246,7 @@ def _os_error_in(e: BaseException) -> OSError | None:
 
 def _write_failed(ckpt: Path, tmp: Path, root: Path, e: OSError) -> CheckpointError:
     """Remove the partial checkpoint; the one-line error names the path, the cause and the free space."""
-    written = sum(f.stat().st_size for f in tmp.glob("*") if f.is_file()) if tmp.is_dir() else 0
+    written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.is_dir() else 0
     shutil.rmtree(tmp, ignore_errors=True)
     free = shutil.disk_usage(root).free
     kept = max((p for p in root.glob("step_*") if (p / MARKER).is_file()), default=None)

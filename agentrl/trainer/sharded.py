@@ -2,7 +2,8 @@
 
 :class:`ShardedTrainer` is a handle in the driver with the one-process
 :class:`~agentrl.trainer.trainer.Trainer`'s calls (``step``, ``named_tensors``,
-``adapter_tensors``, ``state_dict``, ``load_state_dict``, ``merged_model``, ``close``).  It spawns N
+``adapter_tensors``, ``load_state_dict``, ``merged_model``, ``close``; ``write_state`` in place of
+``state_dict``).  It spawns N
 rank processes on this host (one pipe each, gloo on CPU, nccl with one GPU per rank); every call
 goes to every rank and rank 0 answers.
 
@@ -23,14 +24,18 @@ Failures: a rank that dies (or reports an error, e.g. a collective that waited l
 ``trainer.collective_timeout_s`` for a stuck peer) ends the call with :class:`TrainerDied`, one line
 naming the rank and the newest checkpoint; the other ranks are terminated, nothing waits forever.
 
-State: ``state_dict`` gathers the full model and optimizer state to rank 0 (CPU) in the layout of
-``torch.distributed.checkpoint.state_dict`` (FQN-keyed), so the run's ordinary checkpoint files
-and ``agentrl export`` work unchanged, and a resume may use any world size > 1.
+State: a checkpoint (:meth:`ShardedTrainer.write_state`) is written by every rank at once with
+``torch.distributed.checkpoint``, each rank its own shards of the weights and AdamW state plus its
+RNG states (nothing is gathered; :mod:`agentrl.trainer.checkpoint` renames the directory into place
+when all are written); a resume needs the same world size and reads each rank's shards back
+(``agentrl export`` puts the shards together into one HF dir).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
 import multiprocessing.connection
 import os
 import socket
@@ -41,9 +46,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from agentrl.errors import AgentrlError, CheckpointError, TrainerDied
-from agentrl.trainer.checkpoint import rng_state, set_rng_state
+from agentrl.trainer.checkpoint import SHARDED, rng_state, set_rng_state
 from agentrl.trainer.logprobs import head_of
 from agentrl.trainer.losses import add_stats
 from agentrl.trainer.trainer import Trainer, _Row
@@ -97,16 +103,6 @@ def tensor_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
     return {"param_bytes": sum(nbytes(p) for p in params),
             "grad_bytes": sum(nbytes(p.grad) for p in params if p.grad is not None),
             "optimizer_bytes": sum(nbytes(v) for v in state)}  # fmt: skip
-
-
-def _copied(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _copied(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_copied(v) for v in tree)
-    return tree
 
 
 def _max_rss() -> int:
@@ -227,34 +223,48 @@ class _RankTrainer(Trainer):
                 out[name + ".lora_B"] = (b.detach() * scale).to("cpu").contiguous()
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    def save_shards(self, path: str) -> tuple[int, int, str] | None:
+        """Write this rank's shards of the weights and AdamW state (torch.distributed.checkpoint, a collective),
+        then its RNG states and LR schedule; returns None, or the failure: (the rank that failed, errno, what)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        # copies: on CPU the gathered state may share storage with the live optimizer state, and the
-        # driver receives tensors through shared memory (a later step would change a saved checkpoint)
-        model_sd, optim_sd = _copied(model_sd), _copied(optim_sd)
-        rngs: list[Any] = [None] * self.world
-        dist.all_gather_object(rngs, rng_state())
-        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(), "rng": rngs[0],
-                "rng_ranks": rngs, "world_size": self.world}  # fmt: skip
+        try:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # DTensor shards: nothing gathered
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)  # every rank learns any failure
+            torch.save({"rng": rng_state(), "scheduler": self.scheduler.state_dict()},
+                       Path(path) / f"rank_{self.rank}.pt")  # fmt: skip
+        except (OSError, RuntimeError, CheckpointException) as e:  # a full disk: the run goes on, the save fails
+            return _write_error(e, self.rank)
+        return None
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    def load_shards(self, path: str) -> None:
+        """Read this rank's shards (written by the same world size) into its weights and AdamW state."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        state = _copied(state)  # every rank receives the same shared-memory tensors: loaded by reference, the
-        # ranks' optimizers would step one shared ``step`` counter
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=state.get("model", {}),
-            optim_state_dict=state.get("optimizer", {}),
-            options=StateDictOptions(full_state_dict=True),  # each rank keeps its shards of the full state
-        )  # fmt: skip
-        self.scheduler.load_state_dict(state["scheduler"])
-        rngs = state["rng_ranks"]
-        set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0])
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # the layout to read into (AdamW's made)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        own = torch.load(Path(path) / f"rank_{self.rank}.pt", map_location="cpu", weights_only=False)
+        self.scheduler.load_state_dict(own["scheduler"])
+        set_rng_state(own["rng"])
+
+
+def _write_error(e: BaseException, rank: int) -> tuple[int, int, str]:
+    """(the rank that failed, errno, what) for the first OSError behind ``e``: DCP hands every rank the failures
+    of all (by rank), so each reports the same one."""
+    seen: list[tuple[int, BaseException]] = [(rank, e)]
+    while seen:
+        at, cur = seen.pop(0)
+        if isinstance(cur, OSError):
+            return at, cur.errno or 0, str(cur.strerror or cur)
+        failures = getattr(cur, "failures", None)
+        if isinstance(failures, dict):
+            seen += [(r, f[0]) for r, f in sorted(failures.items()) if isinstance(f, tuple) and isinstance(f[0], BaseException)]
+        seen += [(at, c) for c in (cur.__cause__, cur.__context__) if c is not None]
+    return rank, 0, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _rank_main(rank: int, world: int, backend: str, port: int, model_dir: str, cfg: TrainerConfig,
@@ -281,7 +291,7 @@ def _rank_main(rank: int, world: int, backend: str, port: int, model_dir: str, c
             if method == "close":
                 break
             result = getattr(trainer, method)(*args)
-            conn.send(("ok", result if rank == 0 or method == "memory" else None))
+            conn.send(("ok", result))  # the driver keeps rank 0's, or every rank's (memory, save_shards)
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which names the rank
         line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -344,16 +354,31 @@ class ShardedTrainer:
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         return self._call("adapter_tensors")
 
-    def state_dict(self) -> dict[str, Any]:
-        return self._call("state_dict")
+    def write_state(self, out: Path) -> None:
+        """Checkpoint into ``out`` (a directory :func:`~agentrl.trainer.checkpoint.save_checkpoint` renames into
+        place): every rank writes its own shards to ``out/trainer``; a failed write raises OSError."""
+        path = Path(out) / SHARDED
+        path.mkdir()
+        failed = [e for e in self._call("save_shards", str(path), every=True) if e]
+        if failed:
+            rank, code, what = failed[0]
+            raise OSError(code or errno.EIO, f"rank {rank}: {what}")
+        (path / "meta.json").write_text(json.dumps({"world_size": self.world, "lora": self.lora}))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "rng_ranks" not in state:
+        """Resume from a checkpoint this world size wrote (:func:`~agentrl.trainer.checkpoint.load_checkpoint`)."""
+        if "sharded" not in state:
             raise CheckpointError(
                 "this checkpoint was written by the one-process trainer (trainer.world_size = 1); resume it with "
                 "world_size = 1, or export it (`agentrl export`) and start a new run from the exported model"
             )
-        self._call("load_state_dict", state)
+        if state["world_size"] != self.world:
+            raise CheckpointError(
+                f"{state['sharded']} was written by {state['world_size']} trainer ranks, this run has "
+                f"trainer.world_size = {self.world}; resume with --trainer.world_size={state['world_size']}, or "
+                "export it (`agentrl export`) and start a new run from the exported model"
+            )
+        self._call("load_shards", state["sharded"])
 
     def memory_by_rank(self) -> list[dict[str, float]]:
         """Per rank: bytes of its weight, gradient and optimizer-state shards, and its peak RSS."""

@@ -393,6 +393,14 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "sharded" in state:  # agentrl.trainer.sharded wrote it, each rank its shards
+            from agentrl.errors import CheckpointError
+
+            raise CheckpointError(
+                f"{state['sharded']} was written by {state['world_size']} trainer ranks (trainer.world_size = "
+                f"{state['world_size']}), this trainer has one; resume with --trainer.world_size={state['world_size']}, "
+                "or export it (`agentrl export`) and start a new run from the exported model"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -64,34 +64,77 @@ def _zombie(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_the_same_run(small_model, tmp_path):
-    # weights, AdamW moments and step counts and the LR schedule come back through the checkpoint files: the
-    # state after loading is the saved one, and the next step is the uninterrupted run's
-    from agentrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+def test_a_sharded_checkpoint_resumes_the_same_run_and_exports(small_model, tmp_path):
+    # each rank writes its own shards (torch.distributed.checkpoint); weights, AdamW moments and step counts, the LR
+    # schedule and every rank's RNG come back, so the next step is the uninterrupted run's; export puts the shards
+    # together into one HF dir whose logits are the trained model's
+    from agentrl.errors import CheckpointError
+    from agentrl.recipes.export import export_checkpoint
+    from agentrl.trainer.checkpoint import SHARDED, latest_checkpoint, load_checkpoint, save_checkpoint
+    from agentrl.trainer.trainer import Trainer
 
     batch = load_benchmark("trainer_parity").fixed_batch(0, 512)
     cfg = TrainerConfig(device="cpu", world_size=2, lr=1e-3, warmup_steps=2, steps=4)
     first = ShardedTrainer(small_model, cfg, SamplingParams(), run_dir=tmp_path)
     try:
         first.step(batch)
-        save_checkpoint(tmp_path, 1, first.state_dict(), {"step": 1})
+        ckpt = save_checkpoint(tmp_path, 1, first.write_state, {"step": 1})
+        trained = first.merged_model()
         expected = first.step(batch), first.named_tensors()
     finally:
         first.close()
+    # nothing gathered: no trainer.pt, one shard file per rank, each holding about half of the state
+    shards = sorted((ckpt / SHARDED).glob("*.distcp"))
+    sizes = [f.stat().st_size for f in shards]
+    assert not (ckpt / "trainer.pt").exists() and len(shards) == 2 and max(sizes) < 0.7 * sum(sizes), sizes
+    assert sorted(f.name for f in (ckpt / SHARDED).glob("rank_*.pt")) == ["rank_0.pt", "rank_1.pt"]
     saved = load_checkpoint(latest_checkpoint(tmp_path))[0]
     second = ShardedTrainer(small_model, cfg, SamplingParams(), seed=1, run_dir=tmp_path)
     try:
         second.load_state_dict(saved)
-        loaded = second.state_dict()
         got = second.step(batch), second.named_tensors()
     finally:
         second.close()
-    assert saved["optimizer"]["state"] and loaded["scheduler"] == saved["scheduler"]
-    for name, moments in saved["optimizer"]["state"].items():
-        for k, v in moments.items():
-            assert torch.equal(loaded["optimizer"]["state"][name][k], v), (name, k)
-    for k, v in saved["model"].items():
-        assert torch.equal(loaded["model"][k], v), k
     assert got[0]["lr"] == expected[0]["lr"] and abs(got[0]["loss"] - expected[0]["loss"]) < 1e-7
-    # the step after the resume is the one the first trainer took (AdamW's step count included)
+    # the step after the resume is the one the first trainer took (AdamW's step count and moments included)
     assert max(float((got[1][k] - v).abs().max()) for k, v in expected[1].items()) < 1e-7
+    # another world size is refused with one line
+    with pytest.raises(CheckpointError, match=r"written by 2 trainer ranks.*--trainer.world_size=2") as e:
+        Trainer(small_model, TrainerConfig(device="cpu")).load_state_dict(saved)
+    assert "\n" not in str(e.value)
+    (tmp_path / "config.toml").write_text(f'[model]\npath = "{small_model}"\n')
+    out = export_checkpoint(tmp_path, tmp_path / "exported").out
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, trained(ids).logits)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_a_save_leaves_the_last_checkpoint(small_model, tmp_path):
+    # the save is cut with rank 1 dead: one line naming the newest checkpoint, which stays the newest complete one
+    # and resumes; the next save clears the leftovers and applies retention
+    from agentrl.trainer.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+
+    batch = load_benchmark("trainer_parity").fixed_batch(0, 512)
+    cfg = TrainerConfig(device="cpu", world_size=2, collective_timeout_s=60)
+    trainer = ShardedTrainer(small_model, cfg, SamplingParams(), run_dir=tmp_path)
+    try:
+        trainer.step(batch)
+        save_checkpoint(tmp_path, 1, trainer.write_state, {"step": 1}, keep=1)
+        os.kill(trainer.pids[1], signal.SIGKILL)
+        with pytest.raises(TrainerDied, match=r"rank 1 of 2 was killed by signal 9; newest checkpoint: \S+step_00000001"):
+            save_checkpoint(tmp_path, 2, trainer.write_state, {"step": 2}, keep=1)
+    finally:
+        trainer.close()
+    assert [c.name for c in complete_checkpoints(tmp_path)] == ["step_00000001"]
+    resumed = ShardedTrainer(small_model, cfg, SamplingParams(), run_dir=tmp_path)
+    try:
+        resumed.load_state_dict(load_checkpoint(latest_checkpoint(tmp_path))[0])
+        resumed.step(batch)
+        save_checkpoint(tmp_path, 2, resumed.write_state, {"step": 2}, keep=1)
+    finally:
+        resumed.close()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]
