@@ -22,7 +22,7 @@ def plot_run(run_dir: str | Path, out: str | Path, charts: list[str] | None = No
     out = Path(out)
     if out.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise AgentrlError(f"--out {out}: use a .png, .svg or .pdf file name")
-    view = RunView(run_dir, streams=("metrics",))
+    view = RunView(run_dir, streams=("metrics", "eval_rollouts"))  # held-out episodes fill evals a row lacks
     if view.kind != "run":
         raise AgentrlError(f"{run_dir} is an eval directory: it has no training curves (see `agentrl view --serve`)")
     view.refresh()
@@ -41,7 +41,13 @@ def plot_run(run_dir: str | Path, out: str | Path, charts: list[str] | None = No
                          "axes.spines.right": False}):
         size = (6.4, 4.0) if len(specs) == 1 else (4.6 * cols, 3.2 * rows)
         fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
-        panels = [_panel(ax, spec, view.metrics) for ax, spec in zip(axes.flat, specs, strict=False)]
+        panels = [_panel(ax, spec, view.metrics, view.episodes) for ax, spec in zip(axes.flat, specs, strict=False)]
+        xs = [x for ax in axes.flat for x in ax.dataLim.intervalx if ax.has_data()]
+        if xs:  # one x range for every panel, padded so a one-step run's points sit inside it
+            lo, hi = min(xs), max(xs)
+            pad = max(0.04 * (hi - lo), 0.5)
+            for ax in axes.flat:
+                ax.set_xlim(lo - pad, hi + pad)
         for ax in list(axes.flat)[len(specs):]:
             ax.set_visible(False)
         if len(specs) == 1:  # one chart: the title goes on it
@@ -65,26 +71,36 @@ def _pick(charts: list[str] | None) -> list[dict[str, Any]]:
     return [known[c] for c in charts]
 
 
-def _panel(ax: Any, spec: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _panel(ax: Any, spec: dict[str, Any], rows: list[dict[str, Any]], episodes: list[dict[str, Any]]) -> dict[str, Any]:
+    from matplotlib.ticker import MaxNLocator
+
     drawn: dict[str, int] = {}
-    series = [(s, series_points(rows, s)) for s in spec["series"]]
+    series = [(s, series_points(rows, s, episodes)) for s in spec["series"]]
     series = [(s, pts) for s, pts in series if pts]
     if spec.get("stacked") and series:
         xs = sorted({x for _, pts in series for x, _ in pts})
         stacks = [[dict(pts).get(x, 0.0) for x in xs] for _, pts in series]
-        ax.stackplot(xs, *stacks, labels=[s["label"] for s, _ in series],
-                     colors=[s["color"] for s, _ in series], alpha=0.8)
+        if len(xs) == 1:  # one step: an area needs two x; draw the stack as one bar
+            ax.bar(xs * len(stacks), [st[0] for st in stacks], bottom=[sum(st[0] for st in stacks[:i]) for i in
+                   range(len(stacks))], width=0.4, color=[s["color"] for s, _ in series],
+                   label=[s["label"] for s, _ in series], alpha=0.8)
+        else:
+            ax.stackplot(xs, *stacks, labels=[s["label"] for s, _ in series],
+                         colors=[s["color"] for s, _ in series], alpha=0.8)
         drawn = {s["label"]: len(pts) for s, pts in series}
     else:
         for s, pts in series:
             xs, ys = zip(*pts, strict=True)
+            few = len(pts) <= 3  # a line needs two points: a short run's series would be invisible without markers
             ax.plot(xs, ys, label=s["label"], color=s["color"], linewidth=1.4,
-                    linestyle="--" if s.get("dash") else "-", marker="o" if s.get("marker") else None, markersize=3)
+                    linestyle="--" if s.get("dash") else "-", marker="o" if s.get("marker") or few else None,
+                    markersize=4 if few else 3)
             drawn[s["label"]] = len(pts)
     if not series:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="#999")
     ax.set_title(spec["title"])
     ax.set_xlabel(X_LABEL)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and versions are whole numbers
     ax.set_ylabel(spec["y"])
     ax.grid(True, color="#eee", linewidth=0.8)
     ax.set_axisbelow(True)

@@ -40,7 +40,8 @@ CHARTS: list[dict[str, Any]] = [
     {"id": "reward", "title": "reward", "y": "mean reward", "series": [
         {"key": "rollout/reward_mean", "label": "rollouts", "color": "#1f77b4"},
         {"key": "train/reward_mean", "label": "trained batch", "color": "#aec7e8"},
-        {"key": "eval/reward_mean", "label": "held-out eval", "color": "#d62728", "x": "eval/version", "marker": True}]},
+        {"key": "eval/reward_mean", "label": "held-out eval", "color": "#d62728", "x": "eval/version", "marker": True,
+         "episodes": "eval"}]},
     {"id": "staleness", "title": "staleness", "y": "versions behind", "series": [
         {"key": "buffer/staleness_mean", "label": "mean", "color": "#2ca02c"},
         {"key": "buffer/staleness_max", "label": "max", "color": "#98df8a"},
@@ -65,6 +66,7 @@ CHARTS: list[dict[str, Any]] = [
         {"key": "ledger/errored", "label": "errored", "color": "#d62728"},
         {"key": "ledger/interrupted", "label": "interrupted", "color": "#9467bd"},
         {"key": "ledger/skipped", "label": "skipped", "color": "#8c564b"},
+        {"key": "ledger/unused", "label": "unused", "color": "#dbdb8d"},
         {"key": "ledger/in_flight", "label": "in flight", "color": "#1f77b4"}]},
 ]
 
@@ -79,8 +81,15 @@ def _num(v: Any) -> float | None:
     return float(v)
 
 
-def series_points(rows: list[dict[str, Any]], series: dict[str, Any]) -> list[tuple[float, float]]:
-    """(x, y) for one chart series; rows without the metric are skipped."""
+def series_points(rows: list[dict[str, Any]], series: dict[str, Any],
+                  episodes: list[dict[str, Any]] | None = None) -> list[tuple[float, float]]:
+    """(x, y) for one chart series; rows without the metric are skipped.
+
+    A series with ``"episodes": source`` also gets a point for each version that no row carries
+    but episodes of that source do: their mean reward, errored ones counting 0 (as
+    ``eval/reward_mean`` counts them).  A metrics row holds one held-out eval, so a run whose first
+    step is also its last logs only the final eval; the warm-start one is in eval_rollouts.jsonl.
+    """
     out = []
     for r in rows:
         y = _num(r.get(series["key"]))
@@ -89,6 +98,14 @@ def series_points(rows: list[dict[str, Any]], series: dict[str, Any]) -> list[tu
             x = r["step"] + 1
         if x is not None and y is not None:
             out.append((x, y))
+    if series.get("episodes") and episodes:
+        have, sums = {x for x, _ in out}, {}
+        for e in episodes:
+            v = _num(e.get("version"))
+            if e.get("source") == series["episodes"] and v is not None and v not in have:
+                n, total = sums.get(v, (0, 0.0))
+                sums[v] = (n + 1, total + (0.0 if e.get("error") else _num(e.get("reward")) or 0.0))
+        out = sorted(out + [(v, total / n) for v, (n, total) in sums.items()])
     return out
 
 
@@ -233,6 +250,32 @@ def _ledger_fates(row: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     return out
 
 
+def token_texts(tok: Any, ids: list[int]) -> list[str]:
+    """Each token's share of the decoded text: ``"".join`` of the result is the whole decode.
+
+    A byte-level tokenizer splits a character outside ASCII ("π", "日", an emoji) over several
+    tokens, and one token alone decodes to U+FFFD; a SentencePiece token alone loses its leading
+    space.  So each token is decoded in the context of the tokens before it (the difference of two
+    short decodes, as streaming detokenizers do); a token that ends inside a character gets ""
+    and the token that completes the character carries all of it.
+    """
+    out: list[str] = []
+    start = done = 0  # ids[start:done] were decoded last; their text is already in `out`
+    for i in range(len(ids)):
+        before = tok.decode(ids[start:done], skip_special_tokens=False)
+        now = tok.decode(ids[start: i + 1], skip_special_tokens=False)
+        if now.endswith("\ufffd") and i + 1 < len(ids) and i + 1 - done < 4:  # inside a character (≤ 4 UTF-8 bytes)
+            out.append("")
+            continue
+        if done < i:  # tokens held back: did this one complete their character?
+            held = tok.decode(ids[start:i], skip_special_tokens=False)
+            if now.startswith(held) and held.startswith(before):  # no: they were broken bytes, shown as U+FFFD
+                out[done], before = held[len(before):], held
+        out.append(now[len(before):] if now.startswith(before) else now)
+        start, done = done, i + 1
+    return out
+
+
 # ----------------------------------------------------------------------------- the view
 
 
@@ -374,7 +417,7 @@ class RunView:
             return vals + [fill] * (n - len(vals))
 
         tok = self.tokenizer()
-        text = tok.decode_batch([[i] for i in ids], skip_special_tokens=False) if tok else [f"⟨{i}⟩" for i in ids]
+        text = token_texts(tok, ids) if tok else [f"⟨{i}⟩" for i in ids]
         return {"ids": ids, "text": text, "logprobs": col("logprobs", None), "versions": col("versions", -1),
                 "mask": col("loss_mask", 0)}
 

@@ -110,12 +110,24 @@ function renderFacts() {
 }
 
 function points(s) {
+  // the same points as series_points in agentrl/viewer/data.py
   const out = [];
   for (const r of S.metrics) {
     const y = num(r[s.key]);
     let x = num(r[s.x || "version"]);
     if (x === null && !s.x && num(r.step) !== null) x = r.step + 1;
     if (x !== null && y !== null) out.push([x, y]);
+  }
+  if (s.episodes) { // versions no row carries: the mean reward of that source's episodes (errored count 0)
+    const have = new Set(out.map((p) => p[0])), sums = new Map();
+    for (const e of S.episodes.values()) {
+      const v = num(e.version);
+      if (e.source !== s.episodes || v === null || have.has(v)) continue;
+      const [n, total] = sums.get(v) || [0, 0];
+      sums.set(v, [n + 1, total + (e.error ? 0 : num(e.reward) ?? 0)]);
+    }
+    for (const [v, [n, total]] of sums) out.push([v, total / n]);
+    out.sort((a, b) => a[0] - b[0]);
   }
   return out;
 }
@@ -154,7 +166,7 @@ function chartSVG(spec) {
   const ys = series.flatMap((s) => s.pts.map((p) => p[1])).concat(spec.stacked ? [0] : []);
   let [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys), Math.max(...ys)];
   if (y0 > 0 && y0 < 0.5 * y1) y0 = 0;
-  if (x1 === x0) x1 = x0 + 1;
+  if (x1 - x0 < 2) { x0 -= 0.5; x1 += 0.5; } // a one-step run: its points inside the frame
   if (y1 - y0 < 1e-12) { y1 = y0 + Math.max(Math.abs(y0) * 0.1, 1e-3); }
   const X = (x) => m.l + ((x - x0) / (x1 - x0)) * (W - m.l - m.r);
   const Y = (y) => H - m.b - ((y - y0) / (y1 - y0)) * (H - m.t - m.b);
@@ -182,7 +194,10 @@ function chartSVG(spec) {
       "stroke-dasharray": s.dash ? "4 3" : "none" });
     path.append(sv("title", {}, `${s.label}: last ${fmt(s.last)}`));
     svg.append(path);
-    if (s.marker) for (const p of s.pts) svg.append(sv("circle", { cx: X(p[0]), cy: Y(p[1]), r: 2.5, fill: s.color }));
+    // a line needs two points: a short series gets a dot per point, or a one-step run shows nothing
+    if (s.marker || s.pts.length <= 3) {
+      for (const p of s.pts) svg.append(sv("circle", { cx: X(p[0]), cy: Y(p[1]), r: 2.5, fill: s.color, class: "point" }));
+    }
   }
   return svg;
 }
@@ -299,10 +314,12 @@ function tokenView(seq, palette) {
   seq.ids.forEach((id, i) => {
     const sampled = seq.mask[i] === 1, lp = seq.logprobs[i], v = seq.versions[i];
     const text = (seq.text[i] || "").replace(/\n/g, "↵\n");
-    const span = el("span", { class: `tok ${sampled ? "sampled" : "masked"}`, "data-lp": sampled ? lp : null,
-      "data-version": sampled ? v : null,
-      title: sampled ? `token ${id} · logprob μ ${fmt(lp)} (p ${fmt(Math.exp(lp))}) · version ${v}`
-        : `token ${id} · not trained on (prompt / env / tool tokens)` }, text);
+    // "": the first bytes of a character that a later token completes (that token shows it)
+    const part = text === "" ? " · first bytes of a character the next token completes" : "";
+    const span = el("span", { class: `tok ${sampled ? "sampled" : "masked"}${part ? " part" : ""}`,
+      "data-lp": sampled ? lp : null, "data-version": sampled ? v : null,
+      title: (sampled ? `token ${id} · logprob μ ${fmt(lp)} (p ${fmt(Math.exp(lp))}) · version ${v}`
+        : `token ${id} · not trained on (prompt / env / tool tokens)`) + part }, text);
     if (sampled) {
       span.style.backgroundColor = S.colourBy === "logprob"
         ? `hsl(${(Math.exp(num(lp) ?? 0) * 120).toFixed(0)}, 75%, 78%)` : palette.get(v);
