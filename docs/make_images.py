@@ -6,6 +6,11 @@
     docs/viewer-episode.png   one trained episode: transcript, tool call, tokens coloured by μ logprob
     docs/viewer-diff.png      one held-out task at the first and the last evaluated version
 
+``python docs/make_images.py --smollm RUN`` (a run of examples/smollm.toml) makes instead:
+
+    docs/smollm-curves.png          agentrl plot RUN
+    docs/smollm-viewer-episode.png  one trained SmolLM2 episode: its Hermes <tool_call>, as text and as tokens
+
 Needs the system Chromium (``apt-get install chromium``) and playwright (the dev extra).
 """
 
@@ -69,7 +74,7 @@ def screenshots(run: Path) -> None:
     with ViewerServer(run) as srv, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=FLAGS)
         page = browser.new_page(viewport={"width": 1400, "height": 920}, device_scale_factor=1)
-        page.goto(srv.url)
+        page.goto(srv.login_url)  # the viewer's key, once; then its cookie
         page.wait_for_selector("svg.chart path.series")
         page.wait_for_function("document.querySelector('#status').textContent.includes('finished')")
         page.uncheck("#follow")
@@ -91,7 +96,41 @@ def screenshots(run: Path) -> None:
         browser.close()
 
 
+def smollm(run: Path) -> None:
+    """The SmolLM2 section's images: every curve, and one trained episode's detail panel."""
+    from playwright.sync_api import sync_playwright
+
+    subprocess.run([sys.executable, "-m", "agentrl.cli", "plot", str(run), "--out", str(DOCS / "smollm-curves.png"),
+                    "--dpi", "80", "--title", "SmolLM2-135M-Instruct: examples/smollm.toml"], check=True)
+    view = RunView(run)
+    fates = {f["id"]: f["fate"] for f in view.poll()["fates"]}
+    rewarded = [e["id"] for e in reversed(view.episodes)
+                if fates.get(e["id"]) == "trained" and e["tool_calls"] and e["reward"] == 1]
+    # one whose answer is the bare result (some echo the <tool_response> wrapper around it)
+    clean = [i for i in rewarded if "<" not in (view.episode(i)["messages"][-1].get("content") or "<")]
+    episode = (clean or rewarded)[0]
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    with ViewerServer(run) as srv, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=FLAGS)
+        # tall enough that the detail panel holds the transcript and every token without scrolling
+        page = browser.new_page(viewport={"width": 1400, "height": 1500}, device_scale_factor=1)
+        page.goto(srv.login_url)
+        page.click("nav button[data-tab=episodes]")
+        page.fill("input[name=task]", view.episode(episode)["summary"]["question"])
+        page.click(f"#episodes tbody tr[data-id='{episode}']")
+        page.wait_for_selector("#detail .tok.sampled")
+        box = page.locator("#detail").bounding_box()
+        tokens = page.locator("#detail .tokens").first.bounding_box()
+        bottom = tokens["y"] + tokens["height"] + 8
+        page.screenshot(path=str(DOCS / "smollm-viewer-episode.png"),
+                        clip={"x": box["x"], "y": box["y"], "width": box["width"], "height": bottom - box["y"]})
+        browser.close()
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--smollm"]:
+        smollm(Path(sys.argv[2]))
+        sys.exit(0)
     run_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/quickstart")
     plots(run_dir)
     screenshots(run_dir)
