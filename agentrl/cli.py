@@ -84,16 +84,10 @@ def sft(
     configs: Annotated[list[str], typer.Argument(help="TOML files (merged left to right), then --dotted.overrides.")],
 ) -> None:
     """Supervised warm start on the environment's demonstrations (cached by config)."""
-    import torch
-
     from agentrl.config import load_config, split_files_and_overrides
-    from agentrl.recipes.rl import torch_threads
-    from agentrl.recipes.sft import warm_start
+    from agentrl.recipes.sft import sft_command
 
-    cfg = load_config(*split_files_and_overrides([*configs, *ctx.args]))
-    torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does: its engine gets as many
-    path = warm_start(cfg)
-    typer.echo(str(path))
+    typer.echo(str(sft_command(load_config(*split_files_and_overrides([*configs, *ctx.args])))))
 
 
 @app.command()

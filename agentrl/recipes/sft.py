@@ -202,6 +202,31 @@ def warm_start(cfg: Config, *, progress: bool = True) -> Path:
     return out
 
 
+def sft_command(cfg: Config) -> Path:
+    """``agentrl sft``: :func:`warm_start` with its own threads; on Ctrl-C one line says what was
+    kept and what to run next (``agentrl run`` says its own, so this is not in warm_start)."""
+    import torch
+
+    from agentrl.recipes.rl import say, torch_threads
+
+    torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does: its engine gets as many
+    try:
+        return warm_start(cfg)
+    except KeyboardInterrupt:
+        say(sft_interrupted_note(cfg))
+        raise
+
+
+def sft_interrupted_note(cfg: Config) -> str:
+    """What an interrupted `agentrl sft` kept: the warm start is written only once it finishes."""
+    base = Path(cfg.model.path)
+    if not (base / "config.json").is_file():
+        return (f"interrupted before the base model {base} was written: nothing was saved; run the same "
+                "command again to write it and then run SFT")
+    return (f"interrupted during SFT: nothing of it was saved (the warm start is written only when it finishes; "
+            f"the base model {base} is kept); run the same command again to start SFT over")
+
+
 def demonstration_data(env: Any, base: Path, sft: SFTConfig, seed: int) -> list[tuple[list[int], list[int]]]:
     """``env.demonstrations`` rendered with ``base``'s chat template: (token ids, assistant mask) each."""
     from transformers import AutoTokenizer

@@ -97,3 +97,34 @@ def test_ctrl_c_during_the_warm_start_says_sft_starts_again(tiny_model, tmp_path
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted during the SFT warm start: it is saved only when it finishes, so the next run starts it again" \
         in err, err[-2000:]
+
+
+def test_ctrl_c_during_agentrl_sft_says_what_was_saved_and_what_to_run(tiny_model, tmp_path):
+    """`agentrl sft` alone printed nothing on Ctrl-C (`agentrl run` named its checkpoint)."""
+    import shutil
+
+    base = tmp_path / "base"  # the SFT cache is written beside the model: a copy of its own
+    shutil.copytree(tiny_model, base)
+    args = ["sft", f"--model.path={base}", "--env.name=calc", "--sft.steps=100000", "--sft.batch_size=4",
+            "--sft.num_demos=64", "--trainer.num_threads=1"]
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stderr:  # the first progress line: SFT is training
+            seen.append(line)
+            if line.startswith("sft 1/"):
+                break
+        assert proc.poll() is None, "".join(seen)[-2000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        out, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = "".join(seen) + rest
+    assert proc.returncode == 130 and out == "", err[-2000:]
+    note = (f"interrupted during SFT: nothing of it was saved (the warm start is written only when it finishes; "
+            f"the base model {base} is kept); run the same command again to start SFT over")
+    assert note in err, err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]  # no half-written cache entry was kept
