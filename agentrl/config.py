@@ -287,6 +287,10 @@ class TrainerConfig(Section):
         "auto", description="torch.distributed backend of the trainer ranks: auto = nccl when every rank gets its own "
         "GPU (one per rank, cuda:0..N-1), else gloo on CPU.",
     )
+    push_bucket_mb: float = Field(
+        64.0, gt=0, description="world_size > 1: the weights out (push, final model) leave rank 0 this many MiB at a "
+        "time, each tensor gathered from its shards and dropped once sent, so no rank holds a full copy of the model.",
+    )
     collective_timeout_s: float = Field(
         600.0, gt=0, description="world_size > 1: a collective that waits longer (a rank stuck or dead) fails the run "
         "with TrainerDied instead of hanging.",

@@ -41,6 +41,7 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,6 +112,35 @@ def _max_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def _status_kib(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def rss() -> int:
+    """This process's resident memory now (Linux; 0 elsewhere)."""
+    return _status_kib("VmRSS")
+
+
+def peak_rss() -> int:
+    """Peak resident memory since the last :func:`reset_peak_rss`."""
+    return _status_kib("VmHWM")
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -121,9 +151,10 @@ class _RankTrainer(Trainer):
     """One rank: the one-process trainer on its share of each micro-batch schedule (module docstring)."""
 
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None, *, seed: int,
-                 rank: int, world: int) -> None:  # fmt: skip
-        self.rank, self.world = rank, world
+                 rank: int, world: int, conn: Any) -> None:  # fmt: skip
+        self.rank, self.world, self.conn = rank, world, conn  # conn: rank 0 sends weights out through it
         super().__init__(model_dir, cfg, sampling, seed=seed)
+        self.setup_rss = rss()
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -191,37 +222,38 @@ class _RankTrainer(Trainer):
         return int(t.item())
 
     def memory(self) -> dict[str, float]:
-        """This rank's bytes of weights, gradients and optimizer state (its shards), and its peak RSS."""
-        return {"rank": self.rank, **tensor_bytes(self.model, self.optimizer), "max_rss_bytes": _max_rss()}
+        """This rank's bytes of weights, gradients and optimizer state (its shards), its peak RSS, its RSS after
+        setup, and its RSS before and at the peak of the last weights out (``named_tensors``)."""
+        push = getattr(self, "last_push_rss", {})
+        return {"rank": self.rank, **tensor_bytes(self.model, self.optimizer), "max_rss_bytes": _max_rss(),
+                "setup_rss_bytes": self.setup_rss, "push_rss_before_bytes": push.get("before", 0),
+                "push_rss_peak_bytes": push.get("peak", 0)}  # fmt: skip
 
-    # weights out: one tensor gathered at a time; only rank 0 keeps it (CPU)
+    # weights out: one tensor gathered at a time; rank 0 sends them to the driver a bucket at a time
 
-    @torch.no_grad()
-    def named_tensors(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        if not self.lora:
-            for k, v in self.model.state_dict().items():
-                full = _full(v)
-                if self.rank == 0:
-                    out[k] = full.detach().to("cpu").contiguous()
-            return out
-        for name, base, a, b, scale in self._adapted_modules():
-            w = _full(base) + _full(b) @ _full(a) * scale
-            if self.rank == 0:
-                out[name + ".weight"] = w.to("cpu").contiguous()
-        return out
+    def _full_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return _full(t)  # a collective: every rank gathers the same tensors in the same order
 
-    @torch.no_grad()
-    def adapter_tensors(self) -> dict[str, torch.Tensor]:
-        if not self.lora:
-            raise ValueError("adapter_tensors() needs a LoRA trainer (trainer.lora_rank > 0)")
-        out = {}
-        for name, _, a, b, scale in self._adapted_modules():
-            a, b = _full(a), _full(b)
-            if self.rank == 0:
-                out[name + ".lora_A"] = a.detach().to("cpu").contiguous()
-                out[name + ".lora_B"] = (b.detach() * scale).to("cpu").contiguous()
-        return out
+    def _collect(self, items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Rank 0 sends each ``trainer.push_bucket_mb`` of gathered tensors to the driver and drops them, so no
+        rank holds a full copy of the model (the others drop each tensor at once); returns nothing itself."""
+        reset_peak_rss()
+        before = rss()
+        bucket: dict[str, torch.Tensor] = {}
+        size, t = 0, None
+        for name, t in items:
+            if self.rank != 0:
+                continue
+            bucket[name] = t = t.detach().to("cpu").contiguous()
+            size += t.numel() * t.element_size()
+            if size >= self.cfg.push_bucket_mb * 2**20:
+                self.conn.send(("part", bucket))
+                bucket, size = {}, 0
+        if bucket:
+            self.conn.send(("part", bucket))
+        del bucket, t  # nothing of the weights stays here
+        self.last_push_rss = {"before": before, "peak": peak_rss()}
+        return {}
 
     def save_shards(self, path: str) -> tuple[int, int, str] | None:
         """Write this rank's shards of the weights and AdamW state (torch.distributed.checkpoint, a collective),
@@ -281,7 +313,7 @@ def _rank_main(rank: int, world: int, backend: str, port: int, model_dir: str, c
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=cfg.collective_timeout_s))  # fmt: skip
         trainer = _RankTrainer(model_dir, cfg.model_copy(update={"device": str(device)}), sampling, seed=seed,
-                               rank=rank, world=world)  # fmt: skip
+                               rank=rank, world=world, conn=conn)  # fmt: skip
         conn.send(("ok", {"lora": trainer.lora}))
         while True:
             try:
@@ -349,10 +381,15 @@ class ShardedTrainer:
         return self._call("step", groups)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        return self._call("named_tensors")
+        """The weights to push, received from rank 0 a bucket at a time (``trainer.push_bucket_mb``)."""
+        out: dict[str, torch.Tensor] = {}
+        self._call("named_tensors", on_part=out.update)
+        return out
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
-        return self._call("adapter_tensors")
+        out: dict[str, torch.Tensor] = {}
+        self._call("adapter_tensors", on_part=out.update)
+        return out
 
     def write_state(self, out: Path) -> None:
         """Checkpoint into ``out`` (a directory :func:`~agentrl.trainer.checkpoint.save_checkpoint` renames into
@@ -389,9 +426,14 @@ class ShardedTrainer:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        missing = model.load_state_dict(self.named_tensors(), strict=False)
-        if missing.unexpected_keys:
-            raise RuntimeError(f"the sharded trainer's weights do not fit the model: {missing.unexpected_keys[:3]}")
+        unexpected: list[str] = []
+
+        def load(bucket: dict[str, torch.Tensor]) -> None:  # each bucket into the model as it comes: no second copy
+            unexpected.extend(model.load_state_dict(bucket, strict=False).unexpected_keys)
+
+        self._call("named_tensors", on_part=load)
+        if unexpected:
+            raise RuntimeError(f"the sharded trainer's weights do not fit the model: {unexpected[:3]}")
         return model
 
     def close(self) -> None:
@@ -421,7 +463,9 @@ class ShardedTrainer:
 
     # the plumbing
 
-    def _call(self, method: str, *args: Any, others: tuple[Any, ...] | None = None, every: bool = False) -> Any:
+    def _call(self, method: str, *args: Any, others: tuple[Any, ...] | None = None, every: bool = False,
+              on_part: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
+        """Run ``method`` on every rank; ``on_part`` takes what rank 0 sends before its reply (weight buckets)."""
         if self._closed:
             raise TrainerDied(f"the sharded trainer is closed; cannot run {method}")
         for rank, c in enumerate(self._conns):
@@ -429,9 +473,9 @@ class ShardedTrainer:
                 c.send((method, args if others is None or rank == 0 else others))
             except OSError:
                 self._died(rank, None)
-        return self._wait(every)
+        return self._wait(every, on_part)
 
-    def _wait(self, every: bool = False) -> Any:
+    def _wait(self, every: bool = False, on_part: Callable[[Any], None] | None = None) -> Any:
         """Every rank's reply (rank 0's returned, or all in rank order); a rank that dies or fails raises :class:`TrainerDied`."""
         replies: dict[int, Any] = {}
         while len(replies) < self.world:
@@ -446,6 +490,10 @@ class ShardedTrainer:
                         self._died(rank, None)
                     if kind == "error":
                         self._died(rank, value)
+                    if kind == "part":
+                        if on_part is not None:
+                            on_part(value)
+                        continue
                     replies[rank] = value
                 else:
                     rank = sentinels[ready]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -345,27 +346,46 @@ class Trainer:
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Weights to push: every tensor of the plain HF model (CPU, contiguous), LoRA merged into
         the adapted matrices (engines refuse a push that names only some of their tensors)."""
-        if not self.lora:
-            return {k: v.detach().to("cpu").contiguous() for k, v in self.model.state_dict().items()}
-        merged = {name + ".weight": base + b @ a * scale for name, base, a, b, scale in self._adapted_modules()}
-        out = {}
-        for k, v in self.model.state_dict().items():
-            if ".lora_" in k:
-                continue
-            name = _hf_name(k.replace(".base_layer.", "."))
-            out[name] = merged.get(name, v).detach().to("cpu").contiguous()
-        return out
+        return self._collect(self._weights())
 
     @torch.no_grad()
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """LoRA factors to push, ``{module}.lora_A`` and ``{module}.lora_B`` (scaling folded into B)."""
         if not self.lora:
             raise ValueError("adapter_tensors() needs a LoRA trainer (trainer.lora_rank > 0)")
-        out = {}
+        return self._collect(self._adapters())
+
+    def _full_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of a parameter (the sharded trainer gathers a shard's here)."""
+        return t
+
+    def _collect(self, items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The weights out, on the CPU (the sharded trainer sends them in buckets instead)."""
+        return {name: t.detach().to("cpu").contiguous() for name, t in items}
+
+    def _weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the plain HF model, one tensor at a time, LoRA merged (W + s·B·A)."""
+        full = self._full_tensor
+        if not self.lora:
+            for k, v in self.model.state_dict().items():
+                yield k, full(v)
+            return
+        adapted = {name + ".weight": (base, a, b, scale) for name, base, a, b, scale in self._adapted_modules()}
+        for k, v in self.model.state_dict().items():
+            if ".lora_" in k:
+                continue
+            name = _hf_name(k.replace(".base_layer.", "."))
+            if name in adapted:
+                base, a, b, scale = adapted[name]
+                yield name, full(base) + full(b) @ full(a) * scale
+            else:
+                yield name, full(v)
+
+    def _adapters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        full = self._full_tensor
         for name, _, a, b, scale in self._adapted_modules():
-            out[name + ".lora_A"] = a.detach().to("cpu").contiguous()
-            out[name + ".lora_B"] = (b.detach() * scale).to("cpu").contiguous()
-        return out
+            yield name + ".lora_A", full(a)
+            yield name + ".lora_B", full(b) * scale
 
     def _adapted_modules(self):
         """(hf module name, base weight, A, B, scaling) for every LoRA-adapted linear."""

@@ -116,7 +116,12 @@ def test_a_sharded_checkpoint_resumes_the_same_run_and_exports(small_model, tmp_
 def test_a_rank_killed_during_a_save_leaves_the_last_checkpoint(small_model, tmp_path):
     # the save is cut with rank 1 dead: one line naming the newest checkpoint, which stays the newest complete one
     # and resumes; the next save clears the leftovers and applies retention
-    from agentrl.trainer.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+    from agentrl.trainer.checkpoint import (
+        complete_checkpoints,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
 
     batch = load_benchmark("trainer_parity").fixed_batch(0, 512)
     cfg = TrainerConfig(device="cpu", world_size=2, collective_timeout_s=60)
@@ -138,3 +143,25 @@ def test_a_rank_killed_during_a_save_leaves_the_last_checkpoint(small_model, tmp
     finally:
         resumed.close()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+def test_weights_out_leave_rank_0_in_buckets_and_lora_sends_only_adapters(small_model):
+    # rank 0 sends a bucket at a time (it never holds the whole gathered model); a LoRA trainer's weights out are the
+    # whole plain model with the adapters merged (an engine refuses a partial push), its adapter push only A and s·B
+    from agentrl.trainer.trainer import Trainer
+
+    one = Trainer(small_model, TrainerConfig(device="cpu", lora_rank=4), SamplingParams(), seed=0)
+    cfg = TrainerConfig(device="cpu", world_size=2, lora_rank=4, push_bucket_mb=0.01)  # 10 KiB
+    sharded = ShardedTrainer(small_model, cfg, SamplingParams(), seed=0)
+    try:
+        buckets: list[dict] = []
+        sharded._call("named_tensors", on_part=buckets.append)
+        weights, adapters = sharded.named_tensors(), sharded.adapter_tensors()
+    finally:
+        sharded.close()
+    expected = one.named_tensors()
+    assert len(buckets) > 2 and sum(len(b) for b in buckets) == len(expected)
+    assert all(sum(t.numel() * t.element_size() for t in b.values()) < 10240 + max(t.numel() * 4 for t in b.values())
+               for b in buckets)  # a bucket closes once it holds 10 KiB
+    assert set(weights) == set(expected) and all(torch.equal(weights[k], v) for k, v in expected.items())
+    assert set(adapters) == set(one.adapter_tensors()) and all(".lora_" in k for k in adapters)
