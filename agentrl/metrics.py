@@ -89,6 +89,8 @@ SCHEMA_PREFIXES = {
     "ledger/failed/": "episodes with this error kind (the policy's doing) kept in their group as failures",
     "engine/": "what the engine reports in /metrics",
     "rollout/groups/": "groups rollout worker wN delivered to the buffer actor (cumulative)",
+    "eval/earlier/": "the held-out evaluation before eval/* when one row holds two (the final step's: the one that "
+                     "finished during it, or the warm start's on a 1-step run)",
 }
 
 
@@ -419,7 +421,8 @@ def summarize_run(run_dir: str | Path, last_rollouts: int = 3) -> str:
         f"  steps {len(rows)} (version {last['version']}), wall {last.get('time/wall_s', 0):.0f}s, "
         f"tokens/s {last.get('rollout/tokens_per_s', 0):.0f}, weight push {last.get('weights/push_s', 0) * 1000:.0f} ms"
     )
-    evals = [(r["eval/version"], r["eval/reward_mean"]) for r in rows if r.get("eval/reward_mean") is not None]
+    evals = [(r[f"{p}version"], r[f"{p}reward_mean"]) for r in rows for p in ("eval/earlier/", "eval/")
+             if r.get(f"{p}reward_mean") is not None]
     if evals:
         curve = "  ".join(f"v{v}:{x:.3f}" for v, x in evals)
         lines.append(f"  eval reward (held-out): {curve}")

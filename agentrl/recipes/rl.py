@@ -333,7 +333,11 @@ def check_ledger(buffer: TrainingBuffer, manager: RolloutSource) -> None:
 
 class HeldOut:
     """Held-out evaluation on a fixed weight version (``[eval]``): before the first step, every
-    ``eval.every`` steps in the background, and on the final weights."""
+    ``eval.every`` steps in the background, and on the final weights.
+
+    A step's metrics row carries the evaluation that finished since the previous row.  The final
+    step can hold two (the one that finished during it, or the warm start's on a 1-step run, and the
+    final weights'): the final one is ``eval/*``, the one before it ``eval/earlier/*``."""
 
     def __init__(self, manager: RolloutSource, tasks: list[Task], ec: EvalConfig, max_tokens: int,
                  record: Callable[[int, list[Any]], None] | None = None):
@@ -341,7 +345,7 @@ class HeldOut:
         self.concurrency = ec.concurrency
         self.sampling = SamplingParams(max_tokens=max_tokens, temperature=ec.temperature)
         self.running: asyncio.Task | None = None
-        self.pending: dict[str, Any] | None = None
+        self.finished: list[dict[str, Any]] = []  # results not in a metrics row yet, oldest first
 
     async def evaluate(self, version: int) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -355,24 +359,36 @@ class HeldOut:
             "eval/seconds": time.perf_counter() - t0,
         }
 
+    async def baseline(self, version: int) -> float:
+        """The weights before any step (the warm start); returns the reward."""
+        self.finished.append(await self.evaluate(version))
+        return self.finished[-1]["eval/reward_mean"]
+
     async def before_push(self) -> None:
         """An evaluation runs on one fixed version: finish it before the weights change."""
         if self.running is not None:
-            self.pending = await self.running
+            self.finished.append(await self.running)
             self.running = None
 
     async def after_step(self, version: int, final: bool) -> None:
         if self.every <= 0 or not (final or version % self.every == 0):
             return
         if final:  # rollouts stop after this step: evaluate the final weights right away
+            await self.before_push()
             self.manager.stop()
-            self.pending = await self.evaluate(version)
-        else:
+            self.finished.append(await self.evaluate(version))
+        elif self.running is None:  # one still running: no push since it started, the engines serve its weights
             self.running = asyncio.create_task(self.evaluate(version))
 
     def take_result(self) -> dict[str, Any]:
-        out, self.pending = self.pending or {}, None
-        return out
+        """The newest finished evaluation as ``eval/*``, one finished before it as ``eval/earlier/*``
+        (at most two wait: the final step's two, see the class docstring)."""
+        *earlier, newest = self.finished or [{}]
+        self.finished = []
+        row = dict(newest)
+        if earlier:
+            row.update({k.replace("eval/", "eval/earlier/", 1): v for k, v in earlier[-1].items()})
+        return row
 
     def cancel(self) -> None:
         if self.running is not None:
@@ -596,8 +612,7 @@ async def _train_loop(
         await engines.align(pusher, state.start_step)
         if cfg.eval.every > 0 and state.start_step == 0:
             live.note(f"evaluating the warm-start model on {len(eval_tasks)} held-out tasks ...")
-            held_out.pending = await held_out.evaluate(0)
-            live.note(f"warm start: eval/reward_mean {held_out.pending['eval/reward_mean']:.3f}")
+            live.note(f"warm start: eval/reward_mean {await held_out.baseline(0):.3f}")
         steps = RunSteps(cfg, run_dir, state.trainer, rollouts, engines, supervisor, held_out,
                          StepLog(manager, buffer, pusher, t_start), logs, live)  # fmt: skip
         # 6c) the loop: data, train, push, commit, after_step (rl_loop's numbered phases)

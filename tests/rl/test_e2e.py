@@ -189,3 +189,21 @@ def test_an_engine_killed_mid_run_is_restarted_and_the_run_completes(tiny_model,
     assert len(ids) == len(set(ids))  # every episode reached one fate, once
     errored = [r for r in records if r["fate"] == "errored"]
     assert all(r["kind"] == "endpoint" for r in errored)  # the killed engine's episodes, named
+
+
+def test_a_one_step_run_keeps_the_warm_start_eval_and_the_final_one(tiny_model, tmp_path):
+    """On a 1-step run the final held-out eval overwrote the warm start's (version 0) before the
+    step's row was written: metrics.jsonl had one eval, of version 1."""
+    run_dir = tmp_path / "one"
+    over = {"trainer.steps": 1, "eval.every": 1, "eval.num_tasks": 4}
+    run_training(load_config([], _overrides(tiny_model, run_dir, **over)), progress=False)
+    (row,) = read_jsonl(run_dir / "metrics.jsonl")
+    evals = {k: v for k, v in row.items() if k.startswith("eval/")}
+    assert sorted(v for k, v in evals.items() if k.endswith("/version")) == [0, 1], evals  # warm start, final
+    assert (row["eval/earlier/version"], row["eval/version"]) == (0, 1), evals
+    episodes = read_jsonl(run_dir / "eval_rollouts.jsonl")  # what each eval's reward was computed from
+    for prefix, version in (("eval/earlier/", 0), ("eval/", 1)):
+        rewards = [0.0 if e["error"] else e["reward"] for e in episodes if e["eval_version"] == version]
+        assert len(rewards) == 4 and row[f"{prefix}reward_mean"] == pytest.approx(sum(rewards) / 4)
+    view = subprocess.run([sys.executable, "-m", "agentrl.cli", "view", str(run_dir)], capture_output=True, text=True)
+    assert view.returncode == 0 and "v0:" in view.stdout and "v1:" in view.stdout, view.stdout
