@@ -21,6 +21,7 @@ Routes (vLLM names and fields where vLLM has them):
   ``POST /weights/begin``, ``PUT /weights/chunk``, ``POST /weights/commit``, ``POST /weights/abort``
   (signed with the engine's key; the rules: :mod:`agentrl.weights.receive`).
 
+Prompt size, render deadline and template kwargs: :mod:`agentrl.inference.bounds`.
 Keys, Host/Origin checks, body cap and connection deadlines (:mod:`agentrl.guard`): ``/health``
 is open; the OpenAI routes (``/v1/*``, ``/tokenize``, ``/detokenize``) need the key when it
 was given (``--api-key`` or ``AGENTRL_API_KEY``); every other route always needs it (a server
@@ -38,7 +39,6 @@ import socket
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from agentrl.auth import ServerKey, server_key
 from agentrl.errors import EngineStartError, RequestError
 from agentrl.guard import Guard, Limits, split_names, uvicorn_config
 from agentrl.inference import streaming
+from agentrl.inference.bounds import RequestBounds
 from agentrl.inference.engine import Engine, SequenceResult
 from agentrl.inference.engine_args import EngineArgs
 from agentrl.inference.protocol import (
@@ -72,15 +73,6 @@ from agentrl.types import new_id
 from agentrl.weights.receive import WeightReceiver
 
 STARTUP_ERROR = "agentrl engine: error: "  # prefix of the one line a refused start prints
-RENDER_DEADLINE_S = 10.0  # rendering + tokenizing one request (normally milliseconds)
-RENDER_THREADS = 4  # a render that overran its deadline keeps its thread: the loop and other renders go on
-# apply_chat_template's own arguments and any template: chat_template_kwargs only sets template variables
-# (a caller's Jinja would run here: CVE-2025-61620's bug class)
-REFUSED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-    "processor_kwargs",
-})  # fmt: skip
 
 
 async def _unless_disconnected(work: Any, http: Request) -> Any:
@@ -111,30 +103,6 @@ async def _unless_disconnected(work: Any, http: Request) -> Any:
     return JSONResponse(job.result())
 
 
-def longest_token_bytes(tokenizer: Any) -> int:
-    """An upper bound on the bytes of text one token stands for: its vocabulary string's UTF-8
-    length (a byte-level BPE writes each byte as one character; a sentencepiece ``<0x41>`` or
-    ``▁`` stands for less than it is long)."""
-    vocab = tokenizer.get_vocab()
-    return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
-
-
-def _content_bytes(message: dict[str, Any]) -> int:
-    """The bytes a message's text brings into a prompt (content, text parts, tool-call arguments)."""
-    content = message.get("content")
-    if isinstance(content, str):
-        size = len(content.encode("utf-8", "surrogatepass"))
-    elif isinstance(content, list):
-        size = sum(len(str(p.get("text", "")).encode("utf-8", "surrogatepass")) for p in content if isinstance(p, dict))
-    else:
-        size = 0
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict):
-            size += len(str(fn.get("arguments", "")).encode("utf-8", "surrogatepass"))
-    return size
-
-
 class EngineServer:
     """Request handling shared by the routes (tokenization, sampling, response shapes)."""
 
@@ -146,10 +114,7 @@ class EngineServer:
         self.tool_parser = resolve_tool_parser(tool_parser, getattr(self.tok, "chat_template", None))
         self.weights: WeightReceiver | None = None  # set by weight_routes
         self.started = time.time()
-        self.render_pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="agentrl-render")
-        # a text longer than this has more than max_model_len tokens, whatever it says: refused
-        # before tokenizing (x2: a normalizer may shrink text before the split)
-        self.max_prompt_bytes = 2 * engine.max_model_len * longest_token_bytes(self.tok)
+        self.bounds = RequestBounds(self.tok, engine.max_model_len)  # sizes, render deadline, template kwargs
 
     # -- helpers
 
@@ -164,30 +129,14 @@ class EngineServer:
             )
 
     async def off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run a render or tokenization on the render threads, within RENDER_DEADLINE_S."""
-        job = asyncio.get_running_loop().run_in_executor(self.render_pool, lambda: fn(*args, **kwargs))
-        try:
-            return await asyncio.wait_for(job, RENDER_DEADLINE_S)
-        except TimeoutError:
-            raise APIError(400, f"rendering or tokenizing this request took over {RENDER_DEADLINE_S:g}s; "
-                                "send a shorter one", code="render_timeout") from None
-
-    def check_bytes(self, size: int, param: str) -> None:
-        if size > self.max_prompt_bytes:
-            raise APIError(
-                400, f"the {param} is {size} bytes: more than this model's context of {self.engine.max_model_len} "
-                     f"tokens can hold (at most {self.max_prompt_bytes} bytes); shorten it",
-                param=param, code="context_length_exceeded")  # fmt: skip
+        """Run a render or tokenization on the render threads, within the render deadline."""
+        return await self.bounds.off_loop(fn, *args, **kwargs)
 
     async def render_chat(self, req: ChatRequest | TokenizeRequest) -> list[int]:
         kwargs = dict(req.chat_template_kwargs or {})
-        refused = sorted(k for k in kwargs if "template" in k.lower() or k in REFUSED_TEMPLATE_KWARGS)
-        if refused:
-            raise APIError(400, f"chat_template_kwargs.{refused[0]} is refused: this server renders with its "
-                                "model's own chat template; kwargs only set that template's variables",
-                           param="chat_template_kwargs")  # fmt: skip
+        self.bounds.check_template_kwargs(kwargs)
         messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
-        self.check_bytes(sum(_content_bytes(m) for m in messages), "messages")
+        self.bounds.check_messages(messages)
         gen = req.add_generation_prompt and not req.continue_final_message
         try:
             return await self.off_loop(
@@ -201,7 +150,7 @@ class EngineServer:
 
     async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """A text prompt's ids: its length checked first, tokenized off the loop."""
-        self.check_bytes(len(text.encode("utf-8", "surrogatepass")), "prompt")
+        self.bounds.check_bytes(len(text.encode("utf-8", "surrogatepass")), "prompt")
         return await self.off_loop(self.tok.encode, text, add_special_tokens=add_special_tokens)
 
     def sampling(self, req: SamplingBody, top_logprobs: int) -> EngineSampling:
