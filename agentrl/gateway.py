@@ -344,6 +344,7 @@ class Gateway:
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> key of ended episodes
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     async def open(self, client: Any, sampling: SamplingParams, **limits: Any) -> Session:
         """A new episode's session (``limits``: see :class:`Session`)."""
@@ -362,6 +363,13 @@ class Gateway:
         loop = asyncio.get_running_loop()
         if self._runner is not None and self._loop is loop:
             return
+        if self._starting is None or self._starting[0] is not loop:
+            self._starting = (loop, asyncio.Lock())
+        async with self._starting[1]:  # concurrent first episodes: one server, not one each (the others leaked)
+            if self._runner is None or self._loop is not loop:
+                await self._serve(loop)
+
+    async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)

@@ -14,8 +14,17 @@ run's policy and recorded token-exactly, so the episode trains like any other.
 ``AGENTRL_API_KEY``) plus ``OPENAI_BASE_URL`` (ending in ``/v1``), ``OPENAI_API_KEY`` (the
 episode's key) and ``AGENTRL_TASK`` (JSON ``{"id", "prompt", "info"}``: never the answer), in
 a session of its own, stdin closed.  Its final answer is the last non-empty line of its
-stdout.  After it exits (or at ``timeout_s``) every process still in its session is killed (a
-program that starts a session of its own escapes this sweep: run hostile code in a sandbox).
+stdout.  After it exits (or at ``timeout_s``) every process still in its session is killed.
+
+**Isolation.**  Programs of one run share a user, and a process can read the environment
+of any process of its user (``/proc/<pid>/environ``): one episode's program could take
+another's ``OPENAI_API_KEY`` and ``OPENAI_BASE_URL`` and call into that episode (its calls
+would train as the other episode's).  So with ``isolate="pid"`` (the default ``"auto"``
+where bubblewrap works) each program runs in a pid namespace of its own with its own
+``/proc`` (``bwrap --unshare-pid``; same files, network and user): it sees only its own
+processes, and the whole namespace dies with its first process, ``setsid`` or not.
+``isolate="none"`` runs it plainly (the sweep above misses a program that calls ``setsid``);
+a key is always bound to its episode's path, so a program's own key opens no other episode.
 
 **In-process form.**  ``agent(client, task)`` gets an ``openai.AsyncOpenAI`` bound to the
 episode's endpoint and the same task dict; its return value is the answer.
@@ -32,10 +41,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from agentrl.auth import KEY_ENV
 from agentrl.envs.base import Environment, State
@@ -48,6 +59,31 @@ STDOUT_KEEP = 64 << 10  # bytes of stdout kept (the answer is its last line)
 STDERR_KEEP = 300  # characters of stderr quoted in an error
 
 Agent = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+Isolate = Literal["auto", "pid", "none"]
+PID_NAMESPACE = ["--dev-bind", "/", "/", "--proc", "/proc", "--unshare-pid", "--die-with-parent", "--"]
+_isolation: dict[str, str | None] = {}  # "pid" -> None when bwrap gives a pid namespace here, else why not
+
+
+class UnisolatedHarnessWarning(UserWarning):
+    """HarnessEnv programs run without a pid namespace: one can read another's key."""
+
+
+def why_no_pid_namespace() -> str | None:
+    """None when ``bwrap --unshare-pid`` works on this host, else why not (probed once)."""
+    if "pid" not in _isolation:
+        import subprocess
+
+        bwrap = shutil.which("bwrap")
+        if bwrap is None:
+            _isolation["pid"] = "bwrap is not installed (apt-get install bubblewrap)"
+        else:
+            try:
+                p = subprocess.run([bwrap, *PID_NAMESPACE, "/bin/true"], capture_output=True, timeout=20)
+                why = None if p.returncode == 0 else p.stderr.decode(errors="replace").strip()[:200] or f"exit {p.returncode}"
+            except (OSError, subprocess.SubprocessError) as e:
+                why = str(e)
+            _isolation["pid"] = None if why is None else f"bwrap cannot make a pid namespace here: {why}"
+    return _isolation["pid"]
 
 
 def task_view(task: Task) -> dict[str, Any]:
@@ -69,17 +105,25 @@ class HarnessEnv(Environment):
         cwd: str | os.PathLike | None = None,
         env: dict[str, str] | None = None,
         max_turns: int = 32,
+        isolate: Isolate = "auto",
         **kwargs: Any,
     ) -> None:
         """``command``: argv of the program; or ``agent``: ``async def agent(client, task) -> str``.
         ``timeout_s``: the program's wall limit (then it is killed, the episode errors with kind
-        ``env``).  ``cwd``/``env``: its working directory and extra environment variables."""
+        ``env``).  ``cwd``/``env``: its working directory and extra environment variables.
+        ``isolate``: ``"pid"`` runs each program in a pid namespace of its own (bwrap; an error
+        where that does not work), ``"auto"`` does so where it works (else warns), ``"none"``
+        never (module docstring)."""
         if (command is None) == (agent is None):
             raise ValueError("HarnessEnv needs exactly one of command=[...] or agent=async_fn")
         if command is not None and (isinstance(command, str) or not command):
             raise ValueError(f"command must be a non-empty argv list, e.g. ['python', 'agent.py'], not {command!r}")
+        if isolate not in ("auto", "pid", "none"):
+            raise ValueError(f"isolate must be 'auto', 'pid' or 'none', not {isolate!r}")
         super().__init__(max_turns=max_turns, **kwargs)
         self.command = [str(c) for c in command] if command is not None else None
+        self.isolate = isolate
+        self._warned = False
         self.agent = agent
         self.program_timeout_s = float(timeout_s)
         self.cwd = str(cwd) if cwd is not None else None
@@ -144,15 +188,32 @@ class HarnessEnv(Environment):
             raise EpisodeError(f"the agent {self.program} returned without calling the model")
         return "" if result is None else str(result)
 
+    async def _launcher(self) -> list[str]:
+        """What the command runs under: bwrap's pid namespace, or nothing (``isolate``)."""
+        if self.isolate == "none":
+            return []
+        why = why_no_pid_namespace() if "pid" in _isolation else await asyncio.to_thread(why_no_pid_namespace)
+        if why is None:
+            return [shutil.which("bwrap") or "bwrap", *PID_NAMESPACE]
+        if self.isolate == "pid":
+            raise EpisodeError(f"HarnessEnv(isolate='pid'): {why}; install bubblewrap, or pass isolate='none'")
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"HarnessEnv programs run without a pid namespace ({why}): a program can read other "
+                          "episodes' keys from /proc; run only programs you trust", UnisolatedHarnessWarning,
+                          stacklevel=2)  # fmt: skip
+        return []
+
     async def _run_command(self, task: dict[str, Any], session: Session) -> str:
         assert self.command is not None
+        launcher = await self._launcher()
         env = {k: v for k, v in os.environ.items() if k != KEY_ENV}  # the run's key stays with the run
         env.update(self.extra_env)
         env.update(OPENAI_BASE_URL=session.base_url, OPENAI_API_KEY=session.key,
                    AGENTRL_TASK=json.dumps(task, default=json_default))  # fmt: skip
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                *launcher, *self.command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True,
             )  # fmt: skip
         except OSError as e:
@@ -180,6 +241,8 @@ class HarnessEnv(Environment):
         if code is None:
             raise EpisodeError(f"the program {self.program} did not finish within timeout_s={self.program_timeout_s:g}s "
                                f"(its processes were killed); stderr: {tail}")  # fmt: skip
+        if launcher and code > 128:  # bwrap reports a child killed by signal N as exit 128 + N
+            code = 128 - code
         if code != 0:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             raise EpisodeError(f"the program {self.program} {how}; stderr: {tail}")
@@ -245,4 +308,4 @@ def _session_members(sid: int) -> list[int]:
     return members
 
 
-__all__ = ["HarnessEnv", "kill_session", "last_line", "task_view"]
+__all__ = ["HarnessEnv", "UnisolatedHarnessWarning", "kill_session", "last_line", "task_view", "why_no_pid_namespace"]

@@ -19,6 +19,7 @@ import pytest
 
 from agentrl.envs import HarnessEnv, ScriptedClient
 from agentrl.envs.check import IM_END, decode
+from agentrl.envs.harness import why_no_pid_namespace
 from agentrl.rubrics import Rubric
 from agentrl.types import SamplingParams
 
@@ -291,24 +292,162 @@ async def test_a_program_that_never_calls_the_model_is_named(tmp_path):
     assert traj.error_kind == "env" and "without calling the model" in traj.error and "oops" in traj.error
 
 
-async def test_a_timeout_kills_the_whole_process_tree(tmp_path):
-    pids, script = tmp_path / "pids", tmp_path / "stuck.py"
+def alive(token: str) -> list[int]:
+    """Live processes (any pid namespace: seen from this one) whose command line holds ``token``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and token in open(f"/proc/{entry}/cmdline").read() and not _zombie(int(entry)):
+                found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+needs_pid_namespace = pytest.mark.skipif(why_no_pid_namespace() is not None, reason=str(why_no_pid_namespace()))
+
+
+@pytest.mark.parametrize("isolate", ["none", pytest.param("pid", marks=needs_pid_namespace)])
+async def test_a_timeout_kills_the_whole_process_tree(tmp_path, isolate):
+    token = f"stuck-{isolate}-{os.getpid()}-{time.monotonic_ns()}"
+    script = tmp_path / "stuck.py"
     script.write_text(textwrap.dedent(f"""
         import os, subprocess, sys, time
-        child = subprocess.Popen([sys.executable, "-c", "import os, time; os.fork(); time.sleep(600)"])
-        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
+        subprocess.Popen([sys.executable, "-c", "import os, time; os.fork(); time.sleep(600)", {token!r}])
         print("stuck", file=sys.stderr, flush=True)
         time.sleep(600)
     """))
     t0 = time.monotonic()
-    traj = await run(HarnessEnv([sys.executable, str(script)], dataset=ROWS, timeout_s=10), ScriptedClient(lambda p: "x"))
+    env = HarnessEnv([sys.executable, str(script), token], dataset=ROWS, timeout_s=10, isolate=isolate)
+    traj = await run(env, ScriptedClient(lambda p: "x"))
     assert time.monotonic() - t0 < 60
     assert traj.error_kind == "env" and "did not finish within timeout_s=10s" in traj.error and "stuck" in traj.error
-    leader, child = map(int, pids.read_text().split())
-    from agentrl.envs.harness import _session_members
+    assert alive(token) == []  # the program, its child and the child's forked grandchild
 
-    assert _session_members(leader) == []  # the child and its forked grandchild too
-    assert not os.path.exists(f"/proc/{child}/cmdline") or _zombie(child)
+
+@needs_pid_namespace
+async def test_an_isolated_program_that_calls_setsid_is_killed_with_its_namespace(tmp_path):
+    """Without a pid namespace a process that starts a session of its own outlives the sweep;
+    in one, it dies with the namespace's first process."""
+    token = f"escapee-{os.getpid()}-{time.monotonic_ns()}"
+    cmd = program(tmp_path, f"""
+        import subprocess
+        subprocess.Popen(["setsid", sys.executable, "-c", "import time; time.sleep(600)", {token!r}],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        print("done")
+    """)
+    traj = await run(HarnessEnv(cmd, dataset=ROWS, isolate="pid"), ScriptedClient(lambda p: "x"))
+    assert traj.error is None and traj.state["result"] == "done", traj.error
+    for _ in range(50):
+        if not alive(token):
+            break
+        await asyncio.sleep(0.1)
+    assert alive(token) == []
+
+
+KEY_THIEF = """
+    import time, urllib.request, urllib.error
+    from pathlib import Path
+    mine, flags = os.environ["OPENAI_API_KEY"], Path(sys.argv[1])
+    if TASK["id"] == "victim":
+        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        (flags / "victim-called").touch()
+        while not (flags / "thief-done").exists():
+            time.sleep(0.05)
+        print("victim done")
+        sys.exit(0)
+    while not (flags / "victim-called").exists():
+        time.sleep(0.05)
+    stolen = []
+    for entry in Path("/proc").iterdir():  # every process of this user shows its environment here
+        try:
+            env = dict(v.split("=", 1) for v in (entry / "environ").read_text().split(chr(0)) if "=" in v)
+        except (OSError, ValueError):
+            continue
+        victim = json.loads(env.get("AGENTRL_TASK", "{}")).get("id") == "victim"
+        if victim and env["OPENAI_BASE_URL"].split("/episodes/")[0] == os.environ["OPENAI_BASE_URL"].split("/episodes/")[0]:
+            stolen.append((env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"]))  # the victim of this run's gateway
+    status = None
+    for url, key in stolen:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "planted"}]}).encode()
+        req = urllib.request.Request(url + "/chat/completions", data=body, headers={
+            "Authorization": "Bearer " + key, "Content-Type": "application/json"})
+        try:
+            status = urllib.request.urlopen(req, timeout=10).status
+        except urllib.error.HTTPError as e:
+            status = e.code
+    OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+    (flags / "thief-done").touch()
+    print(json.dumps({"stolen": len(stolen), "status": status}))
+"""
+
+
+async def thief_and_victim(tmp_path, isolate: str):
+    """Two concurrent episodes of one env: the thief looks for other episodes' keys in /proc
+    and calls the victim's episode with what it finds."""
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    cmd = [*program(tmp_path, KEY_THIEF), str(flags)]
+    rows = [{"id": "victim", "prompt": "What is 2+3?", "answer": "5"}, {"id": "thief", "prompt": "What is 1+1?", "answer": "2"}]
+    env = HarnessEnv(cmd, dataset=rows, timeout_s=60, isolate=isolate)
+    try:
+        victim, thief = await asyncio.gather(*(env.rollout(ScriptedClient(lambda p: "x"), t, SAMPLING) for t in env.dataset()))
+    finally:
+        await env.close()
+    assert victim.error is None and thief.error is None, (victim.error, thief.error)
+    return victim, json.loads(thief.state["result"])
+
+
+@needs_pid_namespace
+async def test_a_program_cannot_take_another_episodes_key(tmp_path):
+    """Attack: one episode's program read another's OPENAI_API_KEY and OPENAI_BASE_URL from
+    /proc/<pid>/environ (same user) and called into that episode: its call became a turn of
+    the victim's trajectory.  In a pid namespace of its own it sees no other program."""
+    victim, thief = await thief_and_victim(tmp_path, "pid")
+    assert (thief["stolen"], thief["status"]) == (0, None), thief
+    assert len(victim.turns) == 1
+
+
+async def test_without_isolation_the_key_theft_works(tmp_path):
+    """The same attack with isolate='none' (what a host without bubblewrap gets, with a
+    warning): it succeeds, so the test above tests something."""
+    victim, thief = await thief_and_victim(tmp_path, "none")
+    assert thief["stolen"] == 1 and thief["status"] == 200
+    assert len(victim.turns) == 2
+
+
+async def test_concurrent_first_episodes_share_one_gateway_server():
+    """Episodes opened at once on a fresh env each started a server (all but the last leaked,
+    never closed): the key-theft test above found its victim on another port."""
+    from agentrl.gateway import Gateway
+
+    gateway = Gateway()
+
+    async def url_given() -> str:  # what a program started right after this open is told
+        s = await gateway.open(ScriptedClient(lambda p: "x"), SAMPLING, tool_parser="hermes", max_calls=1,
+                               max_total_tokens=None, max_seq_len=None, token_exact=True)  # fmt: skip
+        return s.base_url.split("/episodes/")[0]
+
+    try:
+        assert len(set(await asyncio.gather(*(url_given() for _ in range(8))))) == 1
+    finally:
+        await gateway.close()
+
+
+def test_without_bwrap_auto_warns_and_pid_refuses(tmp_path, monkeypatch):
+    from agentrl.envs import harness
+
+    monkeypatch.setitem(harness._isolation, "pid", "bwrap is not installed (test)")
+    cmd = program(tmp_path, """
+        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        print("ran")
+    """)
+    with pytest.warns(harness.UnisolatedHarnessWarning, match="can read other episodes' keys"):
+        traj = asyncio.run(run(HarnessEnv(cmd, dataset=ROWS), ScriptedClient(lambda p: "x")))
+    assert traj.error is None and traj.state["result"] == "ran"
+    traj = asyncio.run(run(HarnessEnv(cmd, dataset=ROWS, isolate="pid"), ScriptedClient(lambda p: "x")))
+    assert traj.error_kind == "env" and "isolate='pid'" in traj.error and "bwrap is not installed" in traj.error
 
 
 def _zombie(pid: int) -> bool:
@@ -397,16 +536,19 @@ async def test_a_langchain_program_trains_unchanged(tmp_path):
 async def test_the_episodes_own_wall_limit_also_kills_the_program(tmp_path):
     """``rollout.episode_timeout_s`` shorter than the program's ``timeout_s``: the episode ends
     as ``timeout`` and the program's processes die with it."""
-    pids, script = tmp_path / "pids", tmp_path / "sleeper.py"
-    script.write_text(f"import os, time\nopen({str(pids)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
-    env = HarnessEnv([sys.executable, str(script)], dataset=ROWS, timeout_s=600)
+    token, script = f"sleeper-{os.getpid()}-{time.monotonic_ns()}", tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    env = HarnessEnv([sys.executable, str(script), token], dataset=ROWS, timeout_s=600)
     try:
         traj = await env.rollout(ScriptedClient(lambda p: "x"), env.dataset()[0], SAMPLING, timeout_s=8)
     finally:
         await env.close()
     assert traj.error_kind == "timeout"
-    pid = int(pids.read_text())
-    assert not os.path.exists(f"/proc/{pid}/cmdline") or _zombie(pid)
+    for _ in range(50):  # the kill is sent as the episode ends; the process goes a moment later
+        if not alive(token):
+            break
+        await asyncio.sleep(0.1)
+    assert alive(token) == []
 
 
 async def test_closing_the_env_does_not_wait_for_calls_of_ended_episodes():
