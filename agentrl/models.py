@@ -54,27 +54,27 @@ DTYPES = ("float32", "bfloat16", "float16")
 # ----------------------------------------------------------------------------- the chat template
 
 
-def hermes_template(default_system: str = "") -> str:
-    """A ChatML chat template that renders tools and tool calls in the Hermes format.
+def chatml_template(system_turn: str, *, tool_response_tags: bool = False) -> str:
+    """The Jinja chat template of every model dir agentrl writes: ChatML turns, Hermes tool calls.
 
-    - system turn: the system message (else ``default_system``), then, when tools are given,
-      their JSON schemas one per line inside ``<tools></tools>`` and how to call one;
-    - assistant turn: its text, then each call as
+    ``system_turn`` is the Jinja that renders the system turn, tools included (it may use
+    ``has_system``, ``text(...)`` and ``tools``); it is where templates differ. Then, for each
+    message after the system one:
+
+    - assistant: its text, then each call as
       ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, then ``<|im_end|>``,
       all inside ``{% generation %}`` (the SFT loss mask);
-    - tool turn: ``<|im_start|>tool\\n<tool_response>\\n{result}\\n</tool_response><|im_end|>``.
+    - tool, with ``tool_response_tags``: ``<|im_start|>tool\\n<tool_response>\\n{result}\\n</tool_response><|im_end|>``;
+    - any other: ``<|im_start|>{role}\\n{text}<|im_end|>``.
 
     Prefix-stable: rendering ``messages[:k]`` with ``add_generation_prompt`` is a prefix of
-    rendering ``messages[:k+1]``; no turn depends on a later one.
+    rendering ``messages[:k+1]``; no turn depends on a later one. Whitespace control
+    everywhere, so every newline is explicit.
     """
-    if any(c in default_system for c in "\\\"{}%#"):
-        raise ValueError("default_system must not hold quotes, backslashes or Jinja delimiters")
-    # short on purpose: every prompt carries it, and a 135M model learns the format from SFT anyway
-    instructions = "\\n\\nYou can call these tools:\\n<tools>"
-    how = (
-        '\\n</tools>\\nTo call one, write <tool_call>\\n{\\"name\\": <tool name>, '
-        '\\"arguments\\": <JSON object>}\\n</tool_call>'
-    )
+    tool_turn = (
+        "{%- elif message.role == 'tool' -%}"
+        "{{- '<|im_start|>tool\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response><|im_end|>\\n' -}}"
+    ) if tool_response_tags else ""
     return (
         "{%- macro text(c) -%}"
         "{%- if c is string -%}{{- c -}}"
@@ -82,19 +82,8 @@ def hermes_template(default_system: str = "") -> str:
         "{%- endif -%}"
         "{%- endmacro -%}"
         "{%- set has_system = messages and messages[0].role == 'system' -%}"
-        f'{{%- set system = text(messages[0].content) if has_system else "{default_system}" -%}}'
-        "{%- if system or tools -%}"
-        "{{- '<|im_start|>system\\n' + system -}}"
-        "{%- if tools -%}"
-        f'{{{{- "{instructions}" -}}}}'
-        "{%- for tool in tools -%}"
-        "{{- '\\n' -}}{{- (tool.function if tool.function is defined else tool) | tojson -}}"
-        "{%- endfor -%}"
-        f'{{{{- "{how}" -}}}}'
-        "{%- endif -%}"
-        "{{- '<|im_end|>\\n' -}}"
-        "{%- endif -%}"
-        "{%- for message in messages -%}"
+        + system_turn
+        + "{%- for message in messages -%}"
         "{%- if loop.first and has_system -%}"
         "{%- elif message.role == 'assistant' -%}"
         "{{- '<|im_start|>assistant\\n' -}}"
@@ -110,14 +99,44 @@ def hermes_template(default_system: str = "") -> str:
         "{{- '<|im_end|>' -}}"
         "{%- endgeneration -%}"
         "{{- '\\n' -}}"
-        "{%- elif message.role == 'tool' -%}"
-        "{{- '<|im_start|>tool\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response><|im_end|>\\n' -}}"
-        "{%- else -%}"
-        "{{- '<|im_start|>' + message.role + '\\n' + text(message.content) + '<|im_end|>\\n' -}}"
+        + tool_turn
+        + "{%- else -%}"
+        "{{- '<|im_start|>' + message.role + '\\n' -}}{{- text(message.content) -}}{{- '<|im_end|>\\n' -}}"
         "{%- endif -%}"
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
     )
+
+
+def hermes_template(default_system: str = "") -> str:
+    """The chat template of imported models (:func:`chatml_template`, tool results in
+    ``<tool_response>`` tags) with a Hermes system turn: the system message (else
+    ``default_system``), then, when tools are given, their JSON schemas one per line inside
+    ``<tools></tools>`` and how to call one.
+    """
+    if any(c in default_system for c in "\\\"{}%#"):
+        raise ValueError("default_system must not hold quotes, backslashes or Jinja delimiters")
+    # short on purpose: every prompt carries it, and a 135M model learns the format from SFT anyway
+    instructions = "\\n\\nYou can call these tools:\\n<tools>"
+    how = (
+        '\\n</tools>\\nTo call one, write <tool_call>\\n{\\"name\\": <tool name>, '
+        '\\"arguments\\": <JSON object>}\\n</tool_call>'
+    )
+    system_turn = (
+        f'{{%- set system = text(messages[0].content) if has_system else "{default_system}" -%}}'
+        "{%- if system or tools -%}"
+        "{{- '<|im_start|>system\\n' + system -}}"
+        "{%- if tools -%}"
+        f'{{{{- "{instructions}" -}}}}'
+        "{%- for tool in tools -%}"
+        "{{- '\\n' -}}{{- (tool.function if tool.function is defined else tool) | tojson -}}"
+        "{%- endfor -%}"
+        f'{{{{- "{how}" -}}}}'
+        "{%- endif -%}"
+        "{{- '<|im_end|>\\n' -}}"
+        "{%- endif -%}"
+    )
+    return chatml_template(system_turn, tool_response_tags=True)
 
 
 # ----------------------------------------------------------------------------- finding files

@@ -31,6 +31,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from agentrl.models import chatml_template
+
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 TOOL_CALL_OPEN = "<tool_call>"
@@ -39,14 +41,8 @@ PAD = "<|endoftext|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]  # ids 0, 1, 2
 MARKER_TOKENS = [TOOL_CALL_OPEN, TOOL_CALL_CLOSE]  # single tokens, decoded as normal text
 
-# Jinja, written with whitespace control everywhere so every newline is explicit.
-CHAT_TEMPLATE = (
-    "{%- macro text(c) -%}"
-    "{%- if c is string -%}{{- c -}}"
-    "{%- elif c -%}{%- for p in c -%}{{- p.text if p.text is defined else p -}}{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- set has_system = messages and messages[0].role == 'system' -%}"
+# the system turn: the system message, then tool schemas as compact JSON, one per line, in <tools>
+CHAT_TEMPLATE = chatml_template(
     "{%- if has_system or tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
     "{%- if has_system -%}{{- text(messages[0].content) -}}{%- endif -%}"
@@ -61,27 +57,6 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if loop.first and has_system -%}"
-    "{%- elif message.role == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- generation -%}"
-    "{{- text(message.content) -}}"
-    "{%- for tc in message.tool_calls or [] -%}"
-    "{%- set fn = tc.function if tc.function is defined else tc -%}"
-    "{%- if message.content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
-    "{{- '<tool_call>\\n{\"name\": ' -}}{{- fn.name | tojson -}}{{- ', \"arguments\": ' -}}"
-    "{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}"
-    "{{- '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>' -}}"
-    "{%- endgeneration -%}"
-    "{{- '\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' -}}{{- text(message.content) -}}{{- '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
 

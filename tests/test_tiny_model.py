@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -104,6 +105,15 @@ def test_template_renders_tools_compactly_and_calls_in_tool_format(tok):
     hf = [dict(m) for m in msgs]
     hf[2] = {**hf[2], "tool_calls": [{"function": {"name": "calculator", "arguments": {"expression": "12+30"}}}]}
     assert tok.apply_chat_template(hf, tools=TOOLS, tokenize=False) == text
+
+
+def test_the_template_text_is_the_one_tiny_models_were_built_with():
+    """The tiny template is built by the same builder as imported models' (chatml_template); its
+    text must stay what every tiny model dir (and SFT cache) already holds: a change is deliberate."""
+    from agentrl.tiny_model import CHAT_TEMPLATE
+
+    digest = hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()
+    assert digest == "0220c841f7d6ceac8fc53e973d4e982f3a713dd474c77236969486b30f49735c"
 
 
 def test_template_is_prefix_stable_in_text_and_tokens(tok):
