@@ -156,6 +156,11 @@ def test_viewer_shows_the_episode_and_the_one_step_curves(smol_run, page, tmp_pa
         # one step: each series is a dot; the eval has two (0.5 at the warm start, 1.0 after)
         for chart in ("mismatch_kl", "ess", "tokens_per_s", "push"):
             assert page.locator(f"svg[data-chart={chart}] circle").count() == 1, chart
+            # a single value sits at mid-height, between the axis ends, not on the x axis
+            cy, top, bottom = page.evaluate(f"""() => {{ const svg = document.querySelector('svg[data-chart={chart}]');
+                const axis = [...svg.querySelectorAll('line.axis')].find(l => l.getAttribute('x1') === l.getAttribute('x2'));
+                return [+svg.querySelector('circle').getAttribute('cy'), +axis.getAttribute('y1'), +axis.getAttribute('y2')]; }}""")
+            assert abs(cy - (top + bottom) / 2) < 0.1 * (bottom - top), (chart, cy, top, bottom)
         eval_dots = page.eval_on_selector_all("svg[data-chart=reward] circle[fill='#d62728']",
                                               "els => els.map(e => +e.getAttribute('cy'))")
         assert len(eval_dots) == 2 and eval_dots[0] > eval_dots[1]  # 0.5 is drawn lower than 1.0

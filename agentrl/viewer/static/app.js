@@ -167,7 +167,7 @@ function chartSVG(spec) {
   let [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys), Math.max(...ys)];
   if (y0 > 0 && y0 < 0.5 * y1) y0 = 0;
   if (x1 - x0 < 2) { x0 -= 0.5; x1 += 0.5; } // a one-step run: its points inside the frame
-  if (y1 - y0 < 1e-12) { y1 = y0 + Math.max(Math.abs(y0) * 0.1, 1e-3); }
+  if (y1 - y0 < 1e-12) { const pad = Math.abs(y0) * 0.05 || 0.05; y0 -= pad; y1 += pad; } // one value: mid-height
   const X = (x) => m.l + ((x - x0) / (x1 - x0)) * (W - m.l - m.r);
   const Y = (y) => H - m.b - ((y - y0) / (y1 - y0)) * (H - m.t - m.b);
   for (const t of ticks(y0, y1)) {
