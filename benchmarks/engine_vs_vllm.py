@@ -78,10 +78,11 @@ def compare(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
     threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     print(f"[{name}] starting the embedded engine and vllm serve on {model_dir} ...", file=sys.stderr, flush=True)
     with start_embedded_engine(model_dir, api_key=key, max_batch_size=args.requests, max_model_len=max_len,
-                               device="cpu", dtype=args.dtype, env=threads) as eng, \
+                               device="cpu", dtype=args.dtype, env=threads, startup_timeout=args.startup_timeout) as eng, \
          start_vllm_server(model_dir, api_key=key, vllm=args.vllm,
                            args=VLLMArgs(dtype=args.dtype, max_model_len=max_len, max_num_seqs=args.requests),
-                           env={**threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}) as vllm:  # fmt: skip
+                           env={**threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+                           startup_timeout=args.startup_timeout) as vllm:  # fmt: skip
         sides = {"embedded": (eng.root_url, eng.model), "vllm": (vllm.root_url, vllm.model)}
         for url, model in sides.values():  # warm-up: first batches allocate and pick kernels
             asyncio.run(one_round(url, model, key, workload(vocab, min(8, args.requests), args.prompt_tokens, 10**6),
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per server (OMP_NUM_THREADS)")
     ap.add_argument("--dtype", default="float32", help="both servers' dtype: float32 (the trainer's) or bfloat16")
     ap.add_argument("--vllm", default=None, help="vLLM's CLI (default: .venv-vllm/bin/vllm here or in agentrl's checkout)")
+    ap.add_argument("--startup-timeout", type=float, default=1800.0,
+                    help="seconds each server may take to start (vllm serve takes minutes on a busy host)")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny model only, 8 requests, 16 tokens, 1 round")
     args = ap.parse_args()
     # a kill unwinds the with-blocks: no engine or vllm serve outlives this script
