@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each engine process")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds the engine may take to start")
     ap.add_argument("--direct-worker", nargs=4, metavar=("MODEL", "BATCH", "MAX_LEN", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     # a kill unwinds the with-blocks: no engine or vllm serve outlives this script
@@ -131,7 +132,8 @@ def main() -> None:
         )  # fmt: skip
         try:
             with start_embedded_engine(model_dir, api_key=KEY, max_batch_size=args.requests, max_model_len=max_len,
-                                       device="cpu", dtype=args.dtype, env=threads) as eng:  # fmt: skip
+                                       device="cpu", dtype=args.dtype, env=threads,
+                                       startup_timeout=args.startup_timeout) as eng:  # fmt: skip
                 assert json.loads(worker.stdout.readline())["ready"]
 
                 def direct(prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
