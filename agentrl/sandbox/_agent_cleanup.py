@@ -1,10 +1,10 @@
 # ruff: noqa: F821
-"""The sandbox agent, part 2: processes, the file API and reset — what keeps one exec (and
-one episode) from reaching the next.  See ``_agent.py`` for part 1.
+"""The sandbox agent, part 3: processes, the file API and reset — what keeps one exec (and
+one episode) from reaching the next.  See ``_agent.py`` for part 1, ``_agent_exec.py`` for part 2.
 
-This is not an importable module: ``agentrl.sandbox.base.AGENT_SOURCE`` appends it to
-``_agent.py`` and the sandbox runs the two as one script, so names such as ``State``,
-``AgentError`` and ``kill_user_processes`` come from part 1.
+This is not an importable module: ``agentrl.sandbox.base.AGENT_SOURCE`` joins the three parts
+and the sandbox runs them as one script, so names such as ``State`` and ``AgentError`` come
+from part 1, ``run_command`` from part 2.
 """
 
 import errno

@@ -24,11 +24,14 @@ from typing import Any, Protocol, runtime_checkable
 
 from agentrl.errors import AgentrlError
 
-# The agent runs as one script: part 1 (processes, exec, serving) ends by calling main(), so
-# part 2 (files, reset) is inserted before that call.
+# The agent runs as one script: part 1 (protocol, init, serving) ends by calling main(), so
+# part 2 (running a command) and part 3 (processes, files, reset) are inserted before that call.
 _AGENT_CORE, _AGENT_MAIN = (Path(__file__).parent / "_agent.py").read_text().rsplit('if __name__ == "__main__":', 1)
 AGENT_SOURCE = (
-    _AGENT_CORE + (Path(__file__).parent / "_agent_cleanup.py").read_text() + '\n\nif __name__ == "__main__":' + _AGENT_MAIN
+    _AGENT_CORE
+    + "".join((Path(__file__).parent / part).read_text() + "\n\n" for part in ("_agent_exec.py", "_agent_cleanup.py"))
+    + 'if __name__ == "__main__":'
+    + _AGENT_MAIN
 )
 LABEL = "agentrl.sandbox"  # docker label / temp-dir prefix marking what prune may remove
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
