@@ -53,6 +53,7 @@ from agentrl.types import Completion, SamplingParams, TokenSequence, ToolCall, T
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_BODY = 32 << 20  # bytes of one request (a long conversation with tool results)
+JSON, EVENTS = "application/json", "text/event-stream"
 ENDED_KEPT = 4096  # ended episodes remembered, so a late call hears "ended" rather than 401
 
 
@@ -391,10 +392,23 @@ class Gateway:
 
     # ------------------------------------------------------------------ HTTP
 
-    def _session(self, request: web.Request) -> Session:
+    async def call(self, method: str, path: str, authorization: str | None, body: bytes) -> tuple[int, str, bytes]:
+        """One request without the HTTP hop (the in-process agents' transport): the same routes,
+        keys and answers as the server; returns (status, content type, body)."""
+        parts = path.split("/", 4)  # "", "episodes", id, "v1", route
+        route = (method, parts[4]) if len(parts) == 5 and parts[1] == "episodes" and parts[3] == "v1" else None
+        if route == ("POST", "chat/completions"):
+            if len(body) > MAX_BODY:
+                return _error_body(Refused(413, f"the request body is over {MAX_BODY} bytes"))
+            return await self._answer(parts[2], authorization, body)
+        if route == ("GET", "models"):
+            return self._list_models(parts[2], authorization)
+        return _error_body(Refused(404, f"no route {method} {path}: the gateway serves POST .../v1/chat/completions "
+                                        "and GET .../v1/models"))  # fmt: skip
+
+    def _session(self, eid: str, authorization: str | None) -> Session:
         """The caller's session; 401 without its key (an unknown episode looks the same), 410 once ended."""
-        eid = request.match_info["episode"]
-        token = bearer(request.headers.get("Authorization"))
+        token = bearer(authorization)
         session = self._sessions.get(eid)
         if session is not None and matches(session.key, token):
             return session
@@ -404,41 +418,51 @@ class Gateway:
         raise Refused(401, "missing or wrong API key for this episode (use the OPENAI_API_KEY it was given)",
                       "invalid_api_key")  # fmt: skip
 
-    async def _models(self, request: web.Request) -> web.StreamResponse:
+    def _list_models(self, eid: str, authorization: str | None) -> tuple[int, str, bytes]:
         try:
-            session = self._session(request)
+            session = self._session(eid, authorization)
         except Refused as e:
-            return _error(e)
-        return web.json_response({"object": "list", "data": [
-            {"id": str(getattr(session.client, "model", "policy")), "object": "model", "owned_by": "agentrl"}]})
+            return _error_body(e)
+        model = {"id": str(getattr(session.client, "model", "policy")), "object": "model", "owned_by": "agentrl"}
+        return 200, JSON, json.dumps({"object": "list", "data": [model]}).encode()
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _answer(self, eid: str, authorization: str | None, raw: bytes) -> tuple[int, str, bytes]:
+        """A chat completion: JSON, or the finished reply as server-sent events (``stream``)."""
         try:
-            session = self._session(request)
+            session = self._session(eid, authorization)
             try:
-                body = await request.json()
+                body = json.loads(raw)
             except ValueError:
                 raise Refused(400, "the request body is not JSON") from None
             message, finish, usage = await session.chat(body)
         except Refused as e:
-            return _error(e)
+            return _error_body(e)
         except Exception as e:  # a bug here must reach the program as an error, not a hang
-            return _error(Refused(500, f"the gateway failed: {type(e).__name__}: {e}"[:500], "server_error"))
+            return _error_body(Refused(500, f"the gateway failed: {type(e).__name__}: {e}"[:500], "server_error"))
         cid, model, created = "chatcmpl-" + new_id(), str(body.get("model") or "policy"), int(time.time())
         if not body.get("stream"):
-            return web.json_response({
+            return 200, JSON, json.dumps({
                 "id": cid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": usage,
-            })  # fmt: skip
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+            }).encode()  # fmt: skip
         head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
-        for chunk in _chunks(message, finish, usage, bool((body.get("stream_options") or {}).get("include_usage"))):
-            await response.write(b"data: " + json.dumps({**head, **chunk}).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        events = [b"data: " + json.dumps({**head, **c}).encode() + b"\n\n" for c in _chunks(message, finish, usage, with_usage)]
+        return 200, EVENTS, b"".join(events) + b"data: [DONE]\n\n"
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        return _response(self._list_models(request.match_info["episode"], request.headers.get("Authorization")))
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        return _response(await self._answer(request.match_info["episode"], request.headers.get("Authorization"), raw))
+
+
+def _response(answer: tuple[int, str, bytes]) -> web.Response:
+    status, content_type, body = answer
+    headers = {"Cache-Control": "no-cache"} if content_type == EVENTS else None
+    return web.Response(status=status, body=body, content_type=content_type, headers=headers)
 
 
 def _chunks(message: dict[str, Any], finish: str, usage: dict[str, int], with_usage: bool) -> Iterator[dict[str, Any]]:
@@ -457,8 +481,8 @@ def _chunks(message: dict[str, Any], finish: str, usage: dict[str, int], with_us
         yield {"choices": [], "usage": usage}
 
 
-def _error(e: Refused) -> web.Response:
-    return web.json_response({"error": {"message": str(e), "type": e.code, "code": e.code}}, status=e.status)
+def _error_body(e: Refused) -> tuple[int, str, bytes]:
+    return e.status, JSON, json.dumps({"error": {"message": str(e), "type": e.code, "code": e.code}}).encode()
 
 
 __all__ = ["Gateway", "Refused", "Session"]
