@@ -126,6 +126,8 @@ async def main(args) -> None:
         "subprocess": (load_environment(EXAMPLE, form="command", **calc), tasks[: args.subprocess_episodes]),
         "in-process-raw": (load_environment(EXAMPLE, form="agent", **calc), tasks[: args.episodes]),
     }
+    if not args.subprocess_episodes:
+        del forms["subprocess"]
     forms["in-process-raw"][0].agent = raw_agent
     results = {}
     for name, (env, ts) in forms.items():
@@ -141,18 +143,21 @@ async def main(args) -> None:
         **{f"{k.replace('-', '_')}_episodes_per_s": round(r["episodes_per_s"], 3) for k, r in results.items()},
         "in_process_ratio": round(results["in-process"]["episodes_per_s"] / native["episodes_per_s"], 3),
         "in_process_raw_ratio": round(results["in-process-raw"]["episodes_per_s"] / native["episodes_per_s"], 3),
-        "subprocess_ratio": round(results["subprocess"]["episodes_per_s"] / native["episodes_per_s"], 3),
-        "subprocess_overhead_s_per_episode": round(results["subprocess"]["episode_s"] - native["episode_s"], 3),
         **{f"{k.replace('-', '_')}_cpu_ms_per_episode": round(r["cpu_ms"], 2) for k, r in results.items()},
         "in_process_overhead_s_per_episode": round(results["in-process"]["episode_s"] - native["episode_s"], 3),
     }  # fmt: skip
+    if "subprocess" in results:
+        sub = results["subprocess"]
+        out["subprocess_ratio"] = round(sub["episodes_per_s"] / native["episodes_per_s"], 3)
+        out["subprocess_overhead_s_per_episode"] = round(sub["episode_s"] - native["episode_s"], 3)
+        out["subprocess_overhead_cpu_ms_per_episode"] = round(sub["cpu_ms"] - native["cpu_ms"], 1)
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--episodes", type=int, default=128, help="episodes of the native and in-process forms")
-    p.add_argument("--subprocess-episodes", type=int, default=32, help="episodes of the subprocess form")
+    p.add_argument("--subprocess-episodes", type=int, default=32, help="episodes of the subprocess form (0: skip it)")
     p.add_argument("--concurrency", type=int, default=32, help="episodes in flight")
     p.add_argument("--latency-ms", type=float, default=20.0, help="the policy's latency per call")
     asyncio.run(main(p.parse_args()))
