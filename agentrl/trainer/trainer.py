@@ -41,6 +41,7 @@ import torch
 
 from agentrl.precision import use_bf16
 from agentrl.trainer.checkpoint import rng_state, set_rng_state
+from agentrl.trainer.heap import release_free_memory
 from agentrl.trainer.logprobs import head_of, token_logprobs_from_hidden
 from agentrl.trainer.losses import LossSpec, add_stats, policy_loss, summarize, token_weights
 from agentrl.trainer.packing import attention_mask, choose, pack, packable
@@ -169,6 +170,7 @@ class Trainer:
                 else:  # this update only: its statistics are not logged, its episodes may train in another
                     failed |= trajs
                 self.optimizer.zero_grad(set_to_none=True)
+        release_free_memory()  # the step's freed activations back to the OS (agentrl.trainer.heap)
         for k in sorted(failed - applied):
             skipped[episode_ids[k]] = "every optimizer update holding it had a non-finite gradient"
         updates = len(norms)
