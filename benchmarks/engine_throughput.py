@@ -14,6 +14,13 @@ ratio is the fair one to quote.
 
 Prints a table and, last, a JSON line: {"engine_tok_s", "hf_tok_s", "ratio", ...}.
 Goal (issue #2): ratio >= 1.5.
+
+``--compare REV`` measures an engine change instead: the engine's own decode step (``--batch``
+running sequences) and one ``--prompt-len``-token prefill, in this tree and in git revision
+``REV`` (its ``agentrl/`` extracted to a temp dir), one process each with one torch thread,
+taking turns block by block so machine load hits both alike, timing CPU seconds (on a loaded
+machine wall time mostly measures the neighbours).  Prints median CPU ms per step and a JSON
+line {"decode_ratio", "prefill_ratio"} (REV's time / this tree's: > 1 means faster now).
 """
 
 from __future__ import annotations
@@ -21,7 +28,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -81,7 +92,78 @@ def run_hf(model, tok, prompts, max_tokens, batch: int) -> tuple[float, int, int
     return time.perf_counter() - t0, useful, generated
 
 
+def compare_worker(model_dir: str, batch: int, prompt_len: int, dtype: str) -> None:
+    """One side of ``--compare``: ``decode N`` / ``prefill N`` on stdin -> mean ms on stdout."""
+    torch.set_num_threads(1)
+    from agentrl.inference.engine import Engine
+    from agentrl.inference.sampling import EngineSampling
+
+    eng = Engine(model_dir, max_batch_size=batch + 1, max_model_len=1024, device="cpu", dtype=dtype,
+                 enable_prefix_caching=False)  # fmt: skip
+    eng.pause()  # this thread drives the steps
+    rng = random.Random(0)
+    vocab = eng.model.config.vocab_size
+    for i in range(batch):  # staggered lengths, as in a real batch
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len + i)]
+        eng.submit(prompt, EngineSampling(max_tokens=1024 - prompt_len - batch, temperature=0.6, ignore_eos=True))
+    eng._step()  # prefill all + first decode
+    row = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+    print("ready", flush=True)
+    for line in sys.stdin:
+        what, n = line.split()
+        t0 = time.process_time()  # CPU time: on a shared machine, wall time mostly measures the neighbours
+        for _ in range(int(n)):
+            if what == "decode":
+                eng._step()
+            else:  # one row prefilled into the spare slot
+                eng._prefill_logits(batch, [row], [0])
+        print((time.process_time() - t0) / int(n) * 1e3, flush=True)
+
+
+def compare(args) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    model_dir = str(args.model_dir or build_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
+    base = tempfile.mkdtemp()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", args.compare, "agentrl"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", base], input=archive.stdout, check=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--worker", model_dir, str(args.batch), str(args.prompt_len), args.dtype]
+    sides = {name: subprocess.Popen(cmd, env={**env, "PYTHONPATH": path}, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
+             for name, path in (("new", str(repo)), (args.compare, base))}
+    for p in sides.values():
+        assert p.stdout.readline().strip() == "ready"
+
+    def block(name: str, what: str, n: int) -> float:
+        p = sides[name]
+        p.stdin.write(f"{what} {n}\n")
+        p.stdin.flush()
+        return float(p.stdout.readline())
+
+    times: dict[tuple[str, str], list[float]] = {}
+    order = list(sides)
+    for r in range(args.rounds):
+        for name in order if r % 2 == 0 else order[::-1]:  # alternate who goes first
+            for what, n in (("decode", args.steps), ("prefill", args.steps)):
+                times.setdefault((name, what), []).append(block(name, what, n))
+    for p in sides.values():
+        p.stdin.close()
+        p.wait()
+    out = {"bench": "engine_compare", "baseline": args.compare, "batch": args.batch, "dtype": args.dtype,
+           "model": Path(model_dir).name, "rounds": args.rounds, "steps_per_block": args.steps}  # fmt: skip
+    for what in ("decode", "prefill"):
+        new, old = times[("new", what)], times[(args.compare, what)]
+        # per-round ratios (the two sides ran back to back), then their median
+        out[f"{what}_ms_new"] = round(statistics.median(new), 3)
+        out[f"{what}_ms_{args.compare}"] = round(statistics.median(old), 3)
+        out[f"{what}_ratio"] = round(statistics.median(o / n for o, n in zip(old, new, strict=True)), 3)
+        print(f"{what:8} this tree {statistics.median(new):8.2f} ms   {args.compare} {statistics.median(old):8.2f} ms")
+    print(json.dumps(out))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        return compare_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default=None, help="HF model dir (default: build the default tiny model)")
     ap.add_argument("--requests", type=int, default=64)
@@ -91,7 +173,14 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads, same for engine and baseline")
+    ap.add_argument("--compare", metavar="REV", help="compare this tree's engine step with git revision REV's")
+    ap.add_argument("--prompt-len", type=int, default=17, help="--compare: prompt tokens (and the prefill row's)")
+    ap.add_argument("--rounds", type=int, default=8, help="--compare: alternating rounds")
+    ap.add_argument("--steps", type=int, default=10, help="--compare: steps per block")
+    ap.add_argument("--dtype", default="auto", help="--compare: engine dtype")
     args = ap.parse_args()
+    if args.compare:
+        return compare(args)
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = Path(args.model_dir) if args.model_dir else build_tiny_model(Path(tmp.name) / "tiny")
