@@ -83,6 +83,19 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tuple
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits), support
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` ``[R, V]`` (unnormalised, >= 0), by inverting its CDF.
+
+    One uniform per row instead of ``torch.multinomial``'s one exponential per vocabulary entry
+    (15-60x less time on a CPU, the largest part of sampling at a 49k vocabulary).  ``u`` lies
+    in ``(0, total]`` and the first index whose running sum reaches it has ``cdf[i-1] < u <=
+    cdf[i]``: its probability is positive, so a token outside the support is never drawn.
+    """
+    cdf = probs.cumsum(dim=-1)
+    u = (1 - torch.rand(probs.shape[0], generator=generator, device=probs.device)) * cdf[:, -1]
+    return torch.searchsorted(cdf, u[:, None]).squeeze(1)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -97,11 +110,11 @@ def sample(
     raw_logp = torch.log_softmax(logits, dim=-1) if bool(greedy.any()) else logp
     dist_logp = torch.where(greedy[:, None], raw_logp, logp)
 
-    tokens = torch.multinomial(logp.exp(), 1, generator=rng).squeeze(1) if not bool(greedy.all()) else None
+    tokens = draw(logp.exp(), rng) if not bool(greedy.all()) else None
     tokens = logits.argmax(dim=-1) if tokens is None else torch.where(greedy, logits.argmax(dim=-1), tokens)
     for i, g in enumerate(generators):
         if g is not None and not bool(greedy[i]):
-            tokens[i] = torch.multinomial(logp[i].exp(), 1, generator=g)[0]
+            tokens[i] = draw(logp[i : i + 1].exp(), g)[0]
     chosen = dist_logp.gather(1, tokens[:, None]).squeeze(1)
 
     tops = None
