@@ -8,12 +8,13 @@
     5. state        trainer, staleness buffer, task sampler; restored on --resume
     6. loop         :func:`rl_loop`: rollouts flow into the buffer while the trainer steps,
                     weights are pushed live; per step a metrics row, the ledger's fates,
-                    held-out eval every eval.every steps, checkpoints
+                    held-out eval every eval.every steps, checkpoints (what a step calls
+                    around its phases: :mod:`agentrl.recipes.rl_steps`)
     7. finish       final eval and checkpoint, RUN_DIR/final (an HF model dir), summary.json
 
 Where each setting acts: ``[env]`` → phase 3; ``[inference]``/``[cluster]`` → phase 4;
 ``[trainer]``/``[buffer]``/``[rollout]`` → phase 5 (Trainer, StalenessBuffer,
-RolloutManager); ``[eval]`` → :class:`HeldOut`; ``[run]`` → phases 1 and 6.
+RolloutManager); ``[eval]`` → :class:`~agentrl.recipes.rl_steps.HeldOut`; ``[run]`` → phases 1 and 6.
 """
 
 from __future__ import annotations
@@ -22,22 +23,22 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agentrl.auth import run_key
 from agentrl.buffer import AdaptiveStaleness, Batch, BufferStalled, StalenessBuffer
-from agentrl.config import BufferConfig, Config, EvalConfig
+from agentrl.config import BufferConfig, Config
 from agentrl.errors import AgentrlError, RunDirExists
-from agentrl.metrics import JSONLLogger, LiveProgress, open_metrics_logger
-from agentrl.protocols import RolloutSource, SamplerState, TrainingBuffer
+from agentrl.metrics import LiveProgress
+from agentrl.protocols import RolloutSource, TrainingBuffer
 from agentrl.recipes.engines import Engines, Supervisor, WeightPusher, open_engines, preflight
-from agentrl.rollout import RolloutManager, TaskSampler, mean_reward
-from agentrl.types import SamplingParams, Task
+from agentrl.recipes.rl_steps import LOGS, HeldOut, Rollouts, RunLogs, RunSteps, StepLog, StepReport
+from agentrl.rollout import TaskSampler
+from agentrl.types import Task
 
 
 def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> Path:
@@ -226,23 +227,7 @@ def _restore(cfg: Config, trainer: Any, train_tasks: list[Task], run_dir: Path, 
     return state
 
 
-LOGS = ("metrics", "ledger", "rollouts", "eval_rollouts")  # RUN_DIR/<name>.jsonl, cut back on --resume
-
-
 # ----------------------------------------------------------------------------- 6) the loop
-
-
-@dataclass
-class StepReport:
-    step: int  # 0-based optimizer step just applied
-    version: int  # trainer version after it (= step + 1)
-    batch: Batch
-    stats: dict[str, float]
-    trained_ids: list[str]
-    wait_s: float  # trainer idle, waiting for data
-    train_s: float
-    push_s: float
-    step_wall_s: float  # wall time of this whole step (wait + train + push)
 
 
 async def rl_loop(
@@ -331,270 +316,6 @@ def check_ledger(buffer: TrainingBuffer, manager: RolloutSource) -> None:
     buffer.ledger.check(manager.running_episode_ids() | buffer.held_ids())
 
 
-class HeldOut:
-    """Held-out evaluation on a fixed weight version (``[eval]``): before the first step, every
-    ``eval.every`` steps in the background, and on the final weights.
-
-    A step's metrics row carries the evaluation that finished since the previous row.  The final
-    step can hold two (the one that finished during it, or the warm start's on a 1-step run, and the
-    final weights'): the final one is ``eval/*``, the one before it ``eval/earlier/*``."""
-
-    def __init__(self, manager: RolloutSource, tasks: list[Task], ec: EvalConfig, max_tokens: int,
-                 record: Callable[[int, list[Any]], None] | None = None):
-        self.manager, self.tasks, self.every, self.record = manager, tasks, ec.every, record
-        self.concurrency = ec.concurrency
-        self.sampling = SamplingParams(max_tokens=max_tokens, temperature=ec.temperature)
-        self.running: asyncio.Task | None = None
-        self.finished: list[dict[str, Any]] = []  # results not in a metrics row yet, oldest first
-
-    async def evaluate(self, version: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        trajs = await self.manager.evaluate(self.tasks, self.sampling, concurrency=self.concurrency)
-        if self.record is not None:
-            self.record(version, trajs)
-        return {
-            "eval/reward_mean": mean_reward(trajs),
-            "eval/errored": sum(1 for t in trajs if t.errored),
-            "eval/version": version,
-            "eval/seconds": time.perf_counter() - t0,
-        }
-
-    async def baseline(self, version: int) -> float:
-        """The weights before any step (the warm start); returns the reward."""
-        self.finished.append(await self.evaluate(version))
-        return self.finished[-1]["eval/reward_mean"]
-
-    async def before_push(self) -> None:
-        """An evaluation runs on one fixed version: finish it before the weights change."""
-        if self.running is not None:
-            self.finished.append(await self.running)
-            self.running = None
-
-    async def after_step(self, version: int, final: bool) -> None:
-        if self.every <= 0 or not (final or version % self.every == 0):
-            return
-        if final:  # rollouts stop after this step: evaluate the final weights right away
-            await self.before_push()
-            self.manager.stop()
-            self.finished.append(await self.evaluate(version))
-        elif self.running is None:  # one still running: no push since it started, the engines serve its weights
-            self.running = asyncio.create_task(self.evaluate(version))
-
-    def take_result(self) -> dict[str, Any]:
-        """The newest finished evaluation as ``eval/*``, one finished before it as ``eval/earlier/*``
-        (at most two wait: the final step's two, see the class docstring)."""
-        *earlier, newest = self.finished or [{}]
-        self.finished = []
-        row = dict(newest)
-        if earlier:
-            row.update({k.replace("eval/", "eval/earlier/", 1): v for k, v in earlier[-1].items()})
-        return row
-
-    def cancel(self) -> None:
-        if self.running is not None:
-            self.running.cancel()
-
-
-def train_metrics(stats: dict[str, Any]) -> dict[str, float]:
-    """Every number the trainer reported, as ``train/<name>`` (a statistic it adds is logged without
-    an edit here); ``train_tokens`` is ``train/tokens``."""
-    return {f"train/{'tokens' if k == 'train_tokens' else k}": float(v) for k, v in stats.items()
-            if k != "skipped" and isinstance(v, int | float)}  # a logged step was never skipped whole
-
-
-class RunLogs:
-    """RUN_DIR/{metrics,ledger,rollouts,eval_rollouts}.jsonl (metrics also to TensorBoard / W&B)."""
-
-    def __init__(self, run_dir: Path, cfg: Config) -> None:
-        self.rollouts, self.ledger, self.eval_rollouts = (
-            JSONLLogger(run_dir / f"{name}.jsonl") for name in ("rollouts", "ledger", "eval_rollouts"))
-        self.metrics = open_metrics_logger(run_dir, cfg.metrics, cfg.model_dump(mode="json"))
-
-    def record_eval(self, version: int, trajs: list[Any]) -> None:
-        """The same held-out tasks at every eval version."""
-        for t in trajs:
-            self.eval_rollouts.log({"eval_version": version, **t.to_dict()})
-
-    def drain_ledger(self, buffer: TrainingBuffer) -> None:
-        """One line per episode that reached its fate since the last drain."""
-        for record in buffer.ledger.drain_records():
-            self.ledger.log(record)
-
-    def close(self) -> None:
-        for log in (self.ledger, self.rollouts, self.eval_rollouts, self.metrics):
-            log.close()
-
-
-class FinishedEpisodes:
-    """Episodes finished since the last step: a line each in rollouts.jsonl as they arrive, and
-    their rewards for the next metrics row."""
-
-    def __init__(self, out: JSONLLogger, buffer: TrainingBuffer) -> None:
-        self.out, self.buffer = out, buffer
-        self.rewards: list[float] = []
-
-    def saw(self, traj: Any) -> None:
-        """The local RolloutManager's ``on_trajectory``."""
-        if not traj.errored:
-            self.rewards.append(traj.reward)
-        self.out.log({"oldest_version": traj.oldest_version(), "trainer_version": self.buffer.version, **traj.to_dict()})
-
-    def saw_record(self, record: dict[str, Any]) -> None:
-        """A finished episode drained from the buffer actor (Ray rollout workers)."""
-        if record["error"] is None:
-            self.rewards.append(record["reward"])
-        self.out.log(record)
-
-    def take_rewards(self) -> list[float]:
-        out, self.rewards = self.rewards, []
-        return out
-
-
-@dataclass
-class Rollouts:
-    """The rollout side as the loop sees it: one local :class:`RolloutManager`, or
-    (``cluster.rollout_workers``) Ray rollout workers around one buffer actor, with the
-    buffer and sampler that answer for it."""
-
-    manager: RolloutSource  # RolloutManager | agentrl.distributed.pool.WorkerPool
-    buffer: TrainingBuffer  # StalenessBuffer | RemoteBuffer
-    sampler: SamplerState  # TaskSampler | RemoteSampler
-    finished: FinishedEpisodes
-    pool: Any = None  # the WorkerPool, in Ray mode
-
-    @classmethod
-    def start(cls, cfg: Config, env: Any, engines: Engines, state: RLState, logs: RunLogs, start_model: Path) -> Rollouts:
-        finished = FinishedEpisodes(logs.rollouts, state.buffer)
-        if cfg.cluster.rollout_workers:  # the buffer and sampler move into the buffer actor
-            from agentrl.distributed.pool import start_rollout_workers
-
-            pool = start_rollout_workers(cfg, env, engines.client, state.buffer, state.sampler, start_model)
-            return cls(pool, pool.buffer, pool.sampler, finished, pool)
-        ro = cfg.rollout
-        manager = RolloutManager(
-            env, engines.client, state.buffer, state.sampler, ro.sampling(), group_size=ro.group_size,
-            max_in_flight=ro.max_in_flight, episode_timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns,
-            on_trajectory=finished.saw, admit=engines.all_alive,
-        )  # fmt: skip
-        return cls(manager, state.buffer, state.sampler, finished)
-
-    def step_rewards(self) -> list[float]:
-        """Rewards of the episodes finished since the last step (the workers' arrive through the actor)."""
-        if self.pool is not None:
-            for record in self.pool.drain_rollouts():
-                self.finished.saw_record(record)
-        return self.finished.take_rewards()
-
-    def metrics(self) -> dict[str, Any]:
-        return self.pool.metrics() if self.pool is not None else {}
-
-    @property
-    def on_engines(self) -> Callable[[list[str], bool], Awaitable[None]] | None:
-        """Workers in other processes follow the engines' addresses and hold admission while one is down."""
-        return self.pool.set_engines if self.pool is not None else None
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-
-
-@dataclass
-class StepLog:
-    """Per-step metrics rows (the namespaced schema of :mod:`agentrl.metrics`)."""
-
-    manager: RolloutSource
-    buffer: TrainingBuffer
-    pusher: Any  # WeightPusher: the last push's stats
-    t_start: float
-    t_loop: float = field(default_factory=time.perf_counter)
-    last_t: float = field(default_factory=time.perf_counter)
-    last_tokens: int = 0
-
-    def row(self, rep: StepReport, finished_rewards: list[float]) -> dict[str, Any]:
-        """``finished_rewards``: every episode finished since the last step."""
-        now, buffer, manager = time.perf_counter(), self.buffer, self.manager
-        rewards = [t.reward for t in rep.batch.trajectories]
-        st, stats = rep.batch.staleness, rep.stats
-        row: dict[str, Any] = {
-            "step": rep.step,
-            "version": rep.version,
-            "rollout/reward_mean": statistics.fmean(finished_rewards) if finished_rewards else None,
-            "rollout/episodes": len(finished_rewards),
-            "rollout/tokens_per_s": (manager.sampled_tokens - self.last_tokens) / max(now - self.last_t, 1e-9),
-            "rollout/in_flight": manager.active_episodes,
-            "rollout/groups_cancelled_stale": manager.groups_cancelled_stale,
-            "train/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
-            "train/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
-            **train_metrics(stats),
-            "train/seconds": rep.train_s,
-            "train/idle_frac": rep.wait_s / max(rep.step_wall_s, 1e-9),
-            "buffer/staleness_mean": statistics.fmean(st) if st else 0.0,
-            "buffer/staleness_max": max(st, default=0),
-            "buffer/max_staleness": rep.batch.max_staleness,
-            "buffer/max_staleness_next": buffer.max_staleness,
-            "buffer/ready": buffer.ready_groups,
-            "weights/push_s": rep.push_s,
-            "weights/push_mb": self.pusher.last_stats.get("bytes", 0.0) / 2**20,
-            **buffer.ledger.as_metrics(),
-            "time/wall_s": now - self.t_start,
-            "time/rl_wall_s": now - self.t_loop,
-        }
-        if buffer.adaptive is not None:
-            row["buffer/adaptive_reason"] = buffer.adaptive.last_reason
-        self.last_t, self.last_tokens = now, manager.sampled_tokens
-        return row
-
-
-@dataclass
-class RunSteps:
-    """What the recipe does around each scheduler step: :func:`rl_loop` calls :meth:`train`,
-    :meth:`push`, :meth:`after_step` and :meth:`should_stop`."""
-
-    cfg: Config
-    run_dir: Path
-    trainer: Any
-    rollouts: Rollouts
-    engines: Engines
-    supervisor: Supervisor
-    held_out: HeldOut
-    steplog: StepLog
-    logs: RunLogs
-    live: LiveProgress
-    out_of_time: bool = False
-
-    async def train(self, batch: Batch) -> dict[str, float]:
-        """2) loss, backward, optimizer step, in a worker thread (rollouts keep running)."""
-        return await asyncio.to_thread(self.trainer.step, batch.groups)
-
-    async def push(self, version: int) -> float:
-        """3) live push; an evaluation in flight finishes first (it runs on one fixed version)."""
-        await self.held_out.before_push()
-        return await self.supervisor.push(version)
-
-    def should_stop(self) -> bool:
-        return self.out_of_time
-
-    async def after_step(self, rep: StepReport) -> None:
-        """5) metrics row, held-out eval, ledger lines, checkpoint."""
-        cfg, buffer = self.cfg, self.rollouts.buffer
-        row = self.steplog.row(rep, self.rollouts.step_rewards())  # 5a) metrics
-        row.update(self.rollouts.metrics())
-        row["engine/restarts"] = self.supervisor.restarts
-        row.update(await self.engines.metrics())
-        self.out_of_time = bool(cfg.run.max_wall_s) and row["time/wall_s"] > cfg.run.max_wall_s
-        final = rep.version == cfg.trainer.steps or self.out_of_time
-        await self.held_out.after_step(rep.version, final)  # 5b) held-out eval (the final one waits)
-        row.update(self.held_out.take_result())
-        row["ledger/top_error"] = buffer.ledger.top_error()
-        self.logs.drain_ledger(buffer)  # 5c) logs
-        self.logs.metrics.log(row)
-        self.live.update(row)
-        every = cfg.trainer.checkpoint_every
-        if final or (every and rep.version % every == 0):  # 5d) checkpoint
-            await checkpoint(self.run_dir, self.trainer, buffer, self.rollouts.sampler, rep.version,
-                             keep=cfg.trainer.keep_checkpoints)  # fmt: skip
-
-
 async def _train_loop(
     cfg: Config, run_dir: Path, env: Any, eval_tasks: list[Task], engines: Engines, state: RLState,
     live: LiveProgress, t_start: float, start_model: Path,
@@ -643,20 +364,6 @@ class TrainingStalled(AgentrlError):
     """The buffer stalled: the message names what happened and what to change (exit 1)."""
 
     exit_code = 1
-
-
-async def checkpoint(
-    run_dir: Path, trainer: Any, buffer: TrainingBuffer, sampler: SamplerState, version: int, keep: int = 2
-) -> None:
-    """Trainer, buffer (with the ledger), sampler, and how far each log had been written."""
-    from agentrl.trainer.checkpoint import save_checkpoint
-
-    logs = {name: (run_dir / f"{name}.jsonl").stat().st_size for name in LOGS if (run_dir / f"{name}.jsonl").exists()}
-    state = {"step": version, "buffer": buffer.state_dict(), "sampler": sampler.state_dict(), "logs": logs}
-    # the sharded trainer's ranks write their own shards into the checkpoint; the others hand over one state
-    # dict (a trainer actor's comes through Ray)
-    trainer_state = getattr(trainer, "write_state", None) or await asyncio.to_thread(trainer.state_dict)
-    await asyncio.to_thread(save_checkpoint, run_dir, version, trainer_state, state, keep)
 
 
 # ----------------------------------------------------------------------------- 7) finish

@@ -56,7 +56,8 @@ def test_keep_checkpoints_is_a_config_setting_passed_to_the_save(tmp_path):
     import asyncio
 
     from agentrl.config import load_config
-    from agentrl.recipes.rl import checkpoint, make_buffer
+    from agentrl.recipes.rl import make_buffer
+    from agentrl.recipes.rl_steps import checkpoint
     from agentrl.rollout import TaskSampler
     from agentrl.types import Message, Task
 

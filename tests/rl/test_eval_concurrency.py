@@ -8,7 +8,7 @@ from agentrl.buffer import StalenessBuffer
 from agentrl.config import EvalConfig
 from agentrl.envs.check import ScriptedClient
 from agentrl.plugins import load_environment
-from agentrl.recipes.rl import HeldOut
+from agentrl.recipes.rl_steps import HeldOut
 from agentrl.rollout import RolloutManager, TaskSampler
 from agentrl.types import SamplingParams
 

@@ -233,7 +233,7 @@ def test_a_step_whose_every_update_is_non_finite_is_skipped_whole(tiny_model, mo
 def test_every_statistic_the_trainer_reports_reaches_the_metrics_row(tiny_model):
     """The step log used to copy a fixed key list: seq_rejected_frac, updates and skipped_updates
     never reached metrics.jsonl."""
-    from agentrl.recipes.rl import train_metrics
+    from agentrl.recipes.rl_steps import train_metrics
 
     tr = Trainer(tiny_model, _cfg(loss={"name": "icepop", "seq_rejection": "geo"}, minibatches=2))
     stats = tr.step(_mu_groups(tr))
