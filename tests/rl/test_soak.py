@@ -8,6 +8,7 @@ pin those down deterministically."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import subprocess
@@ -45,6 +46,7 @@ def test_a_1000_episode_soak_leaks_nothing():
 
 def test_the_soak_counts_a_socket_only_the_garbage_collector_closed():
     resource_warnings = load_benchmark("soak").resource_warnings
+    gc.collect()  # earlier tests' garbage (an unclosed event loop) must not be collected in the window
     with resource_warnings() as found:
         sock = socket.socket()
         del sock  # dropped open: only the collector closes it
