@@ -130,6 +130,7 @@ class HarnessEnv(Environment):
         self.extra_env = dict(env or {})
         self.gateway = Gateway()
         self._http: tuple[asyncio.AbstractEventLoop, Any] | None = None
+        self._platform: Any = None  # the openai SDK's platform headers, found once
 
     @property
     def program(self) -> str:
@@ -175,6 +176,10 @@ class HarnessEnv(Environment):
 
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.key, max_retries=0,
                                     http_client=self._http_client())  # fmt: skip
+        if getattr(client, "_platform", 0) is None and self._platform is not None:
+            # the SDK finds its platform headers in a worker thread on a client's first request: a
+            # thread hop per episode, which queued behind the default executor under load
+            client._platform = self._platform
         wall = asyncio.timeout(self.program_timeout_s)
         try:
             async with wall:
@@ -187,6 +192,7 @@ class HarnessEnv(Environment):
             raise
         except Exception as e:
             raise EpisodeError(f"the agent {self.program} raised {error_text(e)}") from e
+        self._platform = self._platform or getattr(client, "_platform", None)
         if session.calls == 0:
             raise EpisodeError(f"the agent {self.program} returned without calling the model")
         return "" if result is None else str(result)
