@@ -5,8 +5,9 @@ Trainer side: :func:`make_weight_sync` returns the :class:`WeightSync` for the r
 disk, full weights or LoRA factors), :class:`~agentrl.weights.network.HttpWeightSync` (HTTP chunks
 to engines on other hosts, shm to those on the trainer's) or :class:`~agentrl.weights.vllm.VLLMWeightSync`
 (``vllm serve``: disk reload, or vLLM's NCCL engine on a GPU).
-Engine side: :mod:`agentrl.weights.receive` (who may push, what fits the model, the engine's
-private shared memory and weights dir, the swap) and :mod:`agentrl.weights.lora` (merge adapter
+Engine side: :mod:`agentrl.weights.receive` (who may push, one transfer at a time, versions),
+:mod:`agentrl.weights.fit` (what fits the model, the swap), :mod:`agentrl.weights.staging` (the
+engine's private shared memory and weights dir) and :mod:`agentrl.weights.lora` (merge adapter
 factors).  The byte layout and the signatures both sides agree on: :mod:`agentrl.weights.manifest`.
 """
 

@@ -37,20 +37,18 @@
 Shared-memory double buffering: a CPU engine whose dtypes match points its parameters at the
 pushed buffer (no copy); the next push is handed another segment, never one the live weights
 use, so the trainer never writes into weights being served.
+
+Around it: :mod:`~agentrl.weights.fit` (what a push must fit, and the swap) and
+:mod:`~agentrl.weights.staging` (the segments and the weights dir the bytes land in).
 """
 
 from __future__ import annotations
 
 import hashlib
-import mmap
-import os
-import secrets
-import stat
-import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,17 +56,24 @@ from typing import Any, Protocol
 import torch
 
 from agentrl.errors import RequestError
-from agentrl.weights.lora import AdapterMerger, split_adapter_name
+from agentrl.weights.fit import (
+    AdapterSpec,
+    check_adapter_manifest,
+    check_finite,
+    check_full_manifest,
+    named_targets,
+    swap_in,
+)
+from agentrl.weights.lora import AdapterMerger
 from agentrl.weights.manifest import (
-    DTYPES,
     body_signed_by,
     check_layout,
     manifest_views,
     signature,
     signed_by,
 )
+from agentrl.weights.staging import SharedSegments, manifest_of, private_dir, read_inside, tensors_of
 
-FLOAT_PUSH_DTYPES = ("float32", "float16", "bfloat16")  # at most 4 bytes per model element
 TRANSPORTS = ("http", "shm", "disk")
 REFUSED_UNSIGNED = "weight push refused: missing or wrong signature (the sender must hold this engine's API key)"
 # HTTP status of each refusal code (everything else is a 400)
@@ -83,274 +88,9 @@ class Engine(Protocol):  # what the receiver needs of agentrl.inference.engine.E
     def update_weights(self, apply: Callable[[torch.nn.Module], Any], version: int | None = None) -> int: ...
 
 
-def _refuse(message: str, code: str = "invalid_request", param: str | None = None) -> RequestError:
-    return RequestError(message, code=code, param=param)
-
-
 def _is_id(value: Any, min_len: int = 8) -> bool:
     """A random id as the trainer makes them: ASCII letters or digits, ``min_len``-64 long."""
     return isinstance(value, str) and min_len <= len(value) <= 64 and value.isascii() and value.isalnum()
-
-
-# ----------------------------------------------------------------------------- what fits the model
-
-
-def _named_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return dict(model.state_dict(keep_vars=True))
-
-
-def check_named_tensors(
-    model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(destination, source) pairs, every name and shape checked before anything is copied."""
-    targets = _named_targets(model)
-    pairs = []
-    for name, t in tensors:
-        dst = targets.get(name)
-        if dst is None:
-            raise RequestError(f"unknown weight name {name!r} (model has e.g. {next(iter(targets))!r})")
-        if tuple(dst.shape) != tuple(t.shape):
-            raise RequestError(f"shape mismatch for {name!r}: model {tuple(dst.shape)}, got {tuple(t.shape)}")
-        if not torch.is_floating_point(t) and torch.is_floating_point(dst):
-            raise RequestError(f"dtype mismatch for {name!r}: model {dst.dtype}, got {t.dtype}")
-        pairs.append((dst, t))
-    return pairs
-
-
-def check_full_manifest(model: torch.nn.Module, manifest: list[dict[str, Any]]) -> None:
-    """A full push: every tensor of the model exactly once, its exact shape, a fitting dtype."""
-    targets = _named_targets(model)
-    seen: set[str] = set()
-    for entry in manifest:
-        name, dtype, shape = entry["name"], entry["dtype"], tuple(entry["shape"])
-        dst = targets.get(name)
-        if dst is None:
-            raise _refuse(f"unknown weight name {name!r} (model has e.g. {next(iter(targets))!r})")
-        if name in seen:
-            raise _refuse(f"weight {name!r} is named twice")
-        seen.add(name)
-        if tuple(dst.shape) != shape:
-            raise _refuse(f"shape mismatch for {name!r}: model {tuple(dst.shape)}, got {shape}")
-        fits = dtype in FLOAT_PUSH_DTYPES if torch.is_floating_point(dst) else DTYPES.get(dtype) == dst.dtype
-        if not fits:
-            raise _refuse(f"dtype mismatch for {name!r}: model {dst.dtype}, got {dtype}")
-    missing = [n for n in targets if n not in seen]
-    if missing:
-        raise _refuse(f"partial push refused: it names {len(seen)} of the model's {len(targets)} tensors "
-                      f"(missing e.g. {missing[0]!r}); push every tensor, or LoRA factors with lora=true",
-                      code="partial_push")
-
-
-@dataclass(frozen=True)
-class AdapterSpec:
-    """What a LoRA push must look like: the adapted modules and the rank (fixed by the first one)."""
-
-    modules: frozenset[str]
-    rank: int
-
-
-def check_adapter_manifest(model: torch.nn.Module, manifest: list[dict[str, Any]],
-                           spec: AdapterSpec | None) -> AdapterSpec:
-    """A LoRA push: (A, B) pairs fitting the model's 2-D weights, one rank, matching ``spec``."""
-    params = dict(model.named_parameters())
-    factors: dict[str, dict[str, tuple[int, ...]]] = {}
-    for entry in manifest:
-        module, part = split_adapter_name(entry["name"])
-        if entry["dtype"] not in FLOAT_PUSH_DTYPES:
-            raise _refuse(f"adapter factor {entry['name']!r} must be one of {FLOAT_PUSH_DTYPES}, not {entry['dtype']}")
-        if part in factors.setdefault(module, {}):
-            raise _refuse(f"adapter factor {entry['name']!r} is named twice")
-        factors[module][part] = tuple(entry["shape"])
-    ranks = set()
-    for module, ab in factors.items():
-        if set(ab) != {"A", "B"}:
-            raise _refuse(f"adapter for {module!r} needs both lora_A and lora_B")
-        w = params.get(module + ".weight")
-        if w is None or w.dim() != 2:
-            raise _refuse(f"unknown adapted matrix {module + '.weight'!r}")
-        (out_f, in_f), a, b = w.shape, ab["A"], ab["B"]
-        if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1] or not 1 <= a[0] <= min(w.shape):
-            raise _refuse(f"adapter shapes for {module!r} do not fit {tuple(w.shape)}: A {a}, B {b}")
-        ranks.add(a[0])
-    if not factors:
-        raise _refuse("an adapter push needs at least one (lora_A, lora_B) pair")
-    if len(ranks) != 1:
-        raise _refuse(f"adapter factors of one push must share one rank, got {sorted(ranks)}")
-    pushed = AdapterSpec(frozenset(factors), ranks.pop())
-    if spec is not None and pushed != spec:
-        raise _refuse(f"adapter push does not match the adapters being served ({len(spec.modules)} modules at rank "
-                      f"{spec.rank}; this push: {len(pushed.modules)} at rank {pushed.rank}); a full push resets them",
-                      code="partial_push")
-    return pushed
-
-
-def check_finite(views: list[tuple[str, torch.Tensor]]) -> None:
-    """Refuse NaN or Inf anywhere (the engine would serve empty text from such weights)."""
-    for name, t in views:
-        if not torch.is_floating_point(t) or t.numel() == 0:
-            continue
-        # min and max carry any NaN and any ±Inf: one pass, no tensor-sized temporary (isfinite's
-        # bool mask cost 25x more on a 50M-element tensor)
-        if not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
-            raise _refuse(f"weight {name!r} contains NaN or Inf: push refused, the served weights are unchanged",
-                          code="non_finite")
-
-
-def swap_in(model: torch.nn.Module, views: list[tuple[str, torch.Tensor]]) -> int:
-    """Load checked views: a CPU parameter of the same dtype is pointed at its view (the buffer is
-    never written again while it is live), anything else is copied."""
-    pairs = check_named_tensors(model, views)
-    for (_, view), (dst, _) in zip(views, pairs, strict=True):
-        if dst.device.type == "cpu" and dst.dtype == view.dtype:
-            dst.data = view
-        else:
-            dst.data.copy_(view)
-    return len(pairs)
-
-
-# ----------------------------------------------------------------------------- private places to write
-
-
-def private_dir(parent: str | None, prefix: str) -> Path:
-    """A new directory only this user can enter (mkdtemp: 0700, a random name, never reused)."""
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    st = os.stat(path, follow_symlinks=False)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
-        raise OSError(f"{path} is not a private directory")
-    return path
-
-
-@dataclass
-class Segment:
-    """One shared-memory file the engine created, mapped at its final size."""
-
-    path: Path
-    size: int
-    buffer: torch.Tensor  # uint8 over the mapping (keeps it alive)
-
-    def holds(self, t: torch.Tensor) -> bool:
-        start = self.buffer.data_ptr()
-        return t.device.type == "cpu" and start <= t.data_ptr() < start + self.size
-
-
-class SharedSegments:
-    """The engine's shared-memory files: created by the engine, in its own 0700 directory."""
-
-    def __init__(self, parent: str | None = None) -> None:
-        self.parent = parent if parent is not None else ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self.dir: Path | None = None
-        self.segments: list[Segment] = []
-
-    def lease(self, size: int, live: Iterable[torch.Tensor]) -> Segment:
-        """A segment of ``size`` bytes no live weight points into (the others are dropped)."""
-        live = list(live)
-        busy = [s for s in self.segments if any(s.holds(t) for t in live)]
-        free = [s for s in self.segments if s not in busy]
-        pick = next((s for s in free if s.size == size), None)
-        for s in free:
-            if s is not pick:
-                s.path.unlink(missing_ok=True)  # the mapping goes with its last tensor
-        self.segments = busy + ([pick] if pick is not None else [])
-        if pick is None:
-            pick = self._create(size)
-            self.segments.append(pick)
-        return pick
-
-    def _create(self, size: int) -> Segment:
-        if self.dir is None:
-            self.dir = private_dir(self.parent, "agentrl-")
-        path = self.dir / f"w-{secrets.token_hex(8)}.bin"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        return Segment(path, size, torch.frombuffer(mapping, dtype=torch.uint8))
-
-    def close(self) -> None:
-        for s in self.segments:
-            s.path.unlink(missing_ok=True)
-        self.segments = []
-        if self.dir is not None:
-            for p in self.dir.iterdir():
-                p.unlink(missing_ok=True)
-            self.dir.rmdir()
-            self.dir = None
-
-
-# ----------------------------------------------------------------------------- reading safetensors safely
-
-
-def read_inside(root: Path, model_path: str, max_bytes: int) -> list[tuple[str, bytes]]:
-    """The bytes of ``model_path`` (a .safetensors file, or a dir of them) inside ``root``.
-
-    Any path that is not lexically inside ``root`` gets one refusal, decided before the file
-    system is touched (so it tells nothing about what exists elsewhere); inside, no component
-    may be a symlink and every file is opened with ``O_NOFOLLOW`` and must be regular.
-    """
-    outside = _refuse("model_path must name a safetensors file or dir inside the engine's weights dir "
-                      "(start the engine with --weights-dir to choose it)", code="weights_not_found",
-                      param="model_path")
-    if not isinstance(model_path, str) or not model_path or "\x00" in model_path:
-        raise outside
-    given, root = Path(os.path.abspath(root)), Path(os.path.realpath(root))
-    target = Path(os.path.normpath(os.path.join(root, model_path)))
-    if os.path.isabs(model_path) and (target == given or given in target.parents):
-        target = root / target.relative_to(given)  # the dir as named, not as resolved
-    if target != root and root not in target.parents:
-        raise outside
-    if os.path.realpath(target) != str(target):  # a symlink somewhere on the way: it may point out
-        raise outside
-    missing = _refuse(f"no safetensors weights at {str(target.relative_to(root))!r} in the weights dir",
-                      code="weights_not_found", param="model_path")
-    try:
-        st = os.stat(target, follow_symlinks=False)
-    except OSError:
-        raise missing from None
-    names = sorted(p.name for p in target.iterdir() if p.name.endswith(".safetensors")) if stat.S_ISDIR(st.st_mode) \
-        else [target.name]
-    base = target if stat.S_ISDIR(st.st_mode) else target.parent
-    if not names:
-        raise missing
-    out, total = [], 0
-    dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        for name in names:
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-            except OSError:
-                raise missing from None
-            with os.fdopen(fd, "rb") as f:
-                fst = os.fstat(f.fileno())
-                if not stat.S_ISREG(fst.st_mode):
-                    raise missing
-                total += fst.st_size
-                if total > max_bytes:
-                    raise _refuse(f"weights at {str(target.relative_to(root))!r} are larger than the model allows "
-                                  f"({total} > {max_bytes} bytes)", code="too_large", param="model_path")
-                out.append((name, f.read(max_bytes + 1)))
-    finally:
-        os.close(dir_fd)
-    return out
-
-
-def tensors_of(files: list[tuple[str, bytes]]) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load as load_bytes
-
-    out = []
-    for name, data in files:
-        try:
-            out.extend(load_bytes(data).items())
-        except Exception as e:  # a malformed file is the pusher's error, not the engine's crash
-            raise _refuse(f"{name} is not a readable safetensors file ({type(e).__name__})") from None
-    return out
-
-
-def manifest_of(tensors: list[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
-    """The (name, dtype, shape) of loaded tensors, in the manifest's shape (offsets unused: 0)."""
-    return [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": 0}
-            for n, t in tensors]
 
 
 # ----------------------------------------------------------------------------- the receiver
@@ -402,7 +142,7 @@ class WeightReceiver:
     def max_bytes(self) -> int:
         """The most a push of this model can take: 4 bytes per element, plus alignment and headers."""
         if self._max_bytes is None:  # the model's shapes never change
-            targets = _named_targets(self.engine.model)
+            targets = named_targets(self.engine.model)
             self._max_bytes = sum(4 * t.numel() + 64 for t in targets.values()) + (1 << 20)
         return self._max_bytes
 
@@ -413,7 +153,7 @@ class WeightReceiver:
 
     def _check(self, ok: bool) -> None:
         if not ok:
-            raise _refuse(REFUSED_UNSIGNED, code="unauthorized")
+            raise RequestError(REFUSED_UNSIGNED, code="unauthorized")
 
     # -- the transfer
 
@@ -424,23 +164,23 @@ class WeightReceiver:
         version, lora, size, manifest = body.get("weight_version"), bool(body.get("lora", False)), body.get("size"), \
             body.get("manifest")
         if not _is_id(transfer, 16):
-            raise _refuse("transfer must be 16-64 letters or digits (a fresh random id per push)", param="transfer")
+            raise RequestError("transfer must be 16-64 letters or digits (a fresh random id per push)", param="transfer")
         session = body.get("session")
         if session is not None and not _is_id(session):
-            raise _refuse("session must be 8-64 letters or digits", param="session")
+            raise RequestError("session must be 8-64 letters or digits", param="session")
         if transport not in TRANSPORTS:
-            raise _refuse(f"unknown transport {transport!r}; use one of {TRANSPORTS}", param="transport")
+            raise RequestError(f"unknown transport {transport!r}; use one of {TRANSPORTS}", param="transport")
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-            raise _refuse("weight_version must be an integer", param="weight_version")
+            raise RequestError("weight_version must be an integer", param="weight_version")
         if not isinstance(size, int) or not isinstance(manifest, list):
-            raise _refuse("a begin needs size (bytes) and manifest (a list)")
+            raise RequestError("a begin needs size (bytes) and manifest (a list)")
         check_layout(manifest, size)
         model = self.engine.model
         spec = check_adapter_manifest(model, manifest, self.adapter_spec) if lora else None
         if not lora:
             check_full_manifest(model, manifest)
         if size > self.max_bytes():
-            raise _refuse(f"buffer of {size} bytes is larger than the model allows", code="too_large")
+            raise RequestError(f"buffer of {size} bytes is larger than the model allows", code="too_large")
         self._check_version(version, session)
         chunks: list[tuple[int, int]] = []
         if transport == "http":
@@ -448,11 +188,11 @@ class WeightReceiver:
         with self._lock:
             self._expire_idle()
             if self.current is not None:
-                raise _refuse("another weight transfer is in progress; wait for it, or its owner aborts it "
+                raise RequestError("another weight transfer is in progress; wait for it, or its owner aborts it "
                               f"(it expires after {self.idle_timeout_s:g}s without a message)",
                               code="transfer_in_progress")
             if transfer in self._used:
-                raise _refuse("transfer id already used; every push needs a fresh one", code="transfer_reused")
+                raise RequestError("transfer id already used; every push needs a fresh one", code="transfer_reused")
             self._used[transfer] = None
             while len(self._used) > 1024:
                 self._used.popitem(last=False)
@@ -465,7 +205,7 @@ class WeightReceiver:
                 t.buffer = torch.empty(max(size, 1), dtype=torch.uint8)
                 answer["chunks"] = len(chunks)
             elif transport == "shm":
-                live = list(_named_targets(model).values())
+                live = list(named_targets(model).values())
                 seg = self.segments.lease(size, live)
                 t.buffer, t.path = seg.buffer, seg.path
             else:
@@ -482,18 +222,18 @@ class WeightReceiver:
     @staticmethod
     def _chunk_plan(chunks: Any, size: int) -> list[tuple[int, int]]:
         if not isinstance(chunks, list) or not chunks or len(chunks) > 1 << 16:
-            raise _refuse("an http begin needs chunks: [[offset, nbytes], ...] (at most 65536)")
+            raise RequestError("an http begin needs chunks: [[offset, nbytes], ...] (at most 65536)")
         plan, pos = [], 0
         for i, c in enumerate(chunks):
             if not (isinstance(c, list) and len(c) == 2 and all(isinstance(x, int) for x in c)):
-                raise _refuse(f"chunk {i} must be [offset, nbytes]")
+                raise RequestError(f"chunk {i} must be [offset, nbytes]")
             off, nbytes = c
             if off != pos or nbytes <= 0:
-                raise _refuse(f"chunk {i} starts at {off}, expected {pos}")
+                raise RequestError(f"chunk {i} starts at {off}, expected {pos}")
             plan.append((off, nbytes))
             pos += nbytes
         if pos != size:
-            raise _refuse(f"chunks cover {pos} bytes, the buffer has {size}")
+            raise RequestError(f"chunks cover {pos} bytes, the buffer has {size}")
         return plan
 
     def _expire_idle(self) -> None:  # holds self._lock
@@ -512,7 +252,7 @@ class WeightReceiver:
         self._expire_idle()
         cur = self.current
         if cur is None or cur.transfer != transfer or cur.committing:
-            raise _refuse("this transfer is not in progress (finished, aborted, expired or never begun); "
+            raise RequestError("this transfer is not in progress (finished, aborted, expired or never begun); "
                           "begin a new one", code="unknown_transfer")
         cur.last_seen = self.clock()
         return cur
@@ -523,10 +263,10 @@ class WeightReceiver:
         with self._lock:
             cur = self._owned(transfer)
             if cur.transport != "http" or not 0 <= index < len(cur.chunks):
-                raise _refuse(f"this transfer has {len(cur.chunks)} chunks, not index {index}")
+                raise RequestError(f"this transfer has {len(cur.chunks)} chunks, not index {index}")
             off, nbytes = cur.chunks[index]
             if len(data) != nbytes:
-                raise _refuse(f"chunk {index}: {len(data)} bytes, expected {nbytes}")
+                raise RequestError(f"chunk {index}: {len(data)} bytes, expected {nbytes}")
             buffer = cur.buffer
         assert buffer is not None
         memoryview(buffer.numpy())[off : off + nbytes] = data
@@ -548,7 +288,7 @@ class WeightReceiver:
             if cur.transport == "http":
                 missing = sorted(set(range(len(cur.chunks))) - cur.received)
                 if missing:
-                    raise _refuse(f"transfer is missing {len(missing)} of {len(cur.chunks)} chunks "
+                    raise RequestError(f"transfer is missing {len(missing)} of {len(cur.chunks)} chunks "
                                   f"(first: {missing[:5]})", code="incomplete_transfer")
             cur.committing = True
         try:
@@ -566,12 +306,12 @@ class WeightReceiver:
         assert t.path is not None
         files = read_inside(self.weights_dir(), t.path.name, self.max_bytes())
         if len(files) != 1 or not sha256 or hashlib.sha256(files[0][1]).hexdigest() != sha256:
-            raise _refuse("the weights file's SHA-256 is not the one the commit signed (changed after writing?)",
+            raise RequestError("the weights file's SHA-256 is not the one the commit signed (changed after writing?)",
                           code="checksum_mismatch")
         tensors = tensors_of(files)
         if sorted((e["name"], e["dtype"], e["shape"]) for e in manifest_of(tensors)) != \
                 sorted((e["name"], e["dtype"], e["shape"]) for e in t.manifest):
-            raise _refuse("the weights file does not hold the tensors its begin named")
+            raise RequestError("the weights file does not hold the tensors its begin named")
         return tensors
 
     # -- versions and disk reloads
@@ -582,11 +322,11 @@ class WeightReceiver:
         if version is None:
             return
         if version < 0:
-            raise _refuse(f"weight version {version} is negative", code="stale_version", param="weight_version")
+            raise RequestError(f"weight version {version} is negative", code="stale_version", param="weight_version")
         if session is not None and session != self.session:
             return
         if version < self.engine.version:
-            raise _refuse(f"weight version {version} is older than the served version {self.engine.version}; "
+            raise RequestError(f"weight version {version} is older than the served version {self.engine.version}; "
                           "versions only increase", code="stale_version", param="weight_version")
 
     def set_version(self, version: int, sig: str | None) -> int:
@@ -605,9 +345,9 @@ class WeightReceiver:
         self._check(body_signed_by(self.key, "disk", body))
         version, lora, session = body.get("weight_version"), bool(body.get("lora", False)), body.get("session")
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-            raise _refuse("weight_version must be an integer", param="weight_version")
+            raise RequestError("weight_version must be an integer", param="weight_version")
         if session is not None and not _is_id(session):
-            raise _refuse("session must be 8-64 letters or digits", param="session")
+            raise RequestError("session must be 8-64 letters or digits", param="session")
         self._check_version(version, session)
         tensors = tensors_of(read_inside(self.weights_dir(), body.get("model_path"), self.max_bytes()))
         manifest = manifest_of(tensors)
