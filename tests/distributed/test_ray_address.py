@@ -5,7 +5,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,18 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from testkit import free_port
 
 ray = pytest.importorskip("ray")
 
 
 pytestmark = pytest.mark.slow
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _up(address: str) -> bool:
@@ -36,8 +30,8 @@ def head_node():
     """`ray start --head --num-cpus 2 --block` on free ports with a short temp dir, in its own
     process group: teardown ends that group only (never `ray stop`, which ends every Ray on the machine)."""
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
-    port = _free_port()
-    ports = {f"--{k}": str(_free_port()) for k in (
+    port = free_port()
+    ports = {f"--{k}": str(free_port()) for k in (
         "ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
         "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port")}  # fmt: skip
     cmd = [RAY, "start", "--head", "--block", "--num-cpus", "2", "--port", str(port), "--temp-dir", temp_dir,

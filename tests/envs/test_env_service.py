@@ -4,16 +4,14 @@ Real parts only: the server is the real CLI in a subprocess (aiohttp), the clien
 RemoteEnvironment over HTTP, the episodes run through the one episode loop."""
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
+from env_service import CALC, cli_server, served
+from testkit import free_port
 
 from agentrl.envs.check import ScriptedClient, check_environment
 from agentrl.errors import AgentrlError
@@ -21,46 +19,11 @@ from agentrl.plugins import load_environment
 from agentrl.rubrics import score_episodes
 from agentrl.types import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[2]
-CALC = str(ROOT / "environments/calc")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(env: str, env_args: dict, port: int | None = None, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
-    port = port or _free_port()
-    cmd = [sys.executable, "-m", "agentrl.cli", "env", "serve", env, "--port", str(port), "--env-args", json.dumps(env_args),
-           *extra]  # fmt: skip
-    # the server's log goes to a file: an unread pipe fills up and blocks the server
-    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed with the process object)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"env server exited: {log.read()[-2000:].decode(errors='replace')}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if json.loads(r.read())["status"] == "ok":
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("env server did not become healthy in 60s")
-
 
 @pytest.fixture(scope="module")
 def calc_server():
-    proc, url = serve(CALC, {"num_train": 50})
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    with cli_server(CALC, {"num_train": 50}) as url:
+        yield url
 
 
 def solver(prompt: str) -> str:
@@ -148,7 +111,7 @@ async def test_server_side_failures_are_episode_errors_with_their_kind(calc_serv
 
 def test_an_unreachable_server_or_env_args_for_a_url_are_one_line_errors(calc_server):
     with pytest.raises(AgentrlError, match="unreachable.*agentrl env serve"):
-        load_environment(f"http://127.0.0.1:{_free_port()}")
+        load_environment(f"http://127.0.0.1:{free_port()}")
     with pytest.raises(AgentrlError, match="agentrl env serve NAME --env-args"):
         load_environment(calc_server, num_train=3)
 
@@ -220,19 +183,12 @@ async def test_an_episode_whose_client_died_expires_after_the_idle_timeout():
     run the env's cleanup, expiries not counted, a late call answered as a generic unknown id."""
     import asyncio
 
-    from aiohttp import web
-
     from agentrl.envs.base import State
     from agentrl.envs.remote import RemoteEnvironment
-    from agentrl.envs.serve import make_app
 
     counting = _Counting(load_environment(CALC, num_train=10))
-    runner = web.AppRunner(make_app(counting.env, idle_timeout_s=0.4))
-    await runner.setup()
-    port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        remote = await asyncio.to_thread(RemoteEnvironment, f"http://127.0.0.1:{port}")
+    async with served(counting.env, idle_timeout_s=0.4) as url:
+        remote = await asyncio.to_thread(RemoteEnvironment, url)
         task = remote.eval_dataset()[0]
         alive, silent = await remote.setup(task), await remote.setup(task)
         for _ in range(12):  # 1.2 s of activity on one episode, silence on the other
@@ -247,14 +203,11 @@ async def test_an_episode_whose_client_died_expires_after_the_idle_timeout():
         await remote.cleanup(alive)
         assert isinstance(alive, State) and counting.cleaned == 2
         await remote.aclose()
-    finally:
-        await runner.cleanup()
 
 
 def test_env_serve_idle_timeout_flag():
     """`agentrl env serve --idle-timeout 1`: an episode opened and abandoned is expired."""
-    proc, url = serve(CALC, {"num_train": 5}, extra=["--idle-timeout", "1"])
-    try:
+    with cli_server(CALC, {"num_train": 5}, extra=("--idle-timeout", "1")) as url:
         with urllib.request.urlopen(f"{url}/tasks?split=eval&limit=1", timeout=5) as r:
             task = json.loads(r.read())["tasks"][0]
         req = urllib.request.Request(f"{url}/reset", data=json.dumps({"task_id": task["id"]}).encode(),
@@ -265,6 +218,3 @@ def test_env_serve_idle_timeout_flag():
         with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
             h = json.loads(r.read())
         assert (h["open"], h["expired"]) == (0, 1), h
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)

@@ -13,55 +13,17 @@ import subprocess
 import sys
 import time
 import urllib.request
-from contextlib import asynccontextmanager
-from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
+from env_service import CALC, ROOT, calc, cli_server, get, post, served, tool_call
+from testkit import free_port
 
 from agentrl.envs.remote import RemoteEnvironment
-from agentrl.envs.serve import client_of, make_app
+from agentrl.envs.serve import client_of
 from agentrl.errors import AgentrlError
 from agentrl.plugins import load_environment
 from agentrl.types import Trajectory
-
-ROOT = Path(__file__).resolve().parents[2]
-CALC = str(ROOT / "environments/calc")
-sys.path.insert(0, str(Path(__file__).parent))
-from test_env_service import _free_port, serve  # noqa: E402  (the CLI-server helper)
-
-
-@asynccontextmanager
-async def served(env, **app_kwargs):
-    """``env`` served on 127.0.0.1 by the real app; yields its URL."""
-    runner = web.AppRunner(make_app(env, **app_kwargs))
-    await runner.setup()
-    port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
-async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
-    async with session.post(url, json=body) as r:
-        return r.status, await r.json(content_type=None)
-
-
-async def get(session: aiohttp.ClientSession, url: str) -> tuple[int, dict]:
-    async with session.get(url) as r:
-        return r.status, await r.json(content_type=None)
-
-
-def calc(n: int = 10):
-    return load_environment(CALC, num_train=n)
-
-
-def tool_call(expression: str) -> dict:
-    text = f'<tool_call>\n{json.dumps({"name": "calculator", "arguments": {"expression": expression}})}\n</tool_call>'
-    return {"role": "assistant", "content": text}
 
 
 async def test_another_client_cannot_step_close_or_score_an_episode_it_did_not_open():
@@ -206,19 +168,8 @@ def test_with_a_key_every_route_but_health_needs_it(tmp_path):
     """Attack: no auth, so anyone who reached the port ran the env's tools.  Started with
     AGENTRL_API_KEY, the CLI server refuses calls without it (401), answers /health, and the
     client that reads the same variable works; binding beyond loopback warns."""
-    import os
-
     key = "arl-test-key-0123456789"
-    old = os.environ.get("AGENTRL_API_KEY")
-    os.environ["AGENTRL_API_KEY"] = key
-    try:
-        proc, url = serve(CALC, {"num_train": 5})
-    finally:
-        if old is None:
-            del os.environ["AGENTRL_API_KEY"]
-        else:
-            os.environ["AGENTRL_API_KEY"] = old
-    try:
+    with cli_server(CALC, {"num_train": 5}, environ={"AGENTRL_API_KEY": key}) as url:
         def status(route: str, headers: dict, data: bytes | None = None) -> int:
             req = urllib.request.Request(f"{url}{route}", headers={"Content-Type": "application/json", **headers},
                                          data=data)  # fmt: skip
@@ -240,9 +191,6 @@ def test_with_a_key_every_route_but_health_needs_it(tmp_path):
         with pytest.raises(AgentrlError, match="refused the API key"):
             RemoteEnvironment(url, api_key="wrong")
         assert RemoteEnvironment(url, api_key=key).name == "calc"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
     from agentrl.envs.serve import exposure_warning
 
     assert exposure_warning("127.0.0.1", keyed=False) is None and exposure_warning("::1", keyed=False) is None
@@ -251,7 +199,7 @@ def test_with_a_key_every_route_but_health_needs_it(tmp_path):
 
 
 def test_the_cli_warns_when_it_binds_beyond_loopback():
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "agentrl.cli", "env", "serve", CALC, "--port", str(port), "--host", "0.0.0.0",
            "--env-args", '{"num_train": 2}', "--api-key", "arl-some-key-0123456789"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -267,8 +215,7 @@ def test_a_power_tower_in_a_tool_call_is_an_error_reply_and_health_stays_up():
     """Attack: calc's exponent check passed (((9**64)**64)**64)**64; the tool timed out, but
     its thread kept computing and froze /health for 145 s.  Now the tool refuses it at once;
     /health, asked while the call is in flight, answers."""
-    proc, url = serve(CALC, {"num_train": 5})
-    try:
+    with cli_server(CALC, {"num_train": 5}) as url:
         remote = RemoteEnvironment(url)
 
         async def attack():
@@ -286,9 +233,6 @@ def test_a_power_tower_in_a_tool_call_is_an_error_reply_and_health_stays_up():
 
         health, reply, _ = asyncio.run(attack())
         assert health[0] == 200 and reply[0].role == "tool" and "too large" in reply[0].content, (health, reply)
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 async def test_an_abandoned_sandbox_episode_expires_and_frees_its_sandbox():

@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
+from door import LOCAL_HOSTS, assert_foreign_hosts_refused, assert_foreign_origins_refused, closed_within
 
 from agentrl.guard import Limits
 from agentrl.viewer.server import ViewerServer
@@ -52,26 +53,15 @@ def test_token_once_then_an_httponly_strict_cookie(eval_dir):
 def test_a_rebound_name_or_another_sites_page_is_refused(eval_dir):
     with ViewerServer(eval_dir) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
         auth = {"Authorization": f"Bearer {srv.key}"}
-        r = http.get("/api/meta", headers={"Host": "attacker.example", **auth})
-        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
-        r = http.get("/api/meta", headers={"Origin": "http://attacker.example", **auth})
-        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+        port = urlparse(srv.url).port
+        assert_foreign_hosts_refused(http, "GET", "/api/meta", port, auth)
+        assert_foreign_origins_refused(http, "GET", "/api/meta", auth)
+        for host in LOCAL_HOSTS:
+            assert http.get("/api/meta", headers={"Host": host.format(port=port), **auth}).status_code == 200, host
     with ViewerServer(eval_dir, allowed_hosts=("viewer.lan",), allowed_origins=("http://dash.lan",)) as srv:
         auth = {"Authorization": f"Bearer {srv.key}"}
         assert httpx.get(srv.url + "api/meta", headers={"Host": "viewer.lan", "Origin": "http://dash.lan", **auth},
                          timeout=30).status_code == 200  # fmt: skip
-
-
-def _closed_within(sock: socket.socket, seconds: float) -> bool:
-    sock.settimeout(seconds)
-    try:
-        while sock.recv(4096):
-            pass
-        return True
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
 
 
 def test_slow_clients_are_closed_and_connections_capped(eval_dir):
@@ -83,7 +73,7 @@ def test_slow_clients_are_closed_and_connections_capped(eval_dir):
         slow_head, slow_body = socket.create_connection(where), socket.create_connection(where)
         slow_head.sendall(b"GET /api/meta HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         slow_body.sendall(b"POST /api/meta HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n0123456789")
-        assert _closed_within(slow_head, 10) and _closed_within(slow_body, 10)
+        assert closed_within(slow_head, 10) and closed_within(slow_body, 10)
         slow_head.close()
         slow_body.close()
         # four idle connections fill the cap: the next request is told to come back (503), not queued
