@@ -9,8 +9,7 @@ with one bucket as large as the model (rank 0 holds the whole gathered model, as
     python benchmarks/sharded_memory.py --world-size 2 [--hidden 512 --layers 8 --vocab 32000]
 
 Prints a table and, last, a JSON line with ``optimizer_ratio`` (the largest rank's optimizer
-state / the one-process trainer's; goal ≈ 1/N), ``param_ratio``, ``setup_rss_ratio`` (the largest
-rank's RSS after setup / one process's) and ``push_extra_ratio`` (rank 0's RSS growth during the
+state / the one-process trainer's; goal ≈ 1/N), ``param_ratio`` and ``push_extra_ratio`` (rank 0's RSS growth during the
 weights out, buckets / whole model).  RSS includes torch itself (~0.4 GiB, the same in every
 process) and is noisy.
 """
@@ -47,12 +46,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "m", layers=args.layers, hidden=args.hidden, heads=4,
                                  vocab_size=args.vocab, intermediate=4 * args.hidden)  # fmt: skip
-        rss0 = rss()
         one = Trainer(model, TrainerConfig(device="cpu"), SamplingParams(), seed=0)
-        setup = rss() - rss0  # what loading the model and building the trainer added to this process
         one.step(batch)
         n_params = sum(p.numel() for p in one.model.parameters())
-        base = {**tensor_bytes(one.model, one.optimizer), "max_rss_bytes": _max_rss(), "setup_added_bytes": setup}
+        base = {**tensor_bytes(one.model, one.optimizer), "max_rss_bytes": _max_rss()}
         del one
         runs = {}
         for label, bucket in (("buckets", args.bucket_mb), ("whole", 1e9)):
@@ -75,8 +72,7 @@ def main() -> None:
     print(f"model: {n_params / 1e6:.1f}M parameters (d {args.hidden} x {args.layers} layers, vocab {args.vocab})")
     print(f"{'':12s} {'weights MiB':>12s} {'AdamW MiB':>10s} {'RSS after setup':>16s} "
           f"{'push +RSS buckets':>18s} {'push +RSS whole':>16s}")  # fmt: skip
-    print(f"{'one process':12s} {base['param_bytes'] * MIB:12.1f} {base['optimizer_bytes'] * MIB:10.1f} "
-          f"{'+' + format(setup * MIB, '.0f'):>16s}")  # fmt: skip
+    print(f"{'one process':12s} {base['param_bytes'] * MIB:12.1f} {base['optimizer_bytes'] * MIB:10.1f}")
     for r, w in zip(ranks, runs["whole"]["ranks"], strict=True):
         print(f"{'rank ' + str(r['rank']):12s} {r['param_bytes'] * MIB:12.1f} {r['optimizer_bytes'] * MIB:10.1f} "
               f"{r['setup_rss_bytes'] * MIB:16.0f} {push_extra(r) * MIB:18.0f} {push_extra(w) * MIB:16.0f}")  # fmt: skip
