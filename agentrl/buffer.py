@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +134,70 @@ class _Untrainable:
                 "(sft.steps / sft.target_reward), raise rollout.temperature or lower trainer.lr")
 
 
+@dataclass(eq=False)
+class RunningGroup:
+    """One admitted group whose episodes are running: they are live in the ledger, with no fate yet."""
+
+    id: str
+    task: Task
+    episode_ids: list[str]
+    owner: str = ""  # the rollout worker running it (the buffer actor's record); "" in one process
+    oldest_version: int | None = None  # the oldest weight version any of its episodes sampled with
+    doomed: bool = False  # cancelled: it held a token too stale to ever be trained
+    runner: asyncio.Task | None = None  # the asyncio task running it, in the process that runs it
+    counted: bool = True  # a rollout worker's group: False until the buffer actor acknowledged its start
+
+    def saw(self, version: int | None) -> None:
+        """An episode of the group sampled tokens down to weight version ``version``."""
+        if version is not None and (self.oldest_version is None or version < self.oldest_version):
+            self.oldest_version = version
+
+
+class RunningGroups:
+    """The one record of running groups, kept by the buffer the rollout manager admits through.
+
+    Admission counts it, checkpoints re-queue its tasks, the ledger check holds its episodes; the
+    rollout manager runs what it records (``runner``) and reads the staleness of each group from
+    it.  The call that gives a group its fate (``put``, ``fail_group``, ``drop_running_group``,
+    ``interrupt_group``, ``abandon_group``) ends its record, so a group is running in one place or
+    in none."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, RunningGroup] = {}
+
+    def start(self, group_id: str, task: Task, episode_ids: list[str], *, counted: bool = True) -> RunningGroup:
+        if group_id in self._groups:
+            raise LedgerError(f"group {group_id} started twice")
+        run = self._groups[group_id] = RunningGroup(group_id, task, list(episode_ids), counted=counted)
+        return run
+
+    def end(self, group_id: str) -> RunningGroup:
+        """Remove a group that reached its fate (or stops being this process's to run)."""
+        run = self._groups.pop(group_id, None)
+        if run is None:
+            raise LedgerError(f"group {group_id} is not running (never started, or its fate was given twice)")
+        return run
+
+    def end_all(self) -> list[RunningGroup]:
+        out, self._groups = list(self._groups.values()), {}
+        return out
+
+    def get(self, group_id: str) -> RunningGroup | None:
+        return self._groups.get(group_id)
+
+    def __contains__(self, group_id: object) -> bool:
+        return group_id in self._groups
+
+    def __iter__(self) -> Iterator[RunningGroup]:
+        return iter(list(self._groups.values()))  # a copy: a fate given while iterating ends a record
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def episode_ids(self) -> set[str]:
+        return {e for run in self._groups.values() for e in run.episode_ids}
+
+
 class StalenessBuffer:
     """Scored groups waiting to be trained, with admission control and the episode ledger."""
 
@@ -162,7 +227,7 @@ class StalenessBuffer:
         self.version = 0
         self.ledger = Ledger()
         self._untrainable = _Untrainable()
-        self._running: dict[str, tuple[Task, list[str]]] = {}  # group id -> (task, episode ids)
+        self.running = RunningGroups()  # admitted groups whose episodes run: the one record of them
         self._abandoned: set[str] = set()  # episodes of groups cancelled at shutdown (in flight at exit)
         self._ready: list[Group] = []
         self._in_training: list[Group] = []
@@ -174,16 +239,16 @@ class StalenessBuffer:
         """Groups the rollout manager may start now (never negative)."""
         if self.oldest_trainable_version() > self.version:
             return 0  # η = 0 while a batch trains: anything sampled now is stale on arrival
-        committed = len(self._in_training) + len(self._ready) + len(self._running)
+        committed = len(self._in_training) + len(self._ready) + len(self.running)
         cap = (self.max_staleness + 1) * self.batch_groups + int(self.overprovision * self.batch_groups)
         return max(0, cap - committed)
 
-    def start_group(self, group_id: str, task: Task, episode_ids: list[str]) -> None:
-        """Reserve one group's admission slot and start its episodes in the ledger."""
-        if group_id in self._running:
+    def start_group(self, group_id: str, task: Task, episode_ids: list[str]) -> RunningGroup:
+        """Reserve one group's admission slot and start its episodes in the ledger; returns its record."""
+        if group_id in self.running:
             raise LedgerError(f"group {group_id} started twice")
         self.ledger.start(episode_ids, group_id, task.id)
-        self._running[group_id] = (task, list(episode_ids))
+        return self.running.start(group_id, task, episode_ids)
 
     def oldest_trainable_version(self) -> int:
         """Tokens sampled by weights older than this can never be trained.
@@ -197,14 +262,14 @@ class StalenessBuffer:
 
     def drop_running_group(self, group_id: str, reason: str) -> None:
         """A running group was cancelled because it could no longer be trained: stale."""
-        _, ids = self._running.pop(group_id)
+        ids = self.running.end(group_id).episode_ids
         self.ledger.settle(ids, "stale", step=self.version, reason=reason)
         self._untrainable.stale += len(ids)
         self._note_untrainable(len(ids))
 
     def fail_group(self, group_id: str, reason: str, kind: str) -> None:
         """A running group raised instead of returning episodes: all of them errored."""
-        _, ids = self._running.pop(group_id)
+        ids = self.running.end(group_id).episode_ids
         self.ledger.settle(ids, "errored", step=self.version, reason=reason, kind=kind)
         self._untrainable.errored[(kind, reason)] += len(ids)
         self._note_untrainable(len(ids))
@@ -212,20 +277,19 @@ class StalenessBuffer:
     def interrupt_group(self, group_id: str, reason: str) -> Task:
         """A running group was lost with its runner (a rollout worker died): its episodes are
         interrupted; returns its task, to be run again."""
-        task, ids = self._running.pop(group_id)
-        self.ledger.settle(ids, "interrupted", step=self.version, reason=reason)
+        run = self.running.end(group_id)
+        self.ledger.settle(run.episode_ids, "interrupted", step=self.version, reason=reason)
         self._changed.set()
-        return task
+        return run.task
 
     def abandon_group(self, group_id: str) -> None:
         """A group cancelled at shutdown: its episodes stay in flight (interrupted on resume)."""
-        _, ids = self._running.pop(group_id)
-        self._abandoned.update(ids)
+        self._abandoned.update(self.running.end(group_id).episode_ids)
         self._changed.set()
 
     def put(self, group: Group) -> None:
         """A group finished and was scored: errored episodes settle, then the group is filtered or queued."""
-        task, ids = self._running.pop(group.id)
+        ids = self.running.end(group.id).episode_ids
         if sorted(t.id for t in group.trajectories) != sorted(ids):
             raise LedgerError(f"group {group.id} came back with other episodes than it started with")
         n_episodes = len(group.trajectories)
@@ -302,10 +366,10 @@ class StalenessBuffer:
         ready ones ``unused``, running or cancelled ones ``interrupted`` — so the ledger closes.
         Returns the count per fate."""
         ready = [t.id for g in self._ready + self._in_training for t in g.trajectories]
-        running = sorted({e for _, ids in self._running.values() for e in ids} | self._abandoned)
+        running = sorted({e for run in self.running.end_all() for e in run.episode_ids} | self._abandoned)
         self.ledger.settle(ready, "unused", step=self.version, reason=f"finished, not trained: {reason}")
         self.ledger.settle(running, "interrupted", step=self.version, reason=f"still running: {reason}")
-        self._ready, self._in_training, self._running, self._abandoned = [], [], {}, set()
+        self._ready, self._in_training, self._abandoned = [], [], set()
         self._changed.set()
         return {"unused": len(ready), "interrupted": len(running)}
 
@@ -317,11 +381,8 @@ class StalenessBuffer:
 
     def held_ids(self) -> set[str]:
         """Episodes the buffer holds: admitted groups, ready, in training, abandoned at shutdown."""
-        ids = {e for _, running in self._running.values() for e in running} | self._abandoned
+        ids = self.running.episode_ids() | self._abandoned
         return ids | {t.id for g in self._ready + self._in_training for t in g.trajectories}
-
-    def running_group_ids(self) -> set[str]:
-        return set(self._running)
 
     def notify(self) -> None:
         """Wake waiters (e.g. an episode slot was freed)."""
@@ -365,10 +426,6 @@ class StalenessBuffer:
     def ready_groups(self) -> int:
         return len(self._ready)
 
-    @property
-    def running_episodes(self) -> int:
-        return sum(len(ids) for _, ids in self._running.values())
-
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
@@ -378,7 +435,7 @@ class StalenessBuffer:
             "max_staleness": self.max_staleness,
             "ledger": self.ledger.state_dict(),
             "ready": [g.to_dict() for g in self._ready],
-            "running_tasks": [task.to_dict() for task, _ in self._running.values()],
+            "running_tasks": [run.task.to_dict() for run in self.running],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> list[Task]:
@@ -391,7 +448,8 @@ class StalenessBuffer:
         ready = {t.id for g in self._ready for t in g.trajectories}
         lost = [eid for eid in self.ledger.live if eid not in ready]
         self.ledger.settle(lost, "interrupted", step=self.version, reason="in flight when the previous process stopped")
-        self._running, self._abandoned, self._in_training = {}, set(), []
+        self.running.end_all()  # a record is this process's: none survives it
+        self._abandoned, self._in_training = set(), []
         return [Task.from_dict(t) for t in state.get("running_tasks", [])]
 
 

@@ -8,11 +8,14 @@ protocol            local (one process)                            Ray side (age
 ``TrainingBuffer``  :class:`agentrl.buffer.StalenessBuffer`        ``RemoteBuffer`` (the buffer actor)
 ``SamplerState``    :class:`agentrl.rollout.TaskSampler`           ``RemoteSampler`` (the sampler in that actor)
 ``RolloutSource``   :class:`agentrl.rollout.RolloutManager`        ``WorkerPool`` (N rollout worker actors)
+``AdmissionBuffer`` :class:`agentrl.buffer.StalenessBuffer`        ``LeasedBuffer`` (in each rollout worker)
+``TaskSource``      :class:`agentrl.rollout.TaskSampler`           ``LeasedBuffer`` (its leased tasks)
 ==================  =============================================  ==============================================
 
-Only what the recipe calls is here (``rl_loop``, ``StepLog``, ``HeldOut``, ``checkpoint``,
-``finish``); tests/test_protocols.py checks that every implementation has each member with the
-same parameters.
+The first four are what the recipe calls (``rl_loop``, ``StepLog``, ``HeldOut``, ``checkpoint``,
+``finish``); the last two are what a :class:`~agentrl.rollout.RolloutManager` calls, in the driver
+or in a rollout worker (:mod:`agentrl.distributed.roles`).  tests/test_protocols.py checks that
+every implementation has each member with the same parameters.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from agentrl.buffer import Batch
-    from agentrl.types import SamplingParams, Task, Trajectory
+    from agentrl.buffer import Batch, RunningGroup, RunningGroups
+    from agentrl.types import Group, SamplingParams, Task, Trajectory
 
 
 @runtime_checkable
@@ -91,4 +94,37 @@ class RolloutSource(Protocol):
     async def evaluate(self, tasks: Sequence[Task], sampling: SamplingParams, concurrency: int = 64) -> list[Trajectory]: ...
 
 
-__all__ = ["LedgerView", "RolloutSource", "SamplerState", "TrainingBuffer"]
+@runtime_checkable
+class AdmissionBuffer(Protocol):
+    """The buffer as a rollout manager admits and settles groups through it.  ``running`` is the
+    one record of its running groups: a call that gives a group its fate ends its record."""
+
+    running: RunningGroups
+
+    def capacity(self) -> int: ...
+
+    def oldest_trainable_version(self) -> int: ...
+
+    def start_group(self, group_id: str, task: Task, episode_ids: list[str]) -> RunningGroup: ...
+
+    def put(self, group: Group) -> None: ...
+
+    def fail_group(self, group_id: str, reason: str, kind: str) -> None: ...
+
+    def drop_running_group(self, group_id: str, reason: str) -> None: ...
+
+    def abandon_group(self, group_id: str) -> None: ...
+
+    def notify(self) -> None: ...
+
+    async def wait_change(self) -> None: ...
+
+
+@runtime_checkable
+class TaskSource(Protocol):
+    """Where a rollout manager draws the task of its next group."""
+
+    def next(self) -> Task: ...
+
+
+__all__ = ["AdmissionBuffer", "LedgerView", "RolloutSource", "SamplerState", "TaskSource", "TrainingBuffer"]

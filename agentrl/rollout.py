@@ -8,7 +8,8 @@ a *group* of G episodes (:func:`agentrl.episode.run_episode`, through the env's
 (``max_in_flight``).  A group's episodes share one endpoint (``PolicyClient.pin``), so
 their shared prompt hits one engine's cache; retries, failover and request-rate limits are
 the client's.  A crashed, timed-out or failed episode becomes an errored trajectory
-(with its error kind), never an exception.
+(with its error kind), never an exception.  The groups it runs are recorded once, in the
+buffer's ``running`` (:class:`~agentrl.buffer.RunningGroups`): the manager keeps no list of its own.
 
 Partial rollouts need nothing here: the engine pauses for a weight push and resumes
 in-flight requests on the new weights, and every token carries the version that
@@ -24,9 +25,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentrl.buffer import StalenessBuffer
+from agentrl.buffer import RunningGroup
 from agentrl.episode import error_text
 from agentrl.errors import error_kind_of
+from agentrl.ledger import LedgerError
+from agentrl.protocols import AdmissionBuffer, TaskSource
 from agentrl.rubrics import score_episodes
 from agentrl.types import Completion, Group, SamplingParams, Task, Trajectory, new_id, oldest_version
 
@@ -76,37 +79,20 @@ class TaskSampler:
 TrajectorySink = Callable[[Trajectory], None]
 
 
-class _RunningGroup:
-    """A group's task and the oldest weight version any of its episodes sampled with."""
-
-    __slots__ = ("task", "oldest_version", "doomed", "group_id", "episode_ids")
-
-    def __init__(self, group_id: str, episode_ids: list[str]) -> None:
-        self.task: asyncio.Task | None = None
-        self.oldest_version: int | None = None
-        self.doomed = False
-        self.group_id, self.episode_ids = group_id, episode_ids
-
-    def saw(self, completions: list[Completion]) -> None:
-        v = oldest_version(v for c in completions or () for v in (c.versions or ()))
-        if v is not None and (self.oldest_version is None or v < self.oldest_version):
-            self.oldest_version = v
-
-
 class _Watched:
-    """The client a group's episodes use: records the oldest version each call sampled with."""
+    """The client a group's episodes use: records on the group the oldest version each call sampled with."""
 
-    def __init__(self, client: Any, group: _RunningGroup) -> None:
+    def __init__(self, client: Any, group: RunningGroup) -> None:
         self._client, self._group = client, group
 
     async def complete(self, *args: Any, **kwargs: Any) -> list[Completion]:
         out = await self._client.complete(*args, **kwargs)
-        self._group.saw(out)
+        self._group.saw(oldest_version(v for c in out or () for v in (c.versions or ())))
         return out
 
     async def chat(self, *args: Any, **kwargs: Any) -> list[Completion]:
         out = await self._client.chat(*args, **kwargs)
-        self._group.saw(out)
+        self._group.saw(oldest_version(v for c in out or () for v in (c.versions or ())))
         return out
 
     async def tokenize(self, **kwargs: Any) -> list[int]:
@@ -120,8 +106,8 @@ class RolloutManager:
         self,
         env: Any,
         client: Any,
-        buffer: StalenessBuffer,
-        sampler: TaskSampler,
+        buffer: AdmissionBuffer,
+        sampler: TaskSource,
         sampling: SamplingParams,
         *,
         group_size: int = 8,
@@ -147,7 +133,6 @@ class RolloutManager:
         self.active_episodes = 0
         self.episodes_finished = 0
         self.sampled_tokens = 0
-        self._running: list[_RunningGroup] = []
         self.groups_cancelled_stale = 0
         self.sink_errors = 0  # on_trajectory raised (e.g. a task that cannot be logged)
         self.last_sink_error: str | None = None
@@ -188,26 +173,28 @@ class RolloutManager:
         disconnects, the engine aborts the request).
         """
         oldest_ok = self.buffer.oldest_trainable_version()
-        for run in self._running:
+        for run in self.buffer.running:
             if not run.doomed and run.oldest_version is not None and run.oldest_version < oldest_ok:
                 run.doomed = True
                 self.groups_cancelled_stale += 1
-                if run.task is not None:
-                    run.task.cancel()
+                if run.runner is not None:
+                    run.runner.cancel()
 
     def _start_group(self, task: Task) -> None:
         group = Group(task=task)
-        run = _RunningGroup(group.id, [new_id("ep_") for _ in range(self.group_size)])
-        self.buffer.start_group(group.id, task, run.episode_ids)
+        run = self.buffer.start_group(group.id, task, [new_id("ep_") for _ in range(self.group_size)])
         self.active_episodes += self.group_size
-        run.task = asyncio.create_task(self._run_group(group, run))
-        self._running.append(run)
+        run.runner = asyncio.create_task(self._run_group(group, run))
 
     def running_episode_ids(self) -> set[str]:
-        """Episodes of the groups whose asyncio tasks are still running (for the ledger check)."""
-        return {e for run in self._running for e in run.episode_ids}
+        """Episodes of the groups this manager runs, as the buffer records them (for the ledger
+        check).  A record whose runner has ended was given no fate: :class:`LedgerError`."""
+        ended = [run.id for run in self.buffer.running if run.runner is not None and run.runner.done()]
+        if ended:
+            raise LedgerError(f"{len(ended)} groups ended without a fate and still hold admission slots (e.g. {ended[0]})")
+        return {e for run in self.buffer.running if run.runner is not None for e in run.episode_ids}
 
-    async def _run_group(self, group: Group, run: _RunningGroup) -> None:
+    async def _run_group(self, group: Group, run: RunningGroup) -> None:
         pin = self.client.pin(self.group_size) if hasattr(self.client, "pin") else None
         client = _Watched(pin or self.client, run)
         settled = False
@@ -230,8 +217,7 @@ class RolloutManager:
         finally:
             if pin is not None:
                 pin.release()
-            self._running.remove(run)
-            if not settled:
+            if not settled:  # the record ends here: one fate
                 if run.doomed:  # cancelled by _cancel_doomed: dropped as stale in the ledger
                     self.buffer.drop_running_group(group.id, "cancelled: it held a token too stale to be trained")
                 else:  # cancelled at shutdown: its episodes stay in flight in the ledger
@@ -259,7 +245,7 @@ class RolloutManager:
             self.buffer.notify()
 
     async def _cancel_all(self) -> None:
-        tasks = [r.task for r in self._running if r.task is not None]
+        tasks = [r.runner for r in self.buffer.running if r.runner is not None]
         for t in tasks:
             t.cancel()
         if tasks:

@@ -11,11 +11,19 @@ import pytest
 
 from agentrl.buffer import StalenessBuffer
 from agentrl.ledger import Ledger
-from agentrl.protocols import LedgerView, RolloutSource, SamplerState, TrainingBuffer
+from agentrl.protocols import (
+    AdmissionBuffer,
+    LedgerView,
+    RolloutSource,
+    SamplerState,
+    TaskSource,
+    TrainingBuffer,
+)
 from agentrl.rollout import RolloutManager, TaskSampler
 from agentrl.types import SamplingParams, Task
 
 pool = pytest.importorskip("agentrl.distributed.pool")  # needs ray
+roles = pytest.importorskip("agentrl.distributed.roles")
 
 
 def members(proto: type) -> list[str]:
@@ -56,15 +64,18 @@ def local_and_remote() -> list[tuple[type, object, object]]:
     manager = RolloutManager(None, None, buffer, sampler, SamplingParams())
     actor = object()  # never called: only the shape is compared
     workers = pool.WorkerPool(actor, [], None, None, episode_timeout_s=1.0, max_turns=None)
+    leased = roles.LeasedBuffer(actor, "w0", lambda: 0)  # what a worker's RolloutManager admits through
     return [
         (LedgerView, Ledger(), pool.RemoteLedger(actor)),
         (TrainingBuffer, buffer, pool.RemoteBuffer(actor)),
         (SamplerState, sampler, pool.RemoteSampler(actor)),
         (RolloutSource, manager, workers),
+        (AdmissionBuffer, buffer, leased),
+        (TaskSource, sampler, leased),
     ]
 
 
-@pytest.mark.parametrize("i", range(4), ids=["ledger", "buffer", "sampler", "rollouts"])
+@pytest.mark.parametrize("i", range(6), ids=["ledger", "buffer", "sampler", "rollouts", "admission", "tasks"])
 def test_local_and_ray_side_implement_the_same_protocol(i: int) -> None:
     proto, local, remote = local_and_remote()[i]
     assert differences(proto, local) == []

@@ -32,7 +32,7 @@ from typing import Any
 
 import ray
 
-from agentrl.buffer import Batch, StalenessBuffer
+from agentrl.buffer import Batch, RunningGroup, RunningGroups, StalenessBuffer
 from agentrl.rollout import RolloutManager, TaskSampler
 from agentrl.types import Group, SamplingParams, Task
 
@@ -45,7 +45,6 @@ class BufferActorImpl:
     def __init__(self, buffer: StalenessBuffer, sampler: TaskSampler) -> None:
         self.buffer, self.sampler = buffer, sampler
         self.leases: dict[str, list[Task]] = {}  # worker -> tasks leased, group not started yet
-        self.owner: dict[str, str] = {}  # running group id -> worker
         self.groups_by_worker: dict[str, int] = {}  # groups each worker put (finished and scored)
         self.worker_restarts = 0
         self.asking: dict[str, int] = {}  # workers waiting in lease() now
@@ -65,7 +64,7 @@ class BufferActorImpl:
 
     def _held(self, worker: str) -> int:
         """Admission slots a worker holds: leases not started yet and its running groups."""
-        return len(self.leases.get(worker, ())) + sum(1 for w in self.owner.values() if w == worker)
+        return len(self.leases.get(worker, ())) + sum(1 for run in self.buffer.running if run.owner == worker)
 
     def _grant(self, worker: str, n: int) -> int:
         """How many of the free slots ``worker`` may lease now.
@@ -114,12 +113,10 @@ class BufferActorImpl:
         if lease is None:
             raise RuntimeError(f"worker {worker} started group {group_id} without a lease for task {task.id}")
         held.pop(lease)
-        self.buffer.start_group(group_id, task, episode_ids)
-        self.owner[group_id] = worker
+        self.buffer.start_group(group_id, task, episode_ids).owner = worker
         return self._status()
 
     async def put(self, worker: str, group: Group) -> dict[str, Any]:
-        self.owner.pop(group.id, None)
         self.rollouts.extend({"oldest_version": t.oldest_version(), "trainer_version": self.buffer.version,
                               "worker": worker, **t.to_dict()} for t in group.trajectories)  # fmt: skip
         self.buffer.put(group)
@@ -127,17 +124,14 @@ class BufferActorImpl:
         return self._status()
 
     async def fail_group(self, worker: str, group_id: str, reason: str, kind: str) -> dict[str, Any]:
-        self.owner.pop(group_id, None)
         self.buffer.fail_group(group_id, reason, kind)
         return self._status()
 
     async def drop_running_group(self, worker: str, group_id: str, reason: str) -> dict[str, Any]:
-        self.owner.pop(group_id, None)
         self.buffer.drop_running_group(group_id, reason)
         return self._status()
 
     async def abandon_group(self, worker: str, group_id: str) -> dict[str, Any]:
-        self.owner.pop(group_id, None)
         self.buffer.abandon_group(group_id)
         return self._status()
 
@@ -154,10 +148,9 @@ class BufferActorImpl:
         Returns ``(groups re-queued, incarnation)``: 0 groups on a first start; the worker
         passes the incarnation with every lease, so a lease the dead instance asked for is refused."""
         self.incarnation[worker] = self.incarnation.get(worker, 0) + 1
-        lost = [gid for gid, w in self.owner.items() if w == worker]
+        lost = [run.id for run in self.buffer.running if run.owner == worker]
         tasks = list(self.leases.pop(worker, []))
         for gid in lost:
-            self.owner.pop(gid)
             tasks.append(self.buffer.interrupt_group(gid, f"rollout worker {worker} died; the task was re-queued"))
         if lost:
             self.worker_restarts += 1
@@ -233,7 +226,7 @@ class BufferActorImpl:
 
     async def owners(self) -> dict[str, str]:
         """Running group id -> the worker running it."""
-        return dict(self.owner)
+        return {run.id: run.owner for run in self.buffer.running}
 
     async def stats(self) -> dict[str, Any]:
         return {"groups_by_worker": dict(self.groups_by_worker), "worker_restarts": self.worker_restarts,
@@ -271,8 +264,7 @@ class LeasedBuffer:
         self._outbox: asyncio.Queue[tuple[str, tuple[Any, ...]]] = asyncio.Queue()
         self.errors: list[str] = []
         self.failed = asyncio.Event()  # set when a background loop died or the actor refused a call
-        self.confirmed: dict[str, list[str]] = {}  # groups the actor started, not settled yet: their episodes
-        self._settling: set[str] = set()  # groups whose settling call is queued
+        self.running = RunningGroups()  # this worker's groups, ended when their fate is sent (counted: acknowledged)
         self._loops: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -329,10 +321,9 @@ class LeasedBuffer:
             method, args = await self._outbox.get()
             try:
                 self._seen(await getattr(self.actor, method).remote(self.worker, *args))
-                if method == "start_group" and args[0] not in self._settling:
-                    self.confirmed[args[0]] = args[2]
-                elif method != "start_group":  # delivered after its start_group (one ordered outbox)
-                    self._settling.discard(args[0].id if method == "put" else args[0])
+                run = self.running.get(args[0]) if method == "start_group" else None
+                if run is not None:  # the actor counts it now (unless its fate was given meanwhile)
+                    run.counted = True
             except Exception as e:  # the actor refused (a ledger error): the run must hear of it
                 self.errors.append(f"{method}: {type(e).__name__}: {e}")
                 self.failed.set()
@@ -357,37 +348,35 @@ class LeasedBuffer:
     def oldest_trainable_version(self) -> int:
         return self._oldest_trainable
 
-    def start_group(self, group_id: str, task: Task, episode_ids: list[str]) -> None:
+    def start_group(self, group_id: str, task: Task, episode_ids: list[str]) -> RunningGroup:
         self.started += 1
         self._outbox.put_nowait(("start_group", (group_id, task, list(episode_ids))))
+        return self.running.start(group_id, task, episode_ids, counted=False)
 
     def put(self, group: Group) -> None:
         group.drop_env_state()
-        self._settle(group.id)
+        self.running.end(group.id)
         self._outbox.put_nowait(("put", (group,)))
 
     def fail_group(self, group_id: str, reason: str, kind: str) -> None:
-        self._settle(group_id)
+        self.running.end(group_id)
         self._outbox.put_nowait(("fail_group", (group_id, reason, kind)))
 
     def drop_running_group(self, group_id: str, reason: str) -> None:
-        self._settle(group_id)
+        self.running.end(group_id)
         self._outbox.put_nowait(("drop_running_group", (group_id, reason)))
 
     def abandon_group(self, group_id: str) -> None:
-        self._settle(group_id)
+        self.running.end(group_id)
         self._outbox.put_nowait(("abandon_group", (group_id,)))
 
     def notify(self) -> None:
         self._changed.set()
 
-    def _settle(self, group_id: str) -> None:
-        self._settling.add(group_id)
-        self.confirmed.pop(group_id, None)
-
     def running_episode_ids(self) -> set[str]:
-        """Episodes of groups the actor has started and this worker has not settled yet."""
-        return {e for ids in self.confirmed.values() for e in ids}
+        """Episodes of the groups the actor counts (it acknowledged their start) and this worker
+        has given no fate yet (the actor may not have heard of it)."""
+        return {e for run in self.running if run.counted for e in run.episode_ids}
 
     async def wait_change(self) -> None:
         self._changed.clear()
@@ -425,8 +414,7 @@ class RolloutWorkerImpl:
             return max(0, (cap - active) // g) if active else max(1, cap // g)
 
         leased = self.leased = LeasedBuffer(self.actor, self.worker, room, incarnation, on_engines=getattr(client, "rebase", None))
-        self.manager = RolloutManager(env, client, leased, leased, sampling, admit=leased.engines_up,  # type: ignore[arg-type]
-                                      **self.opts)  # fmt: skip
+        self.manager = RolloutManager(env, client, leased, leased, sampling, admit=leased.engines_up, **self.opts)
         leased.start()
         manager, failed = asyncio.create_task(self.manager.run()), asyncio.create_task(leased.failed.wait())
         try:

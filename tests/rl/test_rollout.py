@@ -207,6 +207,52 @@ async def test_a_group_that_can_no_longer_be_trained_is_cancelled_and_counted_st
     assert len(stale) == 2 and "too stale" in stale[0]["reason"]
 
 
+async def test_a_group_cancelled_as_stale_is_running_nowhere():
+    """Running groups have one record (the buffer's ``running``): at every step it holds exactly the
+    groups whose runners are alive in the event loop, and a group cancelled as stale is gone from
+    every view of what runs (records, the manager's ids, what the buffer holds, the ledger's live set,
+    the checkpoint's re-queued tasks) while its episodes are counted stale once.  Two copies of the
+    running groups (manager and buffer, synced by calls) could drift apart here."""
+    env = _FirstGroupStalls()
+    engine = FakeEngine(latency_s=0.002)
+    buf = StalenessBuffer(batch_groups=1, max_staleness=1, filter_zero_variance=False)
+    mgr = _manager(env, [engine], buf, group_size=2, max_in_flight=8)
+    views = []
+
+    def runners_alive() -> int:  # counted from the event loop, not from any record
+        return sum(1 for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "RolloutManager._run_group")
+
+    def look() -> None:
+        running_ids = mgr.running_episode_ids()
+        assert len(buf.running) == runners_alive()
+        assert running_ids == buf.running.episode_ids() <= buf.held_ids() <= set(buf.ledger.live)
+        assert len(buf.state_dict()["running_tasks"]) == len(buf.running)
+        views.append((mgr.groups_cancelled_stale, {run.id for run in buf.running}, running_ids, buf.held_ids(),
+                      set(buf.ledger.live)))
+
+    async def train(batch):
+        await asyncio.sleep(0.005)
+        return {}
+
+    async def push(version):
+        engine.version = version
+        return 0.0
+
+    async def on_step(rep):
+        await asyncio.sleep(0)  # a runner cancelled this step has ended its record by now
+        look()
+
+    await rl_loop(buf, mgr, start_step=0, steps=5, train=train, push=push, on_step=on_step)
+    stale = [r for r in buf.ledger.drain_records() if r["fate"] == "stale"]
+    assert mgr.groups_cancelled_stale == 1 and len(stale) == 2 == len({r["id"] for r in stale})
+    group, episodes = stale[0]["group"], {r["id"] for r in stale}
+    after = [v for v in views if v[0] == 1]
+    assert after, "the stalled group was never cancelled during the run"
+    for _, groups, running_ids, held, live in after:
+        assert group not in groups and not episodes & (running_ids | held | live)
+    assert len(buf.running) == 0 == runners_alive() and mgr.running_episode_ids() == set()
+
+
 async def test_a_group_whose_logging_or_env_raises_is_not_lost():
     """A task that cannot be logged, or an env whose rollout raises (a bug): the episodes get a
     fate with the cause, the run goes on, and the ledger check (run every step) still holds."""
@@ -230,7 +276,7 @@ async def test_a_group_whose_logging_or_env_raises_is_not_lost():
     tasks = env.dataset()
     for i in (1, 2, 4):
         mgr._start_group(tasks[i])
-    while len(mgr._running):
+    while len(buf.running):
         await asyncio.sleep(0.01)
     lg = buf.ledger
     assert lg.errored == 2 and lg.in_flight == 4 and buf.ready_groups == 2  # a2's group is fine, only unlogged
