@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from agentrl.errors import RequestError
-from agentrl.weights.lora import split_adapter_name
+from agentrl.weights.lora import adapted_matrix, split_adapter_name
 from agentrl.weights.manifest import DTYPES
 
 FLOAT_PUSH_DTYPES = ("float32", "float16", "bfloat16")  # at most 4 bytes per model element
@@ -90,13 +90,9 @@ def check_adapter_manifest(model: torch.nn.Module, manifest: list[dict[str, Any]
         factors[module][part] = tuple(entry["shape"])
     ranks = set()
     for module, ab in factors.items():
-        if set(ab) != {"A", "B"}:
-            raise RequestError(f"adapter for {module!r} needs both lora_A and lora_B")
-        w = params.get(module + ".weight")
-        if w is None or w.dim() != 2:
-            raise RequestError(f"unknown adapted matrix {module + '.weight'!r}")
-        (out_f, in_f), a, b = w.shape, ab["A"], ab["B"]
-        if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1] or not 1 <= a[0] <= min(w.shape):
+        w = adapted_matrix(params, module, ab)
+        a, b = ab["A"], ab["B"]
+        if not 1 <= a[0] <= min(w.shape):  # a rank above min(out, in) adds no rank, only bytes
             raise RequestError(f"adapter shapes for {module!r} do not fit {tuple(w.shape)}: A {a}, B {b}")
         ranks.add(a[0])
     if not factors:

@@ -30,6 +30,20 @@ def split_adapter_name(name: str) -> tuple[str, str]:
     raise RequestError(f"adapter tensor {name!r} must end in {SUFFIX_A!r} or {SUFFIX_B!r}")
 
 
+def adapted_matrix(params: dict[str, torch.Tensor], module: str, ab: dict[str, tuple[int, ...]]) -> torch.Tensor:
+    """The 2-D weight ``{module}.weight`` that (A, B) factors of these shapes adapt; a request
+    error unless both are given and fit it (A: r × in, B: out × r)."""
+    if set(ab) != {"A", "B"}:
+        raise RequestError(f"adapter for {module!r} needs both lora_A and lora_B")
+    w = params.get(module + ".weight")
+    if w is None or w.dim() != 2:
+        raise RequestError(f"unknown adapted matrix {module + '.weight'!r}")
+    (out_f, in_f), a, b = w.shape, ab["A"], ab["B"]
+    if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1]:
+        raise RequestError(f"adapter shapes for {module!r} do not fit {tuple(w.shape)}: A {a}, B {b}")
+    return w
+
+
 class AdapterMerger:
     """Applies adapter pushes to a model: ``W = W0 + B·A`` for every adapted matrix."""
 
@@ -50,19 +64,8 @@ class AdapterMerger:
         params = dict(model.named_parameters())
         plan = []
         for module, ab in factors.items():
-            if set(ab) != {"A", "B"}:
-                raise RequestError(f"adapter for {module!r} needs both lora_A and lora_B")
-            w = params.get(module + ".weight")
-            if w is None or w.dim() != 2:
-                raise RequestError(f"unknown adapted matrix {module + '.weight'!r}")
-            a, b = ab["A"], ab["B"]
-            out_f, in_f = w.shape
-            if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
-                raise RequestError(
-                    f"adapter shapes for {module!r} do not fit {tuple(w.shape)}: "
-                    f"A {tuple(a.shape)}, B {tuple(b.shape)}"
-                )
-            plan.append((module + ".weight", w, a, b))
+            w = adapted_matrix(params, module, {part: tuple(t.shape) for part, t in ab.items()})
+            plan.append((module + ".weight", w, ab["A"], ab["B"]))
         for wname, w, a, b in plan:
             base = self._base.get(wname)
             if base is None:
