@@ -242,6 +242,7 @@ async def rl_loop(
     push_every: int = 1,
     should_stop: Callable[[], bool] = lambda: False,
     guards: tuple[asyncio.Task, ...] = (),
+    deadline: float | None = None,
 ) -> int:
     """The async scheduler: rollouts keep flowing while the trainer steps.
 
@@ -263,6 +264,9 @@ async def rl_loop(
     ``guards``: background tasks the run depends on (the engine supervisor): one that ends
     while the trainer waits for data ends the loop with its exception.
 
+    ``deadline`` (a ``time.perf_counter()`` value): the wall budget also ends a wait for data,
+    which can last forever (every group filtered because every episode scored the same).
+
     At a normal end every episode still held gets a fate: finished ones ``unused``, running
     ones ``interrupted`` (an exception leaves them live: ``--resume`` settles them).
 
@@ -274,7 +278,13 @@ async def rl_loop(
         while step < steps and not should_stop():
             t0 = time.perf_counter()
             take = asyncio.create_task(buffer.take())
-            done, _ = await asyncio.wait({take, runner, *guards}, return_when=asyncio.FIRST_COMPLETED)
+            timeout = None if deadline is None else max(0.0, deadline - t0)
+            done, _ = await asyncio.wait({take, runner, *guards}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not done:  # the wall budget ran out while the trainer waited for data
+                take.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await take
+                break
             if take not in done:  # the rollout manager or a guard died: surface its exception
                 take.cancel()
                 for task in done:
@@ -338,12 +348,17 @@ async def _train_loop(
                          StepLog(manager, buffer, pusher, t_start), logs, live)  # fmt: skip
         # 6c) the loop: data, train, push, commit, after_step (rl_loop's numbered phases)
         watcher = asyncio.create_task(supervisor.watch())
+        deadline = t_start + cfg.run.max_wall_s if cfg.run.max_wall_s else None
         try:
-            await rl_loop(
+            next_step = await rl_loop(
                 buffer, manager, start_step=state.start_step, steps=cfg.trainer.steps, train=steps.train,
                 push=steps.push, on_step=steps.after_step, push_every=cfg.trainer.push_every,
-                should_stop=steps.should_stop, guards=(watcher,),
+                should_stop=steps.should_stop, guards=(watcher,), deadline=deadline,
             )  # fmt: skip
+            if deadline is not None and not steps.out_of_time and next_step < cfg.trainer.steps:
+                live.note(f"run.max_wall_s ({cfg.run.max_wall_s:g}s) ran out while the trainer waited for a batch "
+                          f"at step {next_step} ({buffer.ledger.as_metrics().get('ledger/filtered', 0):g} episodes "
+                          "filtered so far: see buffer.filter_zero_variance and the rewards in `agentrl view`)")
         except BufferStalled as e:
             raise TrainingStalled(
                 f"training stalled at step {buffer.version}: {e} (checkpoints and logs so far are kept)"

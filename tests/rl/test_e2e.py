@@ -207,3 +207,21 @@ def test_a_one_step_run_keeps_the_warm_start_eval_and_the_final_one(tiny_model, 
         assert len(rewards) == 4 and row[f"{prefix}reward_mean"] == pytest.approx(sum(rewards) / 4)
     view = subprocess.run([sys.executable, "-m", "agentrl.cli", "view", str(run_dir)], capture_output=True, text=True)
     assert view.returncode == 0 and "v0:" in view.stdout and "v1:" in view.stdout, view.stdout
+
+
+def test_the_wall_budget_ends_a_run_that_never_gets_a_batch(tiny_model, tmp_path):
+    """An untrained model scores 0 on every episode; with filter_zero_variance every group is
+    dropped, so no step ever came and the wall budget (checked after a step) was never read: the
+    run waited forever.  It must end at run.max_wall_s, say why, and settle every episode."""
+    run_dir = tmp_path / "never"
+    over = {"buffer.filter_zero_variance": "true", "buffer.stall_groups": 0, "run.max_wall_s": 20,
+            "trainer.steps": 50}  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "agentrl.cli", "run", *_overrides(tiny_model, run_dir, **over)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout + run.stderr
+    assert "run.max_wall_s (20s) ran out while the trainer waited for a batch at step 0" in out, out[-2000:]
+    assert not (run_dir / "metrics.jsonl").exists() or read_jsonl(run_dir / "metrics.jsonl") == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ledger = summary["ledger"]
+    assert ledger["ledger/filtered"] > 0 and ledger["ledger/trained"] == 0 and ledger["ledger/in_flight"] == 0, ledger
