@@ -307,6 +307,7 @@ def alive(token: str) -> list[int]:
 needs_pid_namespace = pytest.mark.skipif(why_no_pid_namespace() is not None, reason=str(why_no_pid_namespace()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isolate", ["none", pytest.param("pid", marks=needs_pid_namespace)])
 async def test_a_timeout_kills_the_whole_process_tree(tmp_path, isolate):
     token = f"stuck-{isolate}-{os.getpid()}-{time.monotonic_ns()}"
@@ -533,6 +534,7 @@ async def test_a_langchain_program_trains_unchanged(tmp_path):
     assert len(traj.turns) == 2 and len(traj.sequences) == 1 and traj.metrics["template_breaks"] == 0
 
 
+@pytest.mark.slow
 async def test_the_episodes_own_wall_limit_also_kills_the_program(tmp_path):
     """``rollout.episode_timeout_s`` shorter than the program's ``timeout_s``: the episode ends
     as ``timeout`` and the program's processes die with it."""

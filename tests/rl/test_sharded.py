@@ -16,6 +16,7 @@ from agentrl.trainer.sharded import ShardedTrainer
 from agentrl.types import SamplingParams
 
 
+@pytest.mark.slow
 def test_two_ranks_take_the_one_process_step(small_model):
     # trajectories of different lengths land on different ranks: per-rank means would move the weights differently
     case = load_benchmark("trainer_parity").run_case(small_model, "icepop", False, world=2, steps=2)
@@ -24,6 +25,7 @@ def test_two_ranks_take_the_one_process_step(small_model):
     assert case["max_param_diff"] < 2e-5, case
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_call_with_one_line(small_model, tmp_path):
     parity = load_benchmark("trainer_parity")
     cfg = TrainerConfig(device="cpu", world_size=2, collective_timeout_s=60)
@@ -145,6 +147,7 @@ def test_a_rank_killed_during_a_save_leaves_the_last_checkpoint(small_model, tmp
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]
 
 
+@pytest.mark.slow
 def test_weights_out_leave_rank_0_in_buckets_and_lora_sends_only_adapters(small_model):
     # rank 0 sends a bucket at a time (it never holds the whole gathered model); a LoRA trainer's weights out are the
     # whole plain model with the adapters merged (an engine refuses a partial push), its adapter push only A and s·B
