@@ -455,8 +455,12 @@ class Gateway:
         return _response(self._list_models(request.match_info["episode"], request.headers.get("Authorization")))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        return _response(await self._answer(request.match_info["episode"], request.headers.get("Authorization"), raw))
+        eid, authorization = request.match_info["episode"], request.headers.get("Authorization")
+        try:  # the key before the body: a caller without one must not make the gateway buffer 32 MiB
+            self._session(eid, authorization)
+        except Refused as e:
+            return _response(_error_body(e))
+        return _response(await self._answer(eid, authorization, await request.read()))
 
 
 def _response(answer: tuple[int, str, bytes]) -> web.Response:

@@ -22,7 +22,10 @@ another's ``OPENAI_API_KEY`` and ``OPENAI_BASE_URL`` and call into that episode 
 would train as the other episode's).  So with ``isolate="pid"`` (the default ``"auto"``
 where bubblewrap works) each program runs in a pid namespace of its own with its own
 ``/proc`` (``bwrap --unshare-pid``; same files, network and user): it sees only its own
-processes, and the whole namespace dies with its first process, ``setsid`` or not.
+processes, and the whole namespace dies with its first process, ``setsid`` or not; its
+``/dev/shm`` is its own (the engines' weight segments live there).  It is not a sandbox: the
+program keeps the user's files (the run directory, checkpoints included), so run programs you
+would run as that user; model-written code belongs in a sandboxed env.
 ``isolate="none"`` runs it plainly (the sweep above misses a program that calls ``setsid``);
 a key is always bound to its episode's path, so a program's own key opens no other episode.
 
@@ -60,7 +63,10 @@ STDERR_KEEP = 300  # characters of stderr quoted in an error
 
 Agent = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 Isolate = Literal["auto", "pid", "none"]
-PID_NAMESPACE = ["--dev-bind", "/", "/", "--proc", "/proc", "--unshare-pid", "--die-with-parent", "--"]
+# the host's files as they are, but a /proc and a /dev/shm of its own: the engines' weight
+# segments live in /dev/shm (same uid: a program could have rewritten the live policy)
+PID_NAMESPACE = ["--dev-bind", "/", "/", "--proc", "/proc", "--tmpfs", "/dev/shm", "--unshare-pid", "--die-with-parent",
+                 "--"]  # fmt: skip
 _isolation: dict[str, str | None] = {}  # "pid" -> None when bwrap gives a pid namespace here, else why not
 
 

@@ -87,13 +87,20 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of ``probs`` ``[R, V]`` (unnormalised, >= 0), by inverting its CDF.
 
     One uniform per row instead of ``torch.multinomial``'s one exponential per vocabulary entry
-    (15-60x less time on a CPU, the largest part of sampling at a 49k vocabulary).  ``u`` lies
-    in ``(0, total]`` and the first index whose running sum reaches it has ``cdf[i-1] < u <=
-    cdf[i]``: its probability is positive, so a token outside the support is never drawn.
+    (15-60x less time on a CPU, the largest part of sampling at a 49k vocabulary).
     """
-    cdf = probs.cumsum(dim=-1)
-    u = (1 - torch.rand(probs.shape[0], generator=generator, device=probs.device)) * cdf[:, -1]
-    return torch.searchsorted(cdf, u[:, None]).squeeze(1)
+    u = 1 - torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=torch.float64)
+    return invert_cdf(probs, u)
+
+
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first index whose running sum reaches ``u`` (in ``(0, 1]``) of the row's total: it has
+    ``cdf[i-1] < u·total <= cdf[i]``, so its probability is positive and a token outside the
+    support is never drawn.  The sum runs in float64: in float32, at a 49k vocabulary, thousands
+    of tokens with p > 0 got zero-width intervals (never drawn) and others were drawn up to 5 %
+    off their reported μ."""
+    cdf = probs.double().cumsum(dim=-1)
+    return torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None]).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def sample(

@@ -170,7 +170,8 @@ class Trainer:
                 else:  # this update only: its statistics are not logged, its episodes may train in another
                     failed |= trajs
                 self.optimizer.zero_grad(set_to_none=True)
-        release_free_memory()  # the step's freed activations back to the OS (agentrl.trainer.heap)
+        if self.device.type == "cpu":
+            release_free_memory()  # the step's freed activations back to the OS (agentrl.trainer.heap)
         for k in sorted(failed - applied):
             skipped[episode_ids[k]] = "every optimizer update holding it had a non-finite gradient"
         updates = len(norms)

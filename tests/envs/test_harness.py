@@ -573,3 +573,43 @@ async def test_closing_the_env_does_not_wait_for_calls_of_ended_episodes():
     with pytest.raises(asyncio.CancelledError):
         await episode
     await asyncio.wait_for(env.close(), 30)  # a liveness bound: the default would hold it 60 s
+
+
+async def test_a_call_without_the_key_is_refused_before_its_body_is_read():
+    """A local process without a key announced a 16 MiB body and sent 10 bytes: the gateway read
+    (and would have buffered) the body before checking the key, so it never answered."""
+    from agentrl.gateway import Gateway
+
+    gateway = Gateway()
+    try:
+        s = await gateway.open(ScriptedClient(lambda p: "x"), SAMPLING, tool_parser="hermes", max_calls=1,
+                               max_total_tokens=None, max_seq_len=None, token_exact=True)  # fmt: skip
+        host, rest = s.base_url.removeprefix("http://").split("/", 1)
+        reader, writer = await asyncio.open_connection(*host.split(":"))
+        writer.write(f"POST /{rest}/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer arl-wrong\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {16 << 20}\r\n\r\n{{\"model\":".encode())  # fmt: skip
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), timeout=20)
+        writer.close()
+        assert status.split()[1] == b"401", status
+    finally:
+        await gateway.close()
+
+
+@pytest.mark.parametrize("isolate", [pytest.param("pid", marks=needs_pid_namespace), "none"])
+async def test_an_isolated_program_has_a_dev_shm_of_its_own(tmp_path, isolate):
+    """The engines' weight segments live in /dev/shm under the run's uid: a program of that uid
+    could rewrite the live policy.  Isolated, it sees an empty /dev/shm of its own."""
+    import tempfile
+
+    mark = tempfile.mkdtemp(prefix="agentrl-test-weights-", dir="/dev/shm")
+    try:
+        cmd = program(tmp_path, f"""
+            import os
+            OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+            print(os.path.exists({mark!r}))
+        """)
+        traj = await run(HarnessEnv(cmd, dataset=ROWS, isolate=isolate), ScriptedClient(lambda p: "x"))
+        assert traj.error is None and traj.state["result"] == str(isolate == "none"), (traj.error, traj.state)
+    finally:
+        os.rmdir(mark)
