@@ -23,6 +23,8 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -63,12 +65,43 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> Path:
             "starts it again (no RL step had run)")
         raise
     # 3-7) everything that runs inside the event loop
+    _sigint_seen.clear()
     try:
         asyncio.run(_run(cfg, run_dir, start_model, resume=resume, threads=threads, show=progress))
     except KeyboardInterrupt:
         say(interrupted_note(run_dir, cfg))
         raise
+    except Exception:
+        if not _sigint_seen.is_set():
+            raise
+        # Ctrl-C reaches the whole process group: an engine it stopped can fail a push before the
+        # cancellation arrives here. That is still the user's interrupt, not a failed run.
+        say(interrupted_note(run_dir, cfg))
+        raise KeyboardInterrupt from None
+    finally:
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is _on_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     return run_dir
+
+
+_sigint_seen = threading.Event()
+_asyncio_sigint: Any = None
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    _sigint_seen.set()
+    if callable(_asyncio_sigint):
+        _asyncio_sigint(signum, frame)
+    else:
+        raise KeyboardInterrupt
+
+
+def _record_sigint() -> None:
+    """Put a recorder in front of asyncio's own Ctrl-C handler (which cancels the main task)."""
+    global _asyncio_sigint
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not _on_sigint:
+        _asyncio_sigint = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, _on_sigint)
 
 
 def say(text: str) -> None:
@@ -121,6 +154,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
 
 
 async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, threads: int, show: bool) -> None:
+    _record_sigint()
     t_start = time.perf_counter()
     live = LiveProgress(cfg.trainer.steps, enabled=show, max_wall_s=cfg.run.max_wall_s)
     # 3) env
