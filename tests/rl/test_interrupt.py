@@ -78,23 +78,8 @@ def test_ctrl_c_during_the_warm_start_says_sft_starts_again(tiny_model, tmp_path
     shutil.copytree(tiny_model, base)
     args = run_args(base, tmp_path / "run", **{"sft.enabled": "true", "sft.steps": 100000, "sft.batch_size": 4,
                                                "sft.num_demos": 64, "trainer.steps": 1})
-    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    seen = []
-    try:
-        for line in proc.stderr:  # the first progress line: SFT is training
-            seen.append(line)
-            if line.startswith("sft 1/"):
-                break
-        assert proc.poll() is None, "".join(seen)[-2000:]
-        os.killpg(proc.pid, signal.SIGINT)
-        _, rest = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    err = "".join(seen) + rest
-    assert proc.returncode == 130, err[-2000:]
+    returncode, _, err = _ctrl_c_once_sft_trains(args, stdout=subprocess.DEVNULL)
+    assert returncode == 130, err[-2000:]
     assert "interrupted during the SFT warm start: it is saved only when it finishes, so the next run starts it again" \
         in err, err[-2000:]
 
@@ -107,7 +92,18 @@ def test_ctrl_c_during_agentrl_sft_says_what_was_saved_and_what_to_run(tiny_mode
     shutil.copytree(tiny_model, base)
     args = ["sft", f"--model.path={base}", "--env.name=calc", "--sft.steps=100000", "--sft.batch_size=4",
             "--sft.num_demos=64", "--trainer.num_threads=1"]
-    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", *args], stdout=subprocess.PIPE,
+    returncode, out, err = _ctrl_c_once_sft_trains(args)
+    assert returncode == 130 and out == "", err[-2000:]
+    note = (f"interrupted during SFT: nothing of it was saved (the warm start is written only when it finishes; "
+            f"the base model {base} is kept); run the same command again to start SFT over")
+    assert note in err, err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]  # no half-written cache entry was kept
+
+
+def _ctrl_c_once_sft_trains(args: list[str], stdout: int = subprocess.PIPE) -> tuple[int, str | None, str]:
+    """Run `agentrl ARGS`, send Ctrl-C to its process group at the first SFT progress line;
+    returns (exit code, stdout, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", *args], stdout=stdout,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen = []
     try:
@@ -122,9 +118,4 @@ def test_ctrl_c_during_agentrl_sft_says_what_was_saved_and_what_to_run(tiny_mode
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    err = "".join(seen) + rest
-    assert proc.returncode == 130 and out == "", err[-2000:]
-    note = (f"interrupted during SFT: nothing of it was saved (the warm start is written only when it finishes; "
-            f"the base model {base} is kept); run the same command again to start SFT over")
-    assert note in err, err[-2000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]  # no half-written cache entry was kept
+    return proc.returncode, out, "".join(seen) + rest
