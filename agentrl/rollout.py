@@ -218,10 +218,7 @@ class RolloutManager:
             if pin is not None:
                 pin.release()
             if not settled:  # the record ends here: one fate
-                if run.doomed:  # cancelled by _cancel_doomed: dropped as stale in the ledger
-                    self.buffer.drop_running_group(group.id, "cancelled: it held a token too stale to be trained")
-                else:  # cancelled at shutdown: its episodes stay in flight in the ledger
-                    self.buffer.abandon_group(group.id)
+                self._end_cancelled(run)
 
     def _finished(self, trajs: list[Trajectory]) -> None:
         for t in trajs:
@@ -244,12 +241,21 @@ class RolloutManager:
             self.active_episodes -= 1
             self.buffer.notify()
 
+    def _end_cancelled(self, run: RunningGroup) -> None:
+        if run.doomed:  # cancelled by _cancel_doomed: dropped as stale in the ledger
+            self.buffer.drop_running_group(run.id, "cancelled: it held a token too stale to be trained")
+        else:  # cancelled at shutdown: its episodes stay in flight in the ledger
+            self.buffer.abandon_group(run.id)
+
     async def _cancel_all(self) -> None:
-        tasks = [r.runner for r in self.buffer.running if r.runner is not None]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        runs = [r for r in self.buffer.running if r.runner is not None]
+        for r in runs:
+            r.runner.cancel()
+        if runs:
+            await asyncio.gather(*(r.runner for r in runs), return_exceptions=True)
+        for r in runs:  # a runner cancelled before its first step never ran the finally that ends its record
+            if self.buffer.running.get(r.id) is r:
+                self._end_cancelled(r)
 
     # ------------------------------------------------------------------ evaluation
 

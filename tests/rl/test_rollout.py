@@ -302,3 +302,44 @@ async def test_training_rollouts_keep_the_envs_own_max_turns_unless_the_config_s
     for cfg, turns in ((RolloutConfig(), 3), (RolloutConfig(max_turns=5), 5)):
         (traj,) = await run_group(env, ScriptedClient(lambda p: "no"), task, cfg.sampling(), 1, max_turns=cfg.max_turns)
         assert traj.stop_reason == "max_turns" and len(traj.turns) == turns
+
+
+class _BreaksOnSecondDraw:
+    """A task source whose second draw raises: the first group is admitted, then the admission
+    loop raises in the same pass, before that group's runner took its first step."""
+
+    def __init__(self, tasks) -> None:
+        self.tasks, self.draws = list(tasks), 0
+
+    def next(self):
+        self.draws += 1
+        if self.draws == 2:
+            raise RuntimeError("task source broke")
+        return self.tasks[0]
+
+
+async def test_a_group_cancelled_before_its_first_step_still_gets_a_fate():
+    """``run`` stopped by an error in admission cancels a runner that never ran: its ``finally`` (which
+    ends the record) never runs, so the record used to outlive the run, holding an admission slot and
+    episodes with no fate (``running_episode_ids`` raised LedgerError, the ledger check failed)."""
+
+    class Counting(FakeEnv):
+        started = 0
+
+        async def rollout(self, *a, **kw):
+            self.started += 1
+            return await super().rollout(*a, **kw)
+
+    env = Counting()
+    buf = StalenessBuffer(batch_groups=2, max_staleness=0)  # room for two groups: the second draw happens
+    src = _BreaksOnSecondDraw(env.dataset())
+    mgr = RolloutManager(env, FakeClient(FakeEngine()), buf, src, SamplingParams(), group_size=2, max_in_flight=8)
+    with pytest.raises(RuntimeError, match="task source broke"):
+        await asyncio.wait_for(mgr.run(), 10)
+    assert src.draws == 2 and env.started == 0  # the group was admitted; its runner never took a step
+    assert len(buf.running) == 0 and mgr.running_episode_ids() == set()
+    assert buf.ledger.in_flight == 2  # cancelled at shutdown: in flight, like any group cancelled then
+    buf.ledger.check(mgr.running_episode_ids() | buf.held_ids())
+    assert buf.close_out("the run failed") == {"unused": 0, "interrupted": 2}
+    lg = buf.ledger
+    assert lg.in_flight == 0 and lg.started == 2 == lg.interrupted == sum(lg.counts.values())
