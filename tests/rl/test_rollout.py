@@ -168,6 +168,7 @@ class _FirstGroupStalls(FakeEnv):
     def __init__(self) -> None:
         super().__init__()
         self.stalled_task: str | None = None
+        self.stalled = asyncio.Event()  # set once its episodes sampled and hang
         self.cancelled = 0
 
     async def rollout(self, client, task, sampling, *, max_turns=None, timeout_s=None):
@@ -175,6 +176,7 @@ class _FirstGroupStalls(FakeEnv):
         if task.id != self.stalled_task:
             return await super().rollout(client, task, sampling, max_turns=max_turns, timeout_s=timeout_s)
         await client.complete([1, 2, 3], sampling)
+        self.stalled.set()
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
@@ -239,10 +241,24 @@ async def test_a_group_cancelled_as_stale_is_running_nowhere():
         return 0.0
 
     async def on_step(rep):
-        await asyncio.sleep(0)  # a runner cancelled this step has ended its record by now
+        # look once every group the manager must cancel at this version has been cancelled and its
+        # runner has ended (awaited, not left to how far the event loop got): none, or the stalled one
+        while must_end := [run.runner for run in buf.running if run.runner is not None and (
+                run.doomed or (run.oldest_version is not None and run.oldest_version < buf.oldest_trainable_version()))]:
+            _, alive = await asyncio.wait(must_end, timeout=30)
+            assert not alive, "the manager did not cancel a group holding an untrainable token"
         look()
 
+    async def watch_the_stalled_group() -> None:
+        await env.stalled.wait()
+        (run,) = [r for r in buf.running if r.task.id == env.stalled_task]
+        await asyncio.wait([run.runner])
+        look()  # the first moment after its runner ended, whenever in the step that was
+        assert run.doomed, "the stalled group was cancelled at shutdown, not as stale"
+
+    watcher = asyncio.create_task(watch_the_stalled_group())
     await rl_loop(buf, mgr, start_step=0, steps=5, train=train, push=push, on_step=on_step)
+    await asyncio.wait_for(watcher, 5)
     stale = [r for r in buf.ledger.drain_records() if r["fate"] == "stale"]
     assert mgr.groups_cancelled_stale == 1 and len(stale) == 2 == len({r["id"] for r in stale})
     group, episodes = stale[0]["group"], {r["id"] for r in stale}
