@@ -256,11 +256,8 @@ class HarnessEnv(Environment):
         if code is None:
             raise EpisodeError(f"the program {self.program} did not finish within timeout_s={self.program_timeout_s:g}s "
                                f"(its processes were killed); stderr: {tail}")  # fmt: skip
-        if launcher and code > 128:  # bwrap reports a child killed by signal N as exit 128 + N
-            code = 128 - code
         if code != 0:
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            raise EpisodeError(f"the program {self.program} {how}; stderr: {tail}")
+            raise EpisodeError(f"the program {self.program} {exit_words(code, bool(launcher))}; stderr: {tail}")
         if session.calls == 0:
             raise EpisodeError(f"the program {self.program} exited without calling the model at OPENAI_BASE_URL; "
                                f"stderr: {tail}")  # fmt: skip
@@ -284,6 +281,25 @@ def gateway_transport(gateway: Gateway) -> Any:
             return httpx.Response(status, headers={"content-type": content_type}, content=data, request=request)
 
     return GatewayTransport()
+
+
+def exit_words(code: int, namespaced: bool) -> str:
+    """How a program ended, in words.  Only a negative return code is a signal for certain: under
+    bwrap a child killed by signal N exits 128 + N, as does a program calling ``exit(128 + N)``,
+    so such a code is named both ways (a code past the signal numbers is the program's own)."""
+    if code < 0:
+        return f"was killed by signal {_signal_name(-code)}"
+    words = f"exited with code {code}"
+    if namespaced and 128 < code <= 128 + signal.SIGRTMAX:
+        words += f" (or was killed by signal {_signal_name(code - 128)}: its pid namespace reports both alike)"
+    return words
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return f"{n} ({signal.Signals(n).name})"
+    except ValueError:
+        return str(n)
 
 
 def last_line(text: str) -> str:

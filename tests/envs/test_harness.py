@@ -307,6 +307,32 @@ def alive(token: str) -> list[int]:
 needs_pid_namespace = pytest.mark.skipif(why_no_pid_namespace() is not None, reason=str(why_no_pid_namespace()))
 
 
+@pytest.mark.parametrize("isolate", ["none", pytest.param("pid", marks=needs_pid_namespace)])
+async def test_a_program_exit_code_over_128_is_its_own_not_a_signal(tmp_path, isolate):
+    """sys.exit(200) is the program's own code (under bwrap it was reported as "killed by signal 72");
+    a real kill is named as one (under bwrap: both ways, since bwrap reports it as exit 128 + N)."""
+    cmd = program(tmp_path, """
+        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        print("giving up", file=sys.stderr, flush=True)
+        if TASK["id"] == "exit":
+            sys.exit(200)
+        os.kill(os.getpid(), 9)
+    """)
+    rows = [{"id": "exit", "prompt": "hi", "answer": ""}, {"id": "kill", "prompt": "hi", "answer": ""}]
+    env = HarnessEnv(cmd, dataset=rows, isolate=isolate)
+    try:
+        own, killed = [await env.rollout(ScriptedClient(lambda p: "x"), t, SAMPLING) for t in env.dataset()]
+    finally:
+        await env.close()
+    assert own.error_kind == "env" and "giving up" in own.error
+    assert "exited with code 200;" in own.error and "signal" not in own.error, own.error
+    assert killed.error_kind == "env" and "giving up" in killed.error
+    if isolate == "none":
+        assert "was killed by signal 9 (SIGKILL);" in killed.error, killed.error
+    else:
+        assert "exited with code 137 (or was killed by signal 9 (SIGKILL)" in killed.error, killed.error
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("isolate", ["none", pytest.param("pid", marks=needs_pid_namespace)])
 async def test_a_timeout_kills_the_whole_process_tree(tmp_path, isolate):
