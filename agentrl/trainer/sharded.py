@@ -3,9 +3,11 @@
 :class:`ShardedTrainer` is a handle in the driver with the one-process
 :class:`~agentrl.trainer.trainer.Trainer`'s calls (``step``, ``named_tensors``,
 ``adapter_tensors``, ``load_state_dict``, ``merged_model``, ``close``; ``write_state`` in place of
-``state_dict``).  It spawns N
-rank processes on this host (one pipe each, gloo on CPU, nccl with one GPU per rank); every call
-goes to every rank and rank 0 answers.
+``state_dict``).  Every call goes to every rank and rank 0 answers.  How the ranks are started and
+talked to is one seam, :class:`Ranks`: :class:`ProcessRanks` spawns N rank processes on this host
+(one pipe each, gloo on CPU, nccl with one GPU per rank); under ``cluster.trainer_actor`` they are
+Ray actors in a placement group (:mod:`agentrl.distributed.trainer_ranks`).  Both run the same
+:class:`_RankTrainer` (:func:`start_rank`).
 
 How a sharded step stays the one-process step (:class:`_RankTrainer`):
 
@@ -44,7 +46,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -299,21 +301,29 @@ def _write_error(e: BaseException, rank: int) -> tuple[int, int, str]:
     return rank, 0, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+def start_rank(rank: int, world: int, backend: str, addr: str, port: int, device: torch.device, model_dir: str,
+               cfg: TrainerConfig, sampling: SamplingParams | None, seed: int, conn: Any) -> _RankTrainer:  # fmt: skip
+    """Join the process group at rank 0's ``addr:port`` and build this rank's trainer on ``device`` (a rank process
+    here, or a Ray rank actor: :mod:`agentrl.distributed.trainer_ranks`); ``conn.send`` takes rank 0's weight buckets."""
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg.collective_timeout_s))  # fmt: skip
+    return _RankTrainer(model_dir, cfg.model_copy(update={"device": str(device)}), sampling, seed=seed,
+                        rank=rank, world=world, conn=conn)  # fmt: skip
+
+
 def _rank_main(rank: int, world: int, backend: str, port: int, model_dir: str, cfg: TrainerConfig,
                sampling: SamplingParams | None, seed: int, conn) -> None:  # fmt: skip
     """A rank process: build its trainer, then run the driver's calls until ``close`` or the pipe ends."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(cfg.num_threads or 1)
     try:
         device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=cfg.collective_timeout_s))  # fmt: skip
-        trainer = _RankTrainer(model_dir, cfg.model_copy(update={"device": str(device)}), sampling, seed=seed,
-                               rank=rank, world=world, conn=conn)  # fmt: skip
+        trainer = start_rank(rank, world, backend, "127.0.0.1", port, device, model_dir, cfg, sampling, seed, conn)
         conn.send(("ok", {"lora": trainer.lora}))
         while True:
             try:
@@ -326,36 +336,66 @@ def _rank_main(rank: int, world: int, backend: str, port: int, model_dir: str, c
             conn.send(("ok", result))  # the driver keeps rank 0's, or every rank's (memory, save_shards)
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which names the rank
-        line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         try:
-            conn.send(("error", line[:500]))
+            conn.send(("error", first_line(e)))
         except OSError:
             pass
         traceback.print_exc()
         os._exit(1)  # no teardown: a collective with a dead peer could wait again
 
 
-# ----------------------------------------------------------------------------- the driver's handle
+def first_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (at most 500 characters): how a failed rank is named."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ----------------------------------------------------------------------------- how ranks are started and talked to
 
 
-class ShardedTrainer:
-    """The driver's handle on ``trainer.world_size`` rank processes (module docstring)."""
+class RankLost(Exception):
+    """A rank died or failed (raised by a :class:`Ranks`; :class:`ShardedTrainer` makes it :class:`TrainerDied`)."""
 
-    def __init__(self, model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None = None, *,
-                 seed: int = 0, run_dir: str | Path | None = None) -> None:  # fmt: skip
-        """``run_dir``: where checkpoints are, named by :class:`TrainerDied`."""
+    def __init__(self, rank: int, how: str) -> None:
+        super().__init__(f"rank {rank} {how}")
+        self.rank, self.how = rank, how
+
+
+class Ranks(Protocol):
+    """The seam of :class:`ShardedTrainer`: how its ranks are started and talked to.  :class:`ProcessRanks`: rank
+    processes on this host, one pipe each; :class:`agentrl.distributed.trainer_ranks.RayRanks`: Ray actors in a
+    placement group.  Every call goes to every rank; a rank that dies or fails raises :class:`RankLost`."""
+
+    world: int
+    backend: str
+
+    def start(self) -> dict[str, Any]:
+        """Wait for every rank to build its trainer; rank 0's ``{"lora": ...}``."""
+        ...
+
+    def call(self, method: str, args: tuple[Any, ...], *, every: bool = False,
+             on_part: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
+        """``_RankTrainer.method(*args)`` on every rank: rank 0's result (``every``: all, in rank order);
+        ``on_part`` gets the weight buckets rank 0 sends before its reply."""
+        ...
+
+    def save_shards(self, path: str) -> list[tuple[int, int, str] | None]:
+        """Every rank's shards into the driver's directory ``path``; per rank None or its failure."""
+        ...
+
+    def load_shards(self, path: str) -> None:
+        """Every rank reads its shards from the driver's directory ``path``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ProcessRanks:
+    """``trainer.world_size`` rank processes on this host (spawned), one pipe each; they share the driver's files."""
+
+    def __init__(self, model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None, seed: int) -> None:
         import torch.multiprocessing as mp
 
-        self.cfg = cfg
         self.world = cfg.world_size
-        self.model_dir = Path(model_dir)
-        self.run_dir = Path(run_dir) if run_dir is not None else None
         self.backend = resolve_backend(cfg)
         ctx = mp.get_context("spawn")
         port = _free_port()
@@ -369,11 +409,118 @@ class ShardedTrainer:
             self._procs.append(p)
             self._conns.append(parent)
         self._closed = False
-        self.lora = bool(self._wait()["lora"])
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    def start(self) -> dict[str, Any]:
+        return self._wait()
+
+    def call(self, method: str, args: tuple[Any, ...], *, every: bool = False,
+             on_part: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
+        for rank, c in enumerate(self._conns):
+            try:
+                c.send((method, args))
+            except OSError:
+                self._lost(rank, None)
+        return self._wait(every, on_part)
+
+    def save_shards(self, path: str) -> list[tuple[int, int, str] | None]:
+        return self.call("save_shards", (path,), every=True)
+
+    def load_shards(self, path: str) -> None:
+        self.call("load_shards", (path,))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for c in self._conns:
+            try:
+                c.send(("close", ()))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        for p in self._procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for c in self._conns:
+            c.close()
+
+    def _wait(self, every: bool = False, on_part: Callable[[Any], None] | None = None) -> Any:
+        """Every rank's reply (rank 0's returned, or all in rank order); a rank that dies or fails raises RankLost."""
+        replies: dict[int, Any] = {}
+        while len(replies) < self.world:
+            waiting = {c: r for r, c in enumerate(self._conns) if r not in replies}
+            sentinels = {self._procs[r].sentinel: r for r in waiting.values()}
+            for ready in multiprocessing.connection.wait([*waiting, *sentinels], timeout=5.0):
+                if ready in waiting:
+                    rank = waiting[ready]
+                    try:
+                        kind, value = ready.recv()
+                    except (EOFError, OSError):
+                        self._lost(rank, None)
+                    if kind == "error":
+                        self._lost(rank, value)
+                    if kind == "part":
+                        if on_part is not None:
+                            on_part(value)
+                        continue
+                    replies[rank] = value
+                else:
+                    rank = sentinels[ready]
+                    if not self._conns[rank].poll():  # exited without a last word
+                        self._lost(rank, None)
+        return [replies[r] for r in range(self.world)] if every else replies[0]
+
+    def _lost(self, rank: int, error: str | None) -> None:
+        """Raise RankLost for the rank to blame: a killed one before a peer that saw it fail."""
+        time.sleep(0.5)  # a peer's collective may fail before the killed rank's exit is visible
+        dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None and p.exitcode < 0]
+        if error is None or (dead and dead[0] != rank):
+            rank, error = (dead[0], None) if dead else (rank, error)
+        code = self._procs[rank].exitcode
+        if error is not None:
+            how = f"failed: {error}"
+        elif code is not None and code < 0:
+            how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        raise RankLost(rank, how)
+
+
+# ----------------------------------------------------------------------------- the driver's handle
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ShardedTrainer:
+    """The driver's handle on ``trainer.world_size`` ranks (module docstring), started and talked to by a
+    :class:`Ranks` (default: :class:`ProcessRanks`, rank processes on this host)."""
+
+    def __init__(self, model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None = None, *,
+                 seed: int = 0, run_dir: str | Path | None = None, ranks: Ranks | None = None) -> None:  # fmt: skip
+        """``run_dir``: where checkpoints are, named by :class:`TrainerDied`."""
+        self.cfg = cfg
+        self.world = cfg.world_size
+        self.model_dir = Path(model_dir)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self._closed = False
+        self.ranks = ranks if ranks is not None else ProcessRanks(model_dir, cfg, sampling, seed)
+        self.backend = self.ranks.backend
+        self.lora = bool(self._guard(self.ranks.start)["lora"])
+
+    @property
+    def pids(self) -> list[int]:
+        return list(getattr(self.ranks, "pids", []))
 
     # the Trainer's calls
 
@@ -396,7 +543,7 @@ class ShardedTrainer:
         place): every rank writes its own shards to ``out/trainer``; a failed write raises OSError."""
         path = Path(out) / SHARDED
         path.mkdir()
-        failed = [e for e in self._call("save_shards", str(path), every=True) if e]
+        failed = [e for e in self._guard(self.ranks.save_shards, str(path)) if e]
         if failed:
             rank, code, what = failed[0]
             raise OSError(code or errno.EIO, f"rank {rank}: {what}")
@@ -415,7 +562,7 @@ class ShardedTrainer:
                 f"trainer.world_size = {self.world}; resume with --trainer.world_size={state['world_size']}, or "
                 "export it (`agentrl export`) and start a new run from the exported model"
             )
-        self._call("load_shards", state["sharded"])
+        self._guard(self.ranks.load_shards, state["sharded"])
 
     def memory_by_rank(self) -> list[dict[str, float]]:
         """Per rank: bytes of its weight, gradient and optimizer-state shards, and its peak RSS."""
@@ -423,37 +570,13 @@ class ShardedTrainer:
 
     def merged_model(self):
         """A plain HF model (CPU, float32) with the current weights, LoRA merged."""
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        unexpected: list[str] = []
-
-        def load(bucket: dict[str, torch.Tensor]) -> None:  # each bucket into the model as it comes: no second copy
-            unexpected.extend(model.load_state_dict(bucket, strict=False).unexpected_keys)
-
-        self._call("named_tensors", on_part=load)
-        if unexpected:
-            raise RuntimeError(f"the sharded trainer's weights do not fit the model: {unexpected[:3]}")
-        return model
+        return merged_from_buckets(self.model_dir, lambda load: self._call("named_tensors", on_part=load))
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for c in self._conns:
-            try:
-                c.send(("close", ()))
-            except OSError:
-                pass
-        deadline = time.monotonic() + 10
-        for p in self._procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for c in self._conns:
-            c.close()
+        self.ranks.close()
 
     def __del__(self) -> None:
         try:
@@ -463,62 +586,22 @@ class ShardedTrainer:
 
     # the plumbing
 
-    def _call(self, method: str, *args: Any, others: tuple[Any, ...] | None = None, every: bool = False,
-              on_part: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
+    def _call(self, method: str, *args: Any, every: bool = False, on_part: Callable[[Any], None] | None = None) -> Any:
         """Run ``method`` on every rank; ``on_part`` takes what rank 0 sends before its reply (weight buckets)."""
         if self._closed:
             raise TrainerDied(f"the sharded trainer is closed; cannot run {method}")
-        for rank, c in enumerate(self._conns):
-            try:
-                c.send((method, args if others is None or rank == 0 else others))
-            except OSError:
-                self._died(rank, None)
-        return self._wait(every, on_part)
+        return self._guard(self.ranks.call, method, args, every=every, on_part=on_part)
 
-    def _wait(self, every: bool = False, on_part: Callable[[Any], None] | None = None) -> Any:
-        """Every rank's reply (rank 0's returned, or all in rank order); a rank that dies or fails raises :class:`TrainerDied`."""
-        replies: dict[int, Any] = {}
-        while len(replies) < self.world:
-            waiting = {c: r for r, c in enumerate(self._conns) if r not in replies}
-            sentinels = {self._procs[r].sentinel: r for r in waiting.values()}
-            for ready in multiprocessing.connection.wait([*waiting, *sentinels], timeout=5.0):
-                if ready in waiting:
-                    rank = waiting[ready]
-                    try:
-                        kind, value = ready.recv()
-                    except (EOFError, OSError):
-                        self._died(rank, None)
-                    if kind == "error":
-                        self._died(rank, value)
-                    if kind == "part":
-                        if on_part is not None:
-                            on_part(value)
-                        continue
-                    replies[rank] = value
-                else:
-                    rank = sentinels[ready]
-                    if not self._conns[rank].poll():  # exited without a last word
-                        self._died(rank, None)
-        return [replies[r] for r in range(self.world)] if every else replies[0]
-
-    def _died(self, rank: int, error: str | None) -> None:
-        """Stop every rank and raise one line: which rank (a killed one before a peer that saw it fail)."""
-        time.sleep(0.5)  # a peer's collective may fail before the killed rank's exit is visible
-        dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None and p.exitcode < 0]
-        if error is None or (dead and dead[0] != rank):
-            rank, error = (dead[0], None) if dead else (rank, error)
-        code = self._procs[rank].exitcode
-        if error is not None:
-            how = f"failed: {error}"
-        elif code is not None and code < 0:
-            how = f"was killed by signal {-code}"
-        else:
-            how = f"exited with code {code}"
-        self.close()
-        raise TrainerDied(
-            f"trainer rank {rank} of {self.world} {how}; newest checkpoint: {self._newest_checkpoint()} "
-            "(restart with --resume; trainer.collective_timeout_s bounds how long the other ranks wait)"
-        )
+    def _guard(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``fn`` on the ranks; a rank lost stops every rank and raises one line naming it and the newest checkpoint."""
+        try:
+            return fn(*args, **kw)
+        except RankLost as e:
+            self.close()
+            raise TrainerDied(
+                f"trainer rank {e.rank} of {self.world} {e.how}; newest checkpoint: {self._newest_checkpoint()} "
+                "(restart with --resume; trainer.collective_timeout_s bounds how long the other ranks wait)"
+            ) from None
 
     def _newest_checkpoint(self) -> str:
         if self.run_dir is None:
@@ -527,6 +610,23 @@ class ShardedTrainer:
 
         ckpt = latest_checkpoint(self.run_dir)
         return str(ckpt) if ckpt is not None else "none yet"
+
+
+def merged_from_buckets(model_dir: str | Path, gather: Callable[[Callable[[dict[str, torch.Tensor]], None]], Any]):
+    """The HF model at ``model_dir`` (CPU, float32) with the weights ``gather(load)`` hands ``load`` a bucket at a
+    time (each loaded as it comes: no second copy)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    unexpected: list[str] = []
+
+    def load(bucket: dict[str, torch.Tensor]) -> None:
+        unexpected.extend(model.load_state_dict(bucket, strict=False).unexpected_keys)
+
+    gather(load)
+    if unexpected:
+        raise RuntimeError(f"the sharded trainer's weights do not fit the model: {unexpected[:3]}")
+    return model
 
 
 def make_trainer(model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None = None, *, seed: int = 0,
