@@ -231,6 +231,30 @@ class RemoteEnvironment(Environment):
         return policy
 
 
+def check_room(url: str, episodes: int, what: str, *, one_client: bool, api_key: str | None = None) -> str | None:
+    """Whether the server at ``url`` lets a run hold ``episodes`` open at once (``what``: whose they
+    are, naming the settings that size them).  Raises :class:`AgentrlError` naming the flag to raise
+    when they cannot fit: more than its ``--max-open``, or than its ``--max-open-per-client`` where
+    they count as one client (``one_client``, or the server counts this machine as its one
+    ``loopback`` client).  Returns a warning when they might not (clients on several machines count
+    apart), else None."""
+    info = _get_json(f"{url.rstrip('/')}/info", 10.0, api_key or client_key())
+    total, per_client = info.get("max_open"), info.get("max_open_per_client")  # absent: an older server
+    run = f"this run holds up to {episodes} ({what})"
+    if isinstance(total, int) and episodes > total:
+        raise AgentrlError(f"environment server {url} holds at most {total} open episodes (its --max-open) and {run}: "
+                           f"restart `agentrl env serve` with --max-open {episodes} or more, or lower those settings")
+    if not isinstance(per_client, int) or episodes <= per_client:
+        return None
+    fix = f"restart `agentrl env serve` with --max-open-per-client {episodes} or more, or lower those settings"
+    said = f"environment server {url} lets one client hold {per_client} open episodes (its --max-open-per-client) and {run}"
+    if info.get("client") == "loopback":
+        raise AgentrlError(f"{said}, and every loopback address is one client there: {fix}")
+    if one_client:
+        raise AgentrlError(f"{said}: {fix}")
+    return f"warning: {said}; rollout workers on one machine count as one client there: if they share one, {fix}"
+
+
 def _reconnect(url: str, api_key: str | None) -> RemoteEnvironment:
     return RemoteEnvironment(url, api_key=api_key)
 
@@ -267,4 +291,4 @@ class RemoteRubric(Rubric):
                 t.stop_reason = t.stop_reason or "error"
 
 
-__all__ = ["RemoteEnvironment", "RemoteRubric", "is_env_url", "remote_failure"]
+__all__ = ["RemoteEnvironment", "RemoteRubric", "check_room", "is_env_url", "remote_failure"]

@@ -7,7 +7,8 @@ called from here: the server holds each episode's :class:`State` and runs the en
 ``setup``/``parse_assistant``/``step``/``done``/``cleanup`` and rubric on it.
 
     GET  /health                     {"status": "ok", "env", "version", "open", "expired"}
-    GET  /info                       name, version, limits (max_turns, ...), tool schemas, task counts
+    GET  /info                       name, version, limits (max_turns, ...), tool schemas, task counts, the
+                                     open-episode caps and the client the caller counts as
     GET  /tasks?split=train|eval&offset=&limit=   {"tasks": [Task dicts], "total": n | null}
     POST /reset  {"task_id"}         setup: {"episode_id", "episode_secret", "messages", "metrics", "done"}
     POST /step   {"episode_id", "episode_secret", "assistant", "parse", "turn"}
@@ -34,7 +35,8 @@ The rules (README: "Env server hygiene"), each against an attack a review found:
   them otherwise: a run may set a larger ``rollout.max_turns``).
 - **Bounded.**  At most ``max_open`` episodes open at once and ``max_open_per_client`` per
   client (:func:`client_of`: all loopback is one client, IPv6 counts by /64; the next
-  ``/reset`` answers 429 naming the limit, before ``setup`` takes a sandbox); an open
+  ``/reset`` answers 429 naming the flag to raise, before ``setup`` takes a sandbox; ``agentrl run``
+  refuses to start when its rollouts and held-out evaluation would not fit); an open
   episode nobody touched for ``idle_timeout_s`` (its client died) is expired: cleaned up,
   forgotten, counted in ``/health``; a later call naming it answers 404 saying so.
 
@@ -101,8 +103,11 @@ class _Episodes:
             raise _refuse(web.HTTPTooManyRequests, f"the server holds {self.max_open} open episodes (its --max-open): "
                           "close finished episodes, or raise --max-open")  # fmt: skip
         if self.held[client] >= self.max_open_per_client:
-            raise _refuse(web.HTTPTooManyRequests, f"client {client} holds {self.max_open_per_client} open episodes (the "
-                          "server's --max-open-per-client): close finished episodes, or raise the limit")  # fmt: skip
+            shared = (" (every loopback address is this one client: all of this machine's rollout workers and "
+                      "evaluations share it)") if client == "loopback" else ""  # fmt: skip
+            raise _refuse(web.HTTPTooManyRequests, f"client {client} holds {self.max_open_per_client} open episodes, the "
+                          f"server's --max-open-per-client{shared}: restart `agentrl env serve` with --max-open-per-client "
+                          "at least a run's rollout.max_in_flight + eval.concurrency, or lower those")  # fmt: skip
         self.held[client] += 1
 
     def release(self, client: str) -> None:
@@ -300,11 +305,13 @@ def make_app(
         })  # fmt: skip
 
     @routes.get("/info")
-    async def info(_: web.Request) -> web.Response:
+    async def info(request: web.Request) -> web.Response:
         shown = _info(env, tasks)
         if private_tasks:  # the reference route is refused (it would play the hidden tasks)
             shown["reference_policy"] = False
-        return web.json_response({**shown, "private_tasks": private_tasks})
+        # the caps, and the client the caller counts as: a run checks it fits before it starts
+        limits = {"max_open": max_open, "max_open_per_client": max_open_per_client, "client": client_of(request.remote)}
+        return web.json_response({**shown, "private_tasks": private_tasks, **limits})
 
     @routes.get("/tasks")
     async def task_page(request: web.Request) -> web.Response:

@@ -45,8 +45,10 @@ from agentrl.types import Task
 
 def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> Path:
     """Run async RL as configured; returns the run directory."""
-    # 1) run dir (and the engine checks that would otherwise fail only after the warm start)
+    # 1) run dir (and the engine and env-server checks that would otherwise fail only after the warm start)
     preflight(cfg)
+    if (warning := served_env_room(cfg)) is not None:
+        say(warning)
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, cfg, resume)
     if resume:  # at once: the engine and the trainer take a while to start
@@ -133,6 +135,27 @@ def interrupted_note(run_dir: Path, cfg: Config) -> str:
                 "--resume would start again from step 0")
     return (f"interrupted: the last complete checkpoint is step {checkpoint_step(ckpt)} ({ckpt}); run the same "
             "command with --resume to continue from it (steps after it are redone)")
+
+
+def served_env_room(cfg: Config) -> str | None:
+    """A served env (``env.name`` is a URL) must let this run hold its episodes open at once: the
+    rollouts at their peak (admission starts whole groups) and a held-out evaluation beside them.
+    Raises :class:`AgentrlError` when they cannot fit (one line naming the server flag); a warning
+    when Ray rollout workers might reach it from several machines (each its own client)."""
+    from agentrl.envs.remote import check_room, is_env_url
+
+    if not is_env_url(cfg.env.name):
+        return None
+    ro, n, g = cfg.rollout, cfg.cluster.rollout_workers, cfg.rollout.group_size
+
+    def peak(cap: int) -> int:  # a manager's most episodes at once: whole groups, one even above the cap
+        return max(g, cap // g * g)
+
+    rollouts = n * peak(max(g, ro.max_in_flight // n)) if n else peak(ro.max_in_flight)
+    evals = min(cfg.eval.concurrency, cfg.eval.num_tasks) if cfg.eval.every > 0 else 0
+    where = f" over {n} rollout workers" if n else ""
+    what = f"rollout.max_in_flight{where}: {rollouts} + eval.concurrency: {evals}"
+    return check_room(cfg.env.name, rollouts + evals, what, one_client=not n)
 
 
 def torch_threads(cfg: Config) -> int:

@@ -16,13 +16,16 @@ import urllib.request
 
 import aiohttp
 import pytest
+from agentrl_cli import agentrl
 from env_service import CALC, ROOT, calc, cli_server, get, post, served, tool_call
 from testkit import free_port
 
+from agentrl.config import Config
 from agentrl.envs.remote import RemoteEnvironment
 from agentrl.envs.serve import client_of
 from agentrl.errors import AgentrlError
 from agentrl.plugins import load_environment
+from agentrl.recipes.rl import served_env_room
 from agentrl.types import Trajectory
 
 
@@ -100,6 +103,7 @@ async def test_open_episodes_are_capped_per_client_and_in_all_before_setup_runs(
             assert [s for s, _ in first] == [200, 200]
             status, out = await post(one, f"{url}/reset", {"task_id": tid})
             assert status == 429 and "--max-open-per-client" in out["error"] and "loopback" in out["error"], out
+            assert "rollout.max_in_flight + eval.concurrency" in out["error"], out  # what a run must fit under it
             assert setups == 2
             eid, secret = first[0][1]["episode_id"], first[0][1]["episode_secret"]
             assert (await post(one, f"{url}/close", {"episode_id": eid, "episode_secret": secret}))[0] == 200
@@ -136,6 +140,35 @@ async def test_other_loopback_addresses_are_the_same_client():
     assert client_of("::ffff:10.1.2.3") == client_of("10.1.2.3") == "10.1.2.3"
     assert client_of("2001:db8::1") == client_of("2001:db8::ffff:2") != client_of("2001:db8:0:1::1")
     assert client_of("fe80::1%eth0") == client_of("fe80::2") and client_of(None) == "?"
+
+
+def test_a_run_that_would_not_fit_under_the_servers_caps_is_refused_before_it_starts(tmp_path):
+    """Every loopback address is one client, so all of a run's local rollout workers and its held-out
+    evaluation share one --max-open-per-client: a run that needs more used to start, then errored
+    episodes with 429s mid-run.  Now `agentrl run` refuses at once (exit 2, one line naming the
+    flag and the number to give it), before a run dir or an engine exists; a run that fits passes the check."""
+    with cli_server(CALC, {"num_train": 10}, extra=("--max-open-per-client", "128", "--max-open", "1000")) as url:
+        cfg = tmp_path / "c.toml"
+        cfg.write_text("")
+        r = agentrl("run", cfg, f"--env.name={url}", "--sft.enabled=false", "--rollout.max_in_flight=96",
+                    f"--run.dir={tmp_path / 'run'}", timeout=120)  # fmt: skip
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+        assert "--max-open-per-client 160 or more" in r.stderr and "loopback" in r.stderr, r.stderr
+        assert "rollout.max_in_flight: 96 + eval.concurrency: 64" in r.stderr, r.stderr
+        assert not (tmp_path / "run").exists()
+
+        def room(**over):
+            c = Config.model_validate({"env": {"name": url}, **over})
+            return served_env_room(c)
+
+        assert room() is None  # the defaults, 64 + 64, fit 128 exactly
+        # 8 Ray workers on this machine, each running whole groups of 16: 8 x 16 + 64 held-out > 128
+        with pytest.raises(AgentrlError, match=r"over 8 rollout workers: 128 \+ eval.concurrency: 64\), and every "
+                           r"loopback address is one client there: restart .* --max-open-per-client 192 or more"):
+            room(cluster={"backend": "ray", "rollout_workers": 8}, rollout={"group_size": 16})
+        assert room(cluster={"backend": "ray", "rollout_workers": 8}, eval={"every": 0}) is None  # 8 x 8
+        with pytest.raises(AgentrlError, match=r"at most 1000 open episodes \(its --max-open\).* --max-open 1064 or"):
+            room(rollout={"max_in_flight": 1000})
 
 
 async def test_a_client_cannot_set_the_answer():
