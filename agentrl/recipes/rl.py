@@ -416,6 +416,7 @@ async def _train_loop(
                 live.note(f"run.max_wall_s ({cfg.run.max_wall_s:g}s) ran out while the trainer waited for a batch "
                           f"at step {next_step} ({buffer.ledger.as_metrics().get('ledger/filtered', 0):g} episodes "
                           "filtered so far: see buffer.filter_zero_variance and the rewards in `agentrl view`)")
+                await steps.end_early(next_step)
         except BufferStalled as e:
             raise TrainingStalled(
                 f"training stalled at step {buffer.version}: {e} (checkpoints and logs so far are kept)"

@@ -65,6 +65,8 @@ class RunSteps:
     logs: RunLogs
     live: LiveProgress
     out_of_time: bool = False
+    checkpointed: int = -1  # the newest version this process checkpointed
+    stepped: bool = False  # whether this process took a step
 
     async def train(self, batch: Batch) -> dict[str, float]:
         """2) loss, backward, optimizer step, in a worker thread (rollouts keep running)."""
@@ -81,6 +83,7 @@ class RunSteps:
     async def after_step(self, rep: StepReport) -> None:
         """5) metrics row, held-out eval, ledger lines, checkpoint."""
         cfg, buffer = self.cfg, self.rollouts.buffer
+        self.stepped = True
         row = self.steplog.row(rep, self.rollouts.step_rewards())  # 5a) metrics
         row.update(self.rollouts.metrics())
         row["engine/restarts"] = self.supervisor.restarts
@@ -95,8 +98,26 @@ class RunSteps:
         self.live.update(row)
         every = cfg.trainer.checkpoint_every
         if final or (every and rep.version % every == 0):  # 5d) checkpoint
-            await checkpoint(self.run_dir, self.trainer, buffer, self.rollouts.sampler, rep.version,
-                             keep=cfg.trainer.keep_checkpoints)  # fmt: skip
+            await self._checkpoint(rep.version)
+
+    async def end_early(self, version: int) -> None:
+        """The wall budget ran out while the trainer waited for data after ``version``: that step's
+        row did not know it was the last, so the final weights get their held-out eval (a row of
+        its own, ``eval/*`` only) and their checkpoint here.  No step, no change: nothing to add."""
+        if not self.stepped:
+            return
+        result = await self.held_out.close(version)
+        if result:
+            row = {"step": version - 1, "version": version, **result}
+            self.logs.metrics.log(row)
+            self.live.note(f"final weights (version {version}): eval/reward_mean {result['eval/reward_mean']:.3f}")
+        if self.checkpointed != version:
+            await self._checkpoint(version)
+
+    async def _checkpoint(self, version: int) -> None:
+        await checkpoint(self.run_dir, self.trainer, self.rollouts.buffer, self.rollouts.sampler, version,
+                         keep=self.cfg.trainer.keep_checkpoints)  # fmt: skip
+        self.checkpointed = version
 
 
 @dataclass
@@ -187,8 +208,10 @@ class HeldOut:
         self.sampling = SamplingParams(max_tokens=max_tokens, temperature=ec.temperature)
         self.running: asyncio.Task | None = None
         self.finished: list[dict[str, Any]] = []  # results not in a metrics row yet, oldest first
+        self.evaluated: set[int] = set()  # versions evaluated or being evaluated
 
     async def evaluate(self, version: int) -> dict[str, Any]:
+        self.evaluated.add(version)
         t0 = time.perf_counter()
         trajs = await self.manager.evaluate(self.tasks, self.sampling, concurrency=self.concurrency)
         if self.record is not None:
@@ -220,6 +243,17 @@ class HeldOut:
             self.finished.append(await self.evaluate(version))
         elif self.running is None:  # one still running: no push since it started, the engines serve its weights
             self.running = asyncio.create_task(self.evaluate(version))
+
+    async def close(self, version: int) -> dict[str, Any]:
+        """The run ended after ``version`` without a final step: the evaluation still owed to a
+        metrics row, and the final weights' unless one of that version ran; ``{}`` when none."""
+        if self.every <= 0:
+            return {}
+        await self.before_push()
+        if version not in self.evaluated:
+            self.manager.stop()
+            self.finished.append(await self.evaluate(version))
+        return self.take_result() if self.finished else {}
 
     def take_result(self) -> dict[str, Any]:
         """The newest finished evaluation as ``eval/*``, one finished before it as ``eval/earlier/*``
