@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -43,22 +42,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from completions_round import completions_round, workload
 
 from agentrl.inference import start_embedded_engine
 
 KEY = "arl-benchmark-key-not-secret"
+RUN_BODY = {"logprobs": 0, "return_token_ids": True}  # what PolicyClient asks for in a run, besides the tokens
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far, all its threads (Linux ``/proc``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def workload(vocab: int, requests: int, prompt_tokens: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
 
 
 def direct_worker(model_dir: str, batch: int, max_len: int, dtype: str) -> None:
@@ -77,25 +72,6 @@ def direct_worker(model_dir: str, batch: int, max_len: int, dtype: str) -> None:
         tokens = sum(len(r.token_ids) for f in futures for r in f.result())
         print(json.dumps({"seconds": time.perf_counter() - t0, "tokens": tokens}), flush=True)
     engine.close()
-
-
-async def http_round(root_url: str, model: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
-    """One round over HTTP; the body asks for what PolicyClient asks for in a run."""
-    limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
-    async with httpx.AsyncClient(base_url=root_url, timeout=1800, limits=limits,
-                                 headers={"Authorization": f"Bearer {KEY}"}) as http:  # fmt: skip
-
-        async def one(p: list[int]) -> int:
-            r = await http.post("/v1/completions", json={
-                "model": model, "prompt": p, "max_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True,
-                "logprobs": 0, "return_token_ids": True,
-            })  # fmt: skip
-            r.raise_for_status()
-            return r.json()["usage"]["completion_tokens"]
-
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(p) for p in prompts))
-        return time.perf_counter() - t0, sum(counts)
 
 
 def main() -> None:
@@ -142,7 +118,7 @@ def main() -> None:
                     done = json.loads(worker.stdout.readline())
                     return done["seconds"], done["tokens"]
 
-                sides = {"http": lambda p, n: asyncio.run(http_round(eng.root_url, eng.model, p, n)), "direct": direct}
+                sides = {"http": lambda p, n: asyncio.run(completions_round(eng.root_url, eng.model, KEY, p, n, RUN_BODY)), "direct": direct}
                 pids = {"http": eng.proc.pid, "direct": worker.pid}
                 warm = workload(vocab, min(8, args.requests), args.prompt_tokens, 10**6)
                 for run in sides.values():  # warm-up

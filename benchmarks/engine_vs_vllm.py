@@ -26,48 +26,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import signal
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from completions_round import completions_round, workload
 
 from agentrl.auth import new_key
 from agentrl.errors import AgentrlError
 from agentrl.inference import start_embedded_engine
 from agentrl.inference.vllm import VLLMArgs, find_vllm, start_vllm_server
-
-
-def workload(vocab: int, requests: int, prompt_tokens: int, seed: int) -> list[list[int]]:
-    """``requests`` prompts of random ordinary token ids (the first 3 ids are special in agentrl's models)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
-
-
-async def one_round(root_url: str, model: str, key: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
-    """Send every prompt at once; return (wall seconds, completion tokens)."""
-    limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
-    async with httpx.AsyncClient(base_url=root_url, timeout=1800, limits=limits,
-                                 headers={"Authorization": f"Bearer {key}"}) as http:  # fmt: skip
-
-        async def one(p: list[int]) -> int:
-            r = await http.post("/v1/completions", json={
-                "model": model, "prompt": p, "max_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True,
-            })  # fmt: skip
-            if r.status_code != 200:
-                raise AgentrlError(f"{root_url} answered {r.status_code}: {r.text[:300]}")
-            done = r.json()["usage"]["completion_tokens"]
-            if done != new_tokens:
-                raise AgentrlError(f"{root_url} made {done} tokens, not {new_tokens} (ignore_eos was refused?)")
-            return done
-
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(p) for p in prompts))
-        return time.perf_counter() - t0, sum(counts)
 
 
 def compare(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
@@ -85,14 +55,14 @@ def compare(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
                            startup_timeout=args.startup_timeout) as vllm:  # fmt: skip
         sides = {"embedded": (eng.root_url, eng.model), "vllm": (vllm.root_url, vllm.model)}
         for url, model in sides.values():  # warm-up: first batches allocate and pick kernels
-            asyncio.run(one_round(url, model, key, workload(vocab, min(8, args.requests), args.prompt_tokens, 10**6),
-                                  min(8, args.new_tokens)))  # fmt: skip
+            warm = workload(vocab, min(8, args.requests), args.prompt_tokens, 10**6)
+            asyncio.run(completions_round(url, model, key, warm, min(8, args.new_tokens)))
         tps: dict[str, list[float]] = {side: [] for side in sides}
         for k in range(args.rounds):
             prompts = workload(vocab, args.requests, args.prompt_tokens, seed=k)
             order = list(sides) if k % 2 == 0 else list(sides)[::-1]
             for side in order:
-                seconds, tokens = asyncio.run(one_round(*sides[side], key, prompts, args.new_tokens))
+                seconds, tokens = asyncio.run(completions_round(*sides[side], key, prompts, args.new_tokens))
                 tps[side].append(tokens / seconds)
                 print(f"[{name}] round {k + 1}/{args.rounds} {side:>8}: {tokens} tokens in {seconds:.2f} s "
                       f"= {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)  # fmt: skip
