@@ -82,7 +82,8 @@ class Session:
     ``sequences`` / ``turns`` (one :class:`~agentrl.types.Turn` per call) are what the
     episode keeps; ``transcript`` is the last call's messages and reply (the program's
     conversation); ``failure`` is the first endpoint failure a call met (the program saw a
-    5xx); ``hit_limit`` says a call was refused for the episode's ``max_calls``.
+    5xx); ``refusals`` / ``first_refusal`` count the calls answered with an error (a program
+    may swallow them); ``hit_limit`` says a call was refused for the episode's ``max_calls``.
     """
 
     def __init__(
@@ -110,6 +111,8 @@ class Session:
         self.sampled_total = 0
         self.generation_s = self.tokenize_s = 0.0
         self.failure: EpisodeFailure | None = None
+        self.refusals = 0  # calls answered with an error (the program may have swallowed them)
+        self.first_refusal: str | None = None
         self.hit_limit = False
         self.closed = False
         self._branches: list[_Branch] = []
@@ -119,6 +122,10 @@ class Session:
     def base_url(self) -> str:
         """The OpenAI base URL of this episode (ends in ``/v1``)."""
         return f"{self.gateway.url}/episodes/{self.id}/v1"
+
+    def refused(self, e: Refused) -> None:
+        self.refusals += 1
+        self.first_refusal = self.first_refusal or f"HTTP {e.status}: {e}"[:300]
 
     def close(self) -> None:
         """The episode is over: later calls are refused, calls still sampling are not recorded."""
@@ -176,10 +183,12 @@ class Session:
     async def _render(self, messages: list[dict], tools: list[dict] | None, gen: bool) -> list[int]:
         try:
             return await self.client.tokenize(messages=messages, tools=tools, add_generation_prompt=gen)
-        except ValueError as e:  # a message the template cannot render safely
-            raise Refused(400, f"cannot render these messages with the model's chat template: {e}") from None
-        except Exception as e:
+        except EpisodeFailure as e:  # a remote /tokenize that failed
             raise self._endpoint_failed(e) from None
+        except Exception as e:  # rendered here: the request is what the template refused (raise_exception,
+            # a message it cannot render safely, a field it cannot read), not the endpoint
+            why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            raise Refused(400, f"cannot render these messages with the model's chat template: {why}"[:1000]) from None
 
     def _sampling(self, max_tokens: int | None, stop: list[str] | None, prompt_len: int) -> SamplingParams:
         budget = self.sampling.max_tokens if max_tokens is None else min(max_tokens, self.sampling.max_tokens)
@@ -428,6 +437,7 @@ class Gateway:
 
     async def _answer(self, eid: str, authorization: str | None, raw: bytes) -> tuple[int, str, bytes]:
         """A chat completion: JSON, or the finished reply as server-sent events (``stream``)."""
+        session = None
         try:
             session = self._session(eid, authorization)
             try:
@@ -435,10 +445,12 @@ class Gateway:
             except ValueError:
                 raise Refused(400, "the request body is not JSON") from None
             message, finish, usage = await session.chat(body)
-        except Refused as e:
-            return _error_body(e)
         except Exception as e:  # a bug here must reach the program as an error, not a hang
-            return _error_body(Refused(500, f"the gateway failed: {type(e).__name__}: {e}"[:500], "server_error"))
+            refusal = e if isinstance(e, Refused) else Refused(
+                500, f"the gateway failed: {type(e).__name__}: {e}"[:500], "server_error")  # fmt: skip
+            if session is not None:
+                session.refused(refusal)
+            return _error_body(refusal)
         cid, model, created = "chatcmpl-" + new_id(), str(body.get("model") or "policy"), int(time.time())
         if not body.get("stream"):
             return 200, JSON, json.dumps({

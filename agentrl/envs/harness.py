@@ -36,7 +36,9 @@ Reward functions get the answer as ``result`` (besides ``completion``, ``message
 ``answer``, ``state``, ...).  Failures are the episode's, kind ``env``, with the program's
 stderr tail: a non-zero exit, ``timeout_s`` passed, or an exit without one model call.
 When a call failed at the endpoint first, the episode carries that failure (kind
-``endpoint``) instead.  ``max_turns`` caps the model calls of one episode.
+``endpoint``) instead.  A program that ends well without one model reply (every call
+refused or failed, the errors swallowed) errors too: it has nothing to train on.
+``max_turns`` caps the model calls of one episode.
 """
 
 from __future__ import annotations
@@ -199,9 +201,19 @@ class HarnessEnv(Environment):
         except Exception as e:
             raise EpisodeError(f"the agent {self.program} raised {error_text(e)}") from e
         self._platform = self._platform or getattr(client, "_platform", None)
-        if session.calls == 0:
-            raise EpisodeError(f"the agent {self.program} returned without calling the model")
+        self._check_replied(session, "agent", "returned without calling the model", None)
         return "" if result is None else str(result)
+
+    def _check_replied(self, session: Session, kind: str, never: str, stderr: str | None) -> None:
+        """A program that ended well but got no model reply has nothing to train on: the episode
+        errors (as the endpoint's failure when that was why: the episode loop swaps it in)."""
+        if session.turns:
+            return
+        tail = "" if stderr is None else f"; stderr: {stderr}"
+        if session.calls == 0 and not session.refusals:
+            raise EpisodeError(f"the {kind} {self.program} {never}{tail}")
+        raise EpisodeError(f"the {kind} {self.program} got no model reply: its {session.refusals} call(s) were "
+                           f"refused (first: {session.first_refusal}){tail}")  # fmt: skip
 
     async def _launcher(self) -> list[str]:
         """What the command runs under: bwrap's pid namespace, or nothing (``isolate``)."""
@@ -258,9 +270,7 @@ class HarnessEnv(Environment):
                                f"(its processes were killed); stderr: {tail}")  # fmt: skip
         if code != 0:
             raise EpisodeError(f"the program {self.program} {exit_words(code, bool(launcher))}; stderr: {tail}")
-        if session.calls == 0:
-            raise EpisodeError(f"the program {self.program} exited without calling the model at OPENAI_BASE_URL; "
-                               f"stderr: {tail}")  # fmt: skip
+        self._check_replied(session, "program", "exited without calling the model at OPENAI_BASE_URL", tail)
         return last_line(out.decode(errors="replace"))
 
 

@@ -271,6 +271,39 @@ async def test_max_turns_caps_the_calls_of_an_episode(tmp_path):
     assert traj.error is None and traj.state["result"] == "3 True" and traj.stop_reason == "max_turns"
 
 
+async def test_a_request_the_template_refuses_is_the_programs_400_not_an_endpoint_failure(tmp_path, small_model):
+    """A chat template that raises on a request (Qwen-style ``raise_exception``) is the program's
+    bad request: a 400 saying so, and no endpoint failure pinned on the episode.  It was a 502
+    'the inference endpoint failed' and the episode's cause became kind ``endpoint``."""
+    import shutil
+
+    from agentrl.inference import PolicyClient
+
+    tok = tmp_path / "tok"
+    shutil.copytree(small_model, tok, ignore=shutil.ignore_patterns("*.safetensors"))
+    template = tok / "chat_template.jinja"
+    template.write_text("{%- if messages[0].role == 'assistant' -%}{{ raise_exception('Conversations must start "
+                        "with a user message') }}{%- endif -%}" + template.read_text())  # fmt: skip
+    seen = {}
+
+    async def agent(client, task):
+        import openai
+
+        try:
+            await client.chat.completions.create(model="m", messages=[{"role": "assistant", "content": "hi"}])
+        except openai.APIStatusError as e:
+            seen["status"], seen["message"] = e.status_code, str(e)
+        raise RuntimeError("gave up")
+
+    env = HarnessEnv(agent=agent, dataset=ROWS)
+    # nothing listens there: only rendering, which is local, may happen
+    async with PolicyClient("http://127.0.0.1:9", "m", tokenizer=str(tok), max_retries=0) as client:
+        traj = await run(env, client)
+    assert seen["status"] == 400, seen
+    assert "chat template" in seen["message"] and "must start with a user message" in seen["message"]
+    assert traj.error_kind == "env" and "gave up" in traj.error, (traj.error_kind, traj.error)
+
+
 # ----------------------------------------------------------------------------- failures, named
 
 
@@ -488,6 +521,44 @@ async def test_an_endpoint_failure_is_the_episodes_cause(tmp_path):
     cmd = program(tmp_path, "OpenAI(max_retries=0).chat.completions.create(model='m', messages=TASK['prompt'])")
     traj = await run(HarnessEnv(cmd, dataset=ROWS), ScriptedClient(fail=True))
     assert traj.error_kind == "endpoint" and "scripted endpoint is down" in traj.error
+
+
+@pytest.mark.parametrize("form", ["command", "agent"])
+async def test_a_program_that_swallows_every_failed_call_does_not_train_as_done(tmp_path, form):
+    """The endpoint is down; the program catches the error and prints an apology (what agent
+    frameworks do).  With no model reply at all the episode has nothing to train on: it is the
+    endpoint's failure, as in a native env.  It used to end "done" with no turns and no
+    sequences, its reward counting in its group's baseline."""
+    cmd = program(tmp_path, """
+        import openai
+        try:
+            OpenAI(max_retries=0).chat.completions.create(model="m", messages=TASK["prompt"])
+        except openai.APIStatusError:
+            print("sorry, the model is unavailable")
+    """)
+
+    async def agent(client, task):
+        import openai
+
+        try:
+            await client.chat.completions.create(model="m", messages=task["prompt"])
+        except openai.APIStatusError:
+            return "sorry, the model is unavailable"
+
+    env = HarnessEnv(cmd, dataset=ROWS) if form == "command" else HarnessEnv(agent=agent, dataset=ROWS)
+    traj = await run(env, ScriptedClient(fail=True))
+    assert traj.error_kind == "endpoint" and "scripted endpoint is down" in traj.error, (traj.error_kind, traj.error)
+
+    async def refused(client, task):  # every call refused as a bad request: the program's, kind env
+        import openai
+
+        try:
+            await client.chat.completions.create(model="m", messages=task["prompt"], n=2)
+        except openai.BadRequestError:
+            return "gave up"
+
+    traj = await run(HarnessEnv(agent=refused, dataset=ROWS), ScriptedClient(lambda p: "x"))
+    assert traj.error_kind == "env" and "no model reply" in traj.error and "n must be 1" in traj.error, traj.error
 
 
 async def test_an_agent_that_raises_or_hangs_is_named():
