@@ -418,7 +418,7 @@ def summarize_run(run_dir: str | Path, last_rollouts: int = 3) -> str:
         return "\n".join(lines)
     last = rows[-1]
     lines.append(
-        f"  steps {len(rows)} (version {last['version']}), wall {last.get('time/wall_s', 0):.0f}s, "
+        f"  steps {last['step'] + 1} (version {last['version']}), wall {last.get('time/wall_s', 0):.0f}s, "
         f"tokens/s {last.get('rollout/tokens_per_s', 0):.0f}, weight push {last.get('weights/push_s', 0) * 1000:.0f} ms"
     )
     evals = [(r[f"{p}version"], r[f"{p}reward_mean"]) for r in rows for p in ("eval/earlier/", "eval/")

@@ -67,7 +67,7 @@ def evaluate_model(model: Path, cfg: Config, threads: int) -> dict[str, Any]:
     policy = open_policy(model, args=args, env={"OMP_NUM_THREADS": str(threads)})
 
     async def go() -> list[Any]:
-        client = PolicyClient(policy.base_urls, policy.model)
+        client = PolicyClient(policy.base_urls, policy.model, tool_parser=policy.tool_parser, api_key=policy.api_key)
         try:
             return await evaluate_tasks(env, client, tasks, SamplingParams(max_tokens=ro.max_tokens, temperature=0.0),
                                         timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns)
@@ -79,6 +79,9 @@ def evaluate_model(model: Path, cfg: Config, threads: int) -> dict[str, Any]:
     finally:
         policy.stop()
     ok = [t for t in trajs if not t.errored]
+    if len(ok) < len(trajs) / 2:  # a broken evaluator, not a model that scores 0
+        bad = next(t for t in trajs if t.errored)
+        raise SystemExit(f"rl_vs_sft: {len(trajs) - len(ok)} of {len(trajs)} held-out episodes of {model} errored: {bad.error}")
     return turn_stats([len(t.turns) for t in ok], [t.metrics.get("solved", 0.0) == 1.0 for t in ok]) | {
         "reward": sum(t.reward for t in ok) / len(trajs), "errored": len(trajs) - len(ok)}
 

@@ -103,12 +103,14 @@ class RunSteps:
     async def end_early(self, version: int) -> None:
         """The wall budget ran out while the trainer waited for data after ``version``: that step's
         row did not know it was the last, so the final weights get their held-out eval (a row of
-        its own, ``eval/*`` only) and their checkpoint here.  No step, no change: nothing to add."""
+        its own: the step's number again, times, ledger and ``eval/*`` only) and their checkpoint here.  No step, no change: nothing to add."""
         if not self.stepped:
             return
         result = await self.held_out.close(version)
         if result:
-            row = {"step": version - 1, "version": version, **result}
+            now = time.perf_counter()  # when the eval ended; the ledger as the run ends
+            row = {"step": version - 1, "version": version, "time/wall_s": now - self.steplog.t_start,
+                   "time/rl_wall_s": now - self.steplog.t_loop, **self.rollouts.buffer.ledger.as_metrics(), **result}
             self.logs.metrics.log(row)
             self.live.note(f"final weights (version {version}): eval/reward_mean {result['eval/reward_mean']:.3f}")
         if self.checkpointed != version:

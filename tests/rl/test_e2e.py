@@ -267,6 +267,7 @@ def test_a_wall_budget_that_ends_a_wait_still_evaluates_and_checkpoints_the_fina
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert rows[0]["eval/version"] == 0  # the warm start's
     assert rows[-1]["eval/version"] == version and rows[-1]["step"] == version - 1, rows[-1]
+    assert rows[-1]["time/rl_wall_s"] >= rows[-2]["time/rl_wall_s"] and rows[-1]["ledger/trained"] > 0, rows[-1]
     assert f"final weights (version {version}): eval/reward_mean" in out
     assert (run_dir / "checkpoints" / f"step_{version:08d}").is_dir(), sorted(os.listdir(run_dir / "checkpoints"))
     view = subprocess.run([sys.executable, "-m", "agentrl.cli", "view", str(run_dir)], capture_output=True, text=True)
