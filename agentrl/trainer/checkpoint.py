@@ -20,6 +20,10 @@ So at every instant the newest complete checkpoint on disk is intact: nothing is
 before its replacement is complete.  A write that fails (disk full, quota, file too large,
 read-only) removes the partial directory and raises :class:`~agentrl.errors.CheckpointError`
 naming the path and the free space; the earlier checkpoints are untouched.
+
+``trainer.pt`` and ``rank_K.pt`` hold tensors, numbers and strings only (the RNG states too)
+and are read weights-only (:func:`load_tensors`): any program of the user can write into a run
+dir, and unpickling any other object would run its code.
 """
 
 from __future__ import annotations
@@ -28,17 +32,21 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 
 from agentrl.errors import CheckpointError
 from agentrl.types import json_default
 
+# what numpy's RNG state (a uint32 array) pickles as: checkpoints written before RNG states were tensors
+_LEGACY_NUMPY = [np.zeros(1, np.uint32).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 MARKER = "COMPLETE"
 SHARDED = "trainer"  # a sharded trainer's directory in a checkpoint (module docstring)
 TMP_PREFIX = ".tmp-"
@@ -134,9 +142,29 @@ def load_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     if (ckpt / SHARDED / "meta.json").is_file():
         trainer_state = {**json.loads((ckpt / SHARDED / "meta.json").read_text()), "sharded": str(ckpt / SHARDED)}
     else:
-        trainer_state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
+        trainer_state = load_tensors(ckpt / "trainer.pt")
     state = json.loads((ckpt / "state.json").read_text())
     return trainer_state, state
+
+
+def load_tensors(path: Path) -> Any:
+    """A checkpoint file written with ``torch.save``, read back weights-only: tensors, numbers,
+    strings and containers (and the numpy RNG arrays of checkpoints written before RNG states were
+    tensors), never any other object.  A checkpoint directory is a file any program of the user can
+    write (an environment's harness program, say), and unpickling anything else runs code: such a
+    file is a :class:`CheckpointError`, and nothing in it runs."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_LEGACY_NUMPY):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f" ({found.group(1)})" if found else ""
+        raise CheckpointError(
+            f"{path} holds an object other than tensors and numbers{what}: not loaded, since loading it would run "
+            "code; it was not written by agentrl's trainer (or was altered since): resume from another checkpoint"
+        ) from None
 
 
 def load_sharded_weights(sharded_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -163,23 +191,33 @@ def load_sharded_weights(sharded_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every process-wide RNG a step can draw from: python, numpy, torch CPU and each CUDA device."""
-    import numpy as np
-
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every process-wide RNG a step can draw from: python, numpy, torch CPU and each CUDA device, as
+    tensors and numbers (what :func:`load_tensors` reads back; no pickled numpy or python objects)."""
+    version, internal, gauss_next = random.getstate()
+    name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next},
+        "numpy": {"name": name, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+    }  # fmt: skip
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
 
 
 def set_rng_state(rng: dict[str, Any]) -> None:
-    """Restore :func:`rng_state` (states a checkpoint lacks, e.g. CUDA saved on a CPU host, stay as they are)."""
+    """Restore :func:`rng_state` (states a checkpoint lacks, e.g. CUDA saved on a CPU host, stay as they are;
+    the tuples of checkpoints written before RNG states were tensors are read too)."""
     torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if "numpy" in rng:
-        import numpy as np
-
-        np.random.set_state(rng["numpy"])
+    py = rng["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]) if isinstance(py, dict) else py)
+    npy = rng.get("numpy")
+    if isinstance(npy, dict):
+        np.random.set_state((npy["name"], npy["key"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                             npy["cached_gaussian"]))  # fmt: skip
+    elif npy is not None:
+        np.random.set_state(npy)
     if rng.get("cuda") and torch.cuda.is_available():
         for device, state in enumerate(rng["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(state, device)

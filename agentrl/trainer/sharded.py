@@ -52,7 +52,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from agentrl.errors import AgentrlError, CheckpointError, TrainerDied
-from agentrl.trainer.checkpoint import SHARDED, rng_state, set_rng_state
+from agentrl.trainer.checkpoint import SHARDED, load_tensors, rng_state, set_rng_state
 from agentrl.trainer.logprobs import head_of
 from agentrl.trainer.losses import add_stats
 from agentrl.trainer.trainer import Trainer, _Row
@@ -281,7 +281,7 @@ class _RankTrainer(Trainer):
         state = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        own = torch.load(Path(path) / f"rank_{self.rank}.pt", map_location="cpu", weights_only=False)
+        own = load_tensors(Path(path) / f"rank_{self.rank}.pt")
         self.scheduler.load_state_dict(own["scheduler"])
         set_rng_state(own["rng"])
 

@@ -144,6 +144,52 @@ def test_every_rng_state_is_saved_and_restored_through_a_checkpoint(tmp_path):
     assert _draws() == expected
 
 
+class _OpensAFile:
+    """Pickles as a call to ``open(path, "w")``: unpickling it creates ``path`` (any code could run there)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_checkpoint_file_that_would_run_code_is_refused_and_nothing_runs(tmp_path):
+    """Attack: a checkpoint directory is a file any program of the user can write (a harness program
+    runs as the same user), and trainer.pt (and a sharded rank's rank_K.pt) were unpickled with
+    weights_only=False: loading ran whatever the file named.  Now they load weights-only: the file is
+    refused in one line and the marker its pickle would create never appears."""
+    marker = tmp_path / "pwned"
+    ckpt = save_checkpoint(tmp_path / "run", 1, {"w": torch.zeros(4), "rng": _OpensAFile(marker)}, {"step": 1})
+    with pytest.raises(CheckpointError, match=r"trainer.pt holds an object other than tensors and numbers "
+                                              r"\(io.open\): not loaded"):  # fmt: skip
+        load_checkpoint(ckpt)
+    assert not marker.exists()
+    from agentrl.trainer.checkpoint import load_tensors  # what a sharded rank reads its rank_K.pt with
+
+    torch.save({"scheduler": {}, "rng": _OpensAFile(marker)}, tmp_path / "rank_0.pt")
+    with pytest.raises(CheckpointError, match="rank_0.pt holds an object other than tensors"):
+        load_tensors(tmp_path / "rank_0.pt")
+    assert not marker.exists()
+    # nothing in the package loads a pickle with weights_only=False any more
+    assert not [p for p in (ROOT / "agentrl").rglob("*.py") if "weights_only=False" in p.read_text()]
+
+
+def test_rng_states_are_tensors_and_numbers_and_older_checkpoints_still_resume(tmp_path):
+    """What agentrl writes now loads with a plain weights-only load (no allowlist); a checkpoint from
+    before (python's state a tuple, numpy's a pickled array) still restores every generator."""
+    ckpt = save_checkpoint(tmp_path / "new", 1, {"rng": rng_state()}, {"step": 1})
+    torch.load(ckpt / "trainer.pt", weights_only=True)  # raises on any pickled object
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    _draws()
+    older = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    ckpt = save_checkpoint(tmp_path / "old", 1, {"rng": older}, {"step": 1})
+    expected = _draws()
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    set_rng_state(load_checkpoint(ckpt)[0]["rng"])
+    assert _draws() == expected
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_rng_state_is_saved_and_restored():
