@@ -23,7 +23,8 @@ calls never share a sequence, so interleaved calls stay apart.
 **Sampling.**  Temperature, top-p, top-k, min-p and the seed are the run's (the trainer
 rebuilds μ from them); the program's values are ignored.  ``max_tokens`` /
 ``max_completion_tokens`` and ``stop`` are honoured within the run's per-turn budget and the
-episode's token limits.  ``n`` must be 1.  ``tool_choice``: ``"none"`` returns the text
+episode's token limits; past ``max_calls`` a call is a 400, each further one answered a little
+later (a retry loop would otherwise spin on the run's event loop).  ``n`` must be 1.  ``tool_choice``: ``"none"`` returns the text
 unparsed; ``"auto"``, ``"required"`` and a named function parse tool calls with the model's
 tool-call format but do not constrain decoding (a reply without a call stays text).
 ``stream: true`` sends the finished reply as server-sent-event chunks (one content chunk,
@@ -55,6 +56,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_BODY = 32 << 20  # bytes of one request (a long conversation with tool results)
 JSON, EVENTS = "application/json", "text/event-stream"
 ENDED_KEPT = 4096  # ended episodes remembered, so a late call hears "ended" rather than 401
+OVER_LIMIT_WAIT_S, OVER_LIMIT_WAIT_MAX_S = 0.02, 1.0  # the k-th refusal past max_calls waits (k-1) x 20 ms, at most 1 s
 
 
 class Refused(Exception):
@@ -114,6 +116,7 @@ class Session:
         self.refusals = 0  # calls answered with an error (the program may have swallowed them)
         self.first_refusal: str | None = None
         self.hit_limit = False
+        self.over_limit = 0  # calls refused for max_calls
         self.closed = False
         self._branches: list[_Branch] = []
         self._lock = asyncio.Lock()
@@ -137,10 +140,14 @@ class Session:
 
     async def chat(self, body: dict[str, Any]) -> tuple[dict[str, Any], str, dict[str, int]]:
         """Serve one chat-completion request: (assistant message, finish reason, usage)."""
-        messages, tools, max_tokens, stop, parse_tools = _read_request(body)
         if self.calls >= self.max_calls:
             self.hit_limit = True
+            self.over_limit += 1
+            # a program that keeps calling (a retry loop) would spin on the run's event loop, which
+            # every episode shares: each further refusal waits a little longer, the first not at all
+            await asyncio.sleep(min(OVER_LIMIT_WAIT_MAX_S, OVER_LIMIT_WAIT_S * (self.over_limit - 1)))
             raise Refused(400, f"this episode's limit of {self.max_calls} model calls is spent (max_turns)")
+        messages, tools, max_tokens, stop, parse_tools = _read_request(body)
         self.calls += 1
         if not self.token_exact:
             return await self._chat_untracked(messages, tools, max_tokens, stop, parse_tools)

@@ -304,6 +304,30 @@ async def test_a_request_the_template_refuses_is_the_programs_400_not_an_endpoin
     assert traj.error_kind == "env" and "gave up" in traj.error, (traj.error_kind, traj.error)
 
 
+async def test_a_program_that_keeps_calling_past_its_limit_is_slowed_not_served_at_full_speed(tmp_path):
+    """A retry loop past max_turns: each refusal used to come back at once, ~600 a second from one
+    plain urllib loop on a loaded machine, a third of a core of the run's event loop (shared by
+    every episode).  Now each further refusal waits a little longer: a handful in two seconds."""
+    cmd = program(tmp_path, """
+        import time, urllib.request
+        url = os.environ["OPENAI_BASE_URL"] + "/chat/completions"
+        body = json.dumps({"model": "m", "messages": TASK["prompt"]}).encode()
+        headers = {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"}
+        statuses, t0 = [], time.monotonic()
+        while time.monotonic() - t0 < 2:
+            try:
+                statuses.append(urllib.request.urlopen(urllib.request.Request(url, body, headers)).status)
+            except urllib.error.HTTPError as e:
+                statuses.append(e.code)
+        print(json.dumps(statuses))
+    """)
+    traj = await run(HarnessEnv(cmd, dataset=ROWS, max_turns=2), ScriptedClient(lambda p: "x"))
+    statuses = json.loads(traj.state["result"])
+    assert traj.error is None and len(traj.turns) == 2 and traj.stop_reason == "max_turns"
+    assert statuses[:2] == [200, 200] and set(statuses[2:]) == {400}
+    assert len(statuses) < 40, len(statuses)  # waits of 0, 20, 40, ... ms: at most ~15 refusals fit 2 s
+
+
 # ----------------------------------------------------------------------------- failures, named
 
 
