@@ -279,13 +279,14 @@ class TrainerConfig(Section):
     )
     num_threads: int = Field(0, ge=0, description="Torch CPU threads for the trainer and the embedded engine each (0 = one each).")
     world_size: int = Field(
-        1, ge=1, description="Trainer ranks on this host (1 = one process). N > 1: N processes on torch.distributed, "
-        "each decoder layer sharded with FSDP2 (agentrl/trainer/sharded.py); each rank trains a share of the batch, "
-        "losses and statistics are reduced with the one-process trainer's global weights.",
+        1, ge=1, description="Trainer ranks (1 = one process). N > 1: N processes on torch.distributed, each decoder "
+        "layer sharded with FSDP2 (agentrl/trainer/sharded.py); each rank trains a share of the batch, losses and "
+        "statistics are reduced with the one-process trainer's global weights. The ranks run on this host, or as Ray "
+        "actors with cluster.trainer_actor = true (one per GPU with cluster.trainer_gpus = 1).",
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend of the trainer ranks: auto = nccl when every rank gets its own "
-        "GPU (one per rank, cuda:0..N-1), else gloo on CPU.",
+        "GPU (one per rank, cuda:0..N-1; Ray rank actors: cluster.trainer_gpus = 1), else gloo on CPU.",
     )
     push_bucket_mb: float = Field(
         64.0, gt=0, description="world_size > 1: the weights out (push, final model) leave rank 0 this many MiB at a "
@@ -332,10 +333,15 @@ class ClusterConfig(Section):
     engine_gpus: float = Field(0.0, ge=0, description="Ray: GPUs per inference engine actor.")
     max_restarts: int = Field(-1, ge=-1, description="Ray: restarts of a dead engine or rollout worker actor (-1: always).")
     trainer_actor: bool = Field(
-        False, description="Ray: run the trainer in its own actor (trainer_cpus/gpus), not in the driver."
+        False, description="Ray: run the trainer in its own actor (trainer_cpus/gpus), not in the driver. With "
+        "trainer.world_size = N > 1: N rank actors of the sharded trainer, one placement group bundle each, all on one "
+        "node (STRICT_PACK); gloo on CPU, nccl with trainer_gpus = 1 (agentrl/distributed/trainer_ranks.py).",
     )
-    trainer_cpus: float = Field(1.0, gt=0, description="Ray: CPUs reserved for the trainer actor.")
-    trainer_gpus: float = Field(0.0, ge=0, description="Ray: GPUs for the trainer actor.")
+    trainer_cpus: float = Field(1.0, gt=0, description="Ray: CPUs reserved for the trainer actor (each rank actor's).")
+    trainer_gpus: float = Field(
+        0.0, ge=0, description="Ray: GPUs for the trainer actor (with trainer.world_size > 1: 1 = one GPU per rank, "
+        "0 = CPU ranks).",
+    )
     rollout_workers: int = Field(
         0, ge=0, description="Ray: rollout worker actors sharing one buffer actor, each with a share of "
         "rollout.max_in_flight (0 = the rollout manager runs in the driver).",
@@ -389,10 +395,18 @@ class Config(Section):
                 "cluster.trainer_actor = true needs cluster.backend = \"ray\" (local mode trains in the "
                 "driver); set backend = \"ray\" or remove it"
             )
-        if self.trainer.world_size > 1 and self.cluster.trainer_actor:
+        if self.trainer.world_size > 1 and self.cluster.trainer_actor and self.cluster.trainer_gpus not in (0, 1):
             raise ValueError(
-                f"trainer.world_size = {self.trainer.world_size} with cluster.trainer_actor = true is not supported "
-                "yet (the sharded trainer's ranks run on the driver's host); remove one of them"
+                f"cluster.trainer_gpus = {self.cluster.trainer_gpus:g} with trainer.world_size = "
+                f"{self.trainer.world_size}: each trainer rank is one device; set trainer_gpus = 1 (one GPU per rank) "
+                "or 0 (CPU ranks)"
+            )
+        if self.trainer.world_size > 1 and self.cluster.trainer_actor and self.trainer.backend == "nccl" and (
+            not self.cluster.trainer_gpus
+        ):
+            raise ValueError(
+                'trainer.backend = "nccl" needs a GPU per rank actor: set cluster.trainer_gpus = 1, or '
+                'trainer.backend = "gloo"'
             )
         if self.cluster.rollout_workers and self.cluster.backend != "ray":
             raise ValueError(

@@ -118,8 +118,14 @@ if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   check fsdp2_parity 600 $PY benchmarks/trainer_parity.py --world-size 2 --losses icepop,gspo --device cuda
   check fsdp2_rl 600 bash -c "$PY -m agentrl.cli run ${RUN[*]} --run.dir=$WORK/fsdp2_rl --trainer.world_size=2 \
     && test \$(wc -l < $WORK/fsdp2_rl/metrics.jsonl) -eq 3"
+  # the same 2 ranks placed by Ray (cluster.trainer_actor: one rank actor per GPU, STRICT_PACK, nccl), the engine
+  # actor on the CPU (both GPUs are the ranks'); a checkpoint at step 2 goes through the rank actors' shard files
+  check fsdp2_ray 600 bash -c "$PY -m agentrl.cli run ${RUN[*]/--inference.device=cuda/--inference.device=cpu} \
+    --run.dir=$WORK/fsdp2_ray --trainer.world_size=2 --trainer.checkpoint_every=2 --cluster.backend=ray \
+    --cluster.num_inference=1 --cluster.trainer_actor=true --cluster.trainer_gpus=1 --inference.weight_transport=http \
+    && test \$(wc -l < $WORK/fsdp2_ray/metrics.jsonl) -eq 3 && ls $WORK/fsdp2_ray/checkpoints/step_00000002/trainer/__1_0.distcp"
 else
-  for k in fsdp2_parity fsdp2_rl; do skip "$k" "needs 2 GPUs (trainer.world_size = 2 on nccl)"; done
+  for k in fsdp2_parity fsdp2_rl fsdp2_ray; do skip "$k" "needs 2 GPUs (trainer.world_size = 2 on nccl)"; done
 fi
 # ---------------------------------------------------------------------------------------------------------------
 

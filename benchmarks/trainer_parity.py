@@ -53,8 +53,11 @@ def fixed_batch(seed: int, vocab: int, n_groups: int = 3, group_size: int = 3) -
 
 
 def run_case(model_dir: Path, loss: str, share_prompt: bool, world: int, steps: int, seed: int = 0,
-             vocab: int = 512, device: str = "cpu") -> dict:  # fmt: skip
-    """Max |Δ| of the weights and of the logged statistics after ``steps`` steps on one batch."""
+             vocab: int = 512, device: str = "cpu", start=None) -> dict:  # fmt: skip
+    """Max |Δ| of the weights and of the logged statistics after ``steps`` steps on one batch.
+
+    ``start(trainer_cfg, sampling, seed)``: how the sharded trainer is started (default: rank processes on this
+    host, ``ShardedTrainer``; the Ray-placed ranks' test passes its own)."""
     from agentrl.config import TrainerConfig
     from agentrl.trainer.sharded import ShardedTrainer
     from agentrl.trainer.trainer import Trainer
@@ -69,7 +72,8 @@ def run_case(model_dir: Path, loss: str, share_prompt: bool, world: int, steps: 
     one_stats = [one.step(batch) for _ in range(steps)]
     t_one = time.perf_counter() - t0
     ref = one.named_tensors()
-    sharded = ShardedTrainer(model_dir, TrainerConfig(**kw, world_size=world), sampling, seed=seed)
+    start = start or (lambda cfg, sampling, seed: ShardedTrainer(model_dir, cfg, sampling, seed=seed))
+    sharded = start(TrainerConfig(**kw, world_size=world), sampling, seed)
     try:
         t0 = time.perf_counter()
         sh_stats = [sharded.step(batch) for _ in range(steps)]

@@ -121,3 +121,18 @@ def test_ray_roles_need_the_ray_backend():
         load_config([], ["--cluster.rollout_workers=2"])
     cfg = load_config([], ["--cluster.rollout_workers=2", "--cluster.backend=ray"])
     assert cfg.cluster.rollout_workers == 2
+
+
+def test_ray_placed_trainer_ranks_are_one_device_each():
+    # trainer_actor with world_size = N places N rank actors; a rank is one device (a GPU or the CPU), and nccl needs
+    # a GPU per rank
+    from agentrl.config import load_config
+    from agentrl.errors import ConfigError
+
+    ray_ranks = ["--cluster.backend=ray", "--cluster.trainer_actor=true", "--trainer.world_size=2"]
+    assert load_config([], ray_ranks).trainer.world_size == 2
+    assert load_config([], [*ray_ranks, "--cluster.trainer_gpus=1", "--trainer.backend=nccl"]).cluster.trainer_gpus == 1
+    with pytest.raises(ConfigError, match="trainer_gpus = 2 with trainer.world_size = 2: each trainer rank is one device"):
+        load_config([], [*ray_ranks, "--cluster.trainer_gpus=2"])
+    with pytest.raises(ConfigError, match='backend = "nccl" needs a GPU per rank actor'):
+        load_config([], [*ray_ranks, "--trainer.backend=nccl"])

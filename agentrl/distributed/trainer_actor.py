@@ -26,14 +26,8 @@ from typing import Any
 
 import ray
 
-from agentrl.errors import AgentrlError
+from agentrl.errors import AgentrlError, TrainerDied
 from agentrl.types import Group, SamplingParams
-
-
-class TrainerDied(AgentrlError):
-    """The trainer actor died; the message names the checkpoint to resume from (exit 1)."""
-
-    exit_code = 1
 
 
 class TrainerActorImpl:
@@ -47,8 +41,7 @@ class TrainerActorImpl:
 
         torch.set_num_threads(threads)
         self.trainer = Trainer(Path(model_dir), cfg, sampling, seed=seed)
-        self.sync: Any = None
-        self.sync_key: tuple[Any, ...] = ()
+        self.pusher = EnginePush()
 
     async def info(self) -> dict[str, Any]:
         return {"lora": self.trainer.lora, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
@@ -76,20 +69,36 @@ class TrainerActorImpl:
     async def push(self, version: int, urls: list[str], local_urls: list[str], sync_args: dict[str, Any],
                    adapters: bool) -> tuple[float, dict[str, float]]:  # fmt: skip
         """Push the current weights (or LoRA factors) to ``urls``; returns (seconds, the sync's stats)."""
+        tensors = await asyncio.to_thread(self.trainer.adapter_tensors if adapters else self.trainer.named_tensors)
+        return await self.pusher.push(tensors, version, urls, local_urls, sync_args, adapters)
+
+    async def close(self) -> None:
+        await self.pusher.close()
+
+
+class EnginePush:
+    """A trainer actor's WeightSync to the engines' *current* addresses (rebuilt when an engine comes back elsewhere)."""
+
+    def __init__(self) -> None:
+        self.sync: Any = None
+        self.key: tuple[Any, ...] = ()
+
+    async def push(self, tensors: dict[str, Any], version: int, urls: list[str], local_urls: list[str],
+                   sync_args: dict[str, Any], adapters: bool) -> tuple[float, dict[str, float]]:  # fmt: skip
+        """(seconds, the sync's stats)."""
         from agentrl.weights import make_weight_sync
 
         key = (tuple(urls), tuple(local_urls), tuple(sorted(sync_args.items())))
-        if key != self.sync_key:  # first push, or an engine came back at a new address
-            if self.sync is not None:
-                await self.sync.close()
-            self.sync, self.sync_key = make_weight_sync(list(urls), local_urls=list(local_urls), **sync_args), key
-        tensors = await asyncio.to_thread(self.trainer.adapter_tensors if adapters else self.trainer.named_tensors)
+        if key != self.key:  # first push, or an engine came back at a new address
+            await self.close()
+            self.sync, self.key = make_weight_sync(list(urls), local_urls=list(local_urls), **sync_args), key
         seconds = await (self.sync.push(tensors, version, lora=True) if adapters else self.sync.push(tensors, version))
         return seconds, dict(getattr(self.sync, "last_stats", {}))
 
     async def close(self) -> None:
         if self.sync is not None:
             await self.sync.close()
+            self.sync = None
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -190,10 +199,15 @@ def _cause(e: BaseException) -> str:
 
 def start_trainer_actor(
     cfg: Any, model_dir: Path, run_dir: Path, threads: int, *, name: str | None = None
-) -> RemoteTrainer:
-    """Place the trainer actor (``cluster.trainer_cpus`` / ``trainer_gpus``) and wait for it to load."""
+) -> Any:
+    """Place the trainer actor (``cluster.trainer_cpus`` / ``trainer_gpus``) and wait for it to load; with
+    ``trainer.world_size = N > 1``, N rank actors of the sharded trainer (:mod:`agentrl.distributed.trainer_ranks`)."""
     from agentrl.distributed.ray_backend import ensure_ray
 
+    if cfg.trainer.world_size > 1:
+        from agentrl.distributed.trainer_ranks import start_trainer_ranks
+
+        return start_trainer_ranks(cfg, model_dir, run_dir, threads)
     cc = cfg.cluster
     started = ensure_ray(cc.ray_address)
     opts: dict[str, Any] = {"num_cpus": cc.trainer_cpus, "max_restarts": 0, "max_concurrency": 8}
@@ -217,4 +231,4 @@ def trainer_actor_name(driver_pid: int | None = None) -> str:
     return f"agentrl-trainer-{driver_pid or os.getpid()}"
 
 
-__all__ = ["RemoteTrainer", "TrainerActorImpl", "TrainerDied", "start_trainer_actor", "trainer_actor_name"]
+__all__ = ["EnginePush", "RemoteTrainer", "TrainerActorImpl", "TrainerDied", "start_trainer_actor", "trainer_actor_name"]

@@ -238,10 +238,11 @@ def build_state(
 ) -> RLState:
     from agentrl.trainer.trainer import Trainer
 
-    if cfg.cluster.trainer_actor:  # its own Ray actor; the same calls reach it (agentrl.distributed.trainer_actor)
+    if cfg.cluster.trainer_actor:  # its own Ray actor(s); the same calls reach it (agentrl.distributed.trainer_actor)
         from agentrl.distributed.trainer_actor import start_trainer_actor
 
-        live.note("starting the trainer actor ...")
+        ws = cfg.trainer.world_size
+        live.note(f"placing {ws} trainer rank actors ..." if ws > 1 else "starting the trainer actor ...")
         # its threads follow its own reservation, not the driver's cores
         threads = cfg.trainer.num_threads or max(1, int(cfg.cluster.trainer_cpus))
         trainer = start_trainer_actor(cfg, start_model, run_dir, threads)
