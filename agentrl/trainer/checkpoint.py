@@ -23,14 +23,18 @@ naming the path and the free space; the earlier checkpoints are untouched.
 
 ``trainer.pt`` and ``rank_K.pt`` hold tensors, numbers and strings only (the RNG states too)
 and are read weights-only (:func:`load_tensors`): any program of the user can write into a run
-dir, and unpickling any other object would run its code.
+dir, and unpickling any other object would run its code.  ``torch.distributed.checkpoint`` reads
+its own ``.metadata`` and non-tensor items with plain pickle: :func:`check_dcp_metadata` and
+:func:`weights_only_planner` let through only its records and plain values.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -147,14 +151,12 @@ def load_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return trainer_state, state
 
 
-def load_tensors(path: Path) -> Any:
+def load_tensors(path: Path | IO[bytes], name: str | None = None) -> Any:
     """A checkpoint file written with ``torch.save``, read back weights-only: tensors, numbers,
     strings and containers (and the numpy RNG arrays of checkpoints written before RNG states were
     tensors), never any other object.  A checkpoint directory is a file any program of the user can
     write (an environment's harness program, say), and unpickling anything else runs code: such a
     file is a :class:`CheckpointError`, and nothing in it runs."""
-    import pickle
-
     try:
         with torch.serialization.safe_globals(_LEGACY_NUMPY):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -162,7 +164,7 @@ def load_tensors(path: Path) -> Any:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f" ({found.group(1)})" if found else ""
         raise CheckpointError(
-            f"{path} holds an object other than tensors and numbers{what}: not loaded, since loading it would run "
+            f"{name or path} holds an object other than tensors and numbers{what}: not loaded, since loading it would run "
             "code; it was not written by agentrl's trainer (or was altered since): resume from another checkpoint"
         ) from None
 
@@ -174,6 +176,7 @@ def load_sharded_weights(sharded_dir: str | Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    check_dcp_metadata(sharded_dir)
     reader = dcp.FileSystemReader(str(sharded_dir))
     entries = reader.read_metadata().state_dict_metadata
     model = {
@@ -183,8 +186,56 @@ def load_sharded_weights(sharded_dir: str | Path) -> dict[str, torch.Tensor]:
     }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+        dcp.load({"model": model}, storage_reader=reader, no_dist=True, planner=weights_only_planner())
     return model
+
+
+# what torch.distributed.checkpoint's ``.metadata`` pickle names: its own record classes, sizes, dtypes, a path
+_DCP_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}  # fmt: skip
+
+
+class _DCPMetadata(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def check_dcp_metadata(sharded_dir: str | Path) -> None:
+    """Refuse a sharded checkpoint whose ``.metadata`` pickles (``torch.distributed.checkpoint``
+    reads them with plain ``pickle.load``) name anything but DCP's own records: each is unpickled
+    here first with only those allowed, so the load after it runs no other code."""
+    for path in sorted(Path(sharded_dir).glob("*.metadata")):
+        try:
+            with open(path, "rb") as f:
+                _DCPMetadata(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
+            raise CheckpointError(
+                f"{path} names an object other than torch.distributed.checkpoint's records ({e}): not loaded, since "
+                "loading it would run code; it was not written by agentrl's trainer (or was altered since): resume "
+                "from another checkpoint"
+            ) from None
+
+
+def weights_only_planner() -> Any:
+    """A DCP load planner that reads the non-tensor items (the optimizer's hyperparameters) only when
+    a weights-only load can read them (DCP's own unpickles them unrestricted)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class WeightsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            data = value.read()
+            load_tensors(io.BytesIO(data), name=f"checkpoint item {read_item.dest_index.fqn}")  # raises on any object
+            super().load_bytes(read_item, io.BytesIO(data))  # the same bytes: nothing but what passed
+
+    return WeightsOnly()
 
 
 # ----------------------------------------------------------------------------- RNG states

@@ -52,7 +52,14 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from agentrl.errors import AgentrlError, CheckpointError, TrainerDied
-from agentrl.trainer.checkpoint import SHARDED, load_tensors, rng_state, set_rng_state
+from agentrl.trainer.checkpoint import (
+    SHARDED,
+    check_dcp_metadata,
+    load_tensors,
+    rng_state,
+    set_rng_state,
+    weights_only_planner,
+)
 from agentrl.trainer.logprobs import head_of
 from agentrl.trainer.losses import add_stats
 from agentrl.trainer.trainer import Trainer, _Row
@@ -279,7 +286,8 @@ class _RankTrainer(Trainer):
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # the layout to read into (AdamW's made)
         state = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        check_dcp_metadata(path)  # DCP unpickles its metadata and non-tensor items: nothing but its records may run
+        dcp.load(state, checkpoint_id=path, planner=weights_only_planner())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         own = load_tensors(Path(path) / f"rank_{self.rank}.pt")
         self.scheduler.load_state_dict(own["scheduler"])

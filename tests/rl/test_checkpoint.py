@@ -175,6 +175,45 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_and_nothing_runs(tmp_p
     assert not [p for p in (ROOT / "agentrl").rglob("*.py") if "weights_only=False" in p.read_text()]
 
 
+def test_a_sharded_checkpoint_whose_dcp_pickles_would_run_code_is_refused(tmp_path):
+    """torch.distributed.checkpoint unpickles its .metadata with pickle.load and its non-tensor items
+    (the optimizer's hyperparameters) with weights_only=False: a sharded checkpoint is read only when
+    they name nothing but DCP's records and plain values; export and a rank's resume both refuse."""
+    import copy
+    import io
+    import pickle
+    import types
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from agentrl.trainer.checkpoint import load_sharded_weights, weights_only_planner
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "trainer", no_dist=True)
+        # what a rank's resume reads, optimizer hyperparameters (non-tensor items) included, through the planner
+        back = copy.deepcopy({"model": msd, "optimizer": osd})
+        back["optimizer"]["param_groups"][0]["lr"], back["model"]["weight"] = 0.5, torch.zeros(3, 4)
+        dcp.load(back, checkpoint_id=tmp_path / "trainer", no_dist=True, planner=weights_only_planner())
+    assert back["optimizer"]["param_groups"][0]["lr"] == 1e-3 and torch.equal(back["model"]["weight"], model.weight)
+    assert torch.equal(load_sharded_weights(tmp_path / "trainer")["weight"], model.weight.detach())
+    marker = tmp_path / "pwned"
+    (tmp_path / "trainer" / ".metadata").write_bytes(pickle.dumps(_OpensAFile(marker)))
+    with pytest.raises(CheckpointError, match=r"\.metadata names an object other than torch.distributed.checkpoint's"):
+        load_sharded_weights(tmp_path / "trainer")
+    item = types.SimpleNamespace(dest_index=types.SimpleNamespace(fqn="optimizer.param_groups.0.lr"))
+    with pytest.raises(CheckpointError, match="optimizer.param_groups.0.lr holds an object other than tensors"):
+        weights_only_planner().load_bytes(item, io.BytesIO(pickle.dumps(_OpensAFile(marker))))
+    assert not marker.exists()
+
+
 def test_rng_states_are_tensors_and_numbers_and_older_checkpoints_still_resume(tmp_path):
     """What agentrl writes now loads with a plain weights-only load (no allowlist); a checkpoint from
     before (python's state a tuple, numpy's a pickled array) still restores every generator."""
