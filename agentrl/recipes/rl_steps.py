@@ -106,6 +106,8 @@ class RunSteps:
         its own: the step's number again, times, ledger and ``eval/*`` only) and their checkpoint here.  No step, no change: nothing to add."""
         if not self.stepped:
             return
+        if version % self.cfg.trainer.push_every:  # the engines still serve an older version: evaluate the final one
+            await self.push(version)
         result = await self.held_out.close(version)
         if result:
             now = time.perf_counter()  # when the eval ended; the ledger as the run ends

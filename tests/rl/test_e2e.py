@@ -228,24 +228,31 @@ def test_the_wall_budget_ends_a_run_that_never_gets_a_batch(tiny_model, tmp_path
 
 
 FADING_ENV = """\
-import itertools
-
 from agentrl.envs import SingleTurnEnv
 from agentrl.rubrics import Rubric
 
-_scored = itertools.count()
+_first: dict[str, bool] = {}
 
 
-def fading(completion) -> float:  # rewards that differ within a group, then a constant: groups stop coming
-    return float(len(completion) % 2) if next(_scored) < 48 else 0.0
+def fading(prompt) -> float:
+    # the first two training tasks' groups each get one rewarded episode (variance: trainable);
+    # every other group, and the held-out tasks, score 0 (filtered): then no batch ever comes
+    text = str(prompt)
+    if "Held out" in text or (text not in _first and len(_first) >= 2):
+        return 0.0
+    first = text not in _first
+    _first[text] = True
+    return float(first)
 
 
 def load_environment():
-    return SingleTurnEnv(dataset=[f"Say something #{i}" for i in range(50)], rubric=Rubric([fading]))
+    return SingleTurnEnv(dataset=[f"Say something #{i}" for i in range(50)],
+                         eval_dataset=[f"Held out #{i}" for i in range(8)], rubric=Rubric([fading]))
 """
 
 
-def test_a_wall_budget_that_ends_a_wait_still_evaluates_and_checkpoints_the_final_weights(tiny_model, tmp_path):
+@pytest.mark.parametrize("push_every", [1, 3])  # 3: two steps, and the final weights (version 2) never pushed
+def test_a_wall_budget_that_ends_a_wait_still_evaluates_and_checkpoints_the_final_weights(tiny_model, tmp_path, push_every):
     """A run that learns well filters more and more all-correct groups, so the wall budget often runs
     out while the trainer waits for a batch.  The last step's row did not know it was the last:
     the final weights were saved with no held-out eval of them and no checkpoint (a --resume
@@ -257,18 +264,22 @@ def test_a_wall_budget_that_ends_a_wait_still_evaluates_and_checkpoints_the_fina
                                         '[project.entry-points."agentrl.environments"]\nfading-env = "fading_env_mod:load_environment"\n')
     run_dir = tmp_path / "fading"
     over = {"env.name": env, "buffer.filter_zero_variance": "true", "buffer.stall_groups": 0, "run.max_wall_s": 40,
-            "trainer.steps": 100, "eval.every": 1000, "eval.num_tasks": 4, "rollout.max_turns": 1}  # fmt: skip
+            "trainer.steps": 100, "eval.every": 1000, "eval.num_tasks": 4, "rollout.max_turns": 1,
+            "trainer.push_every": push_every, "trainer.batch_groups": 1, "buffer.max_staleness": 2}  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "agentrl.cli", "run", *_overrides(tiny_model, run_dir, **over)],
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     out = run.stdout + run.stderr
     version = json.loads((run_dir / "summary.json").read_text())["version"]
-    assert version > 0 and f"ran out while the trainer waited for a batch at step {version}" in out, out[-2000:]
+    assert version == 2 and f"ran out while the trainer waited for a batch at step {version}" in out, out[-2000:]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert rows[0]["eval/version"] == 0  # the warm start's
     assert rows[-1]["eval/version"] == version and rows[-1]["step"] == version - 1, rows[-1]
     assert rows[-1]["time/rl_wall_s"] >= rows[-2]["time/rl_wall_s"] and rows[-1]["ledger/trained"] > 0, rows[-1]
     assert f"final weights (version {version}): eval/reward_mean" in out
+    final = [e for e in read_jsonl(run_dir / "eval_rollouts.jsonl") if e["eval_version"] == version]
+    served = {v for e in final for seq in e["sequences"] for v, m in zip(seq["versions"], seq["loss_mask"], strict=True) if m}
+    assert len(final) == 4 and served == {version}, served  # the engines sampled the final weights, not older ones
     assert (run_dir / "checkpoints" / f"step_{version:08d}").is_dir(), sorted(os.listdir(run_dir / "checkpoints"))
     view = subprocess.run([sys.executable, "-m", "agentrl.cli", "view", str(run_dir)], capture_output=True, text=True)
     assert view.returncode == 0 and f"v{version}:" in view.stdout, view.stdout
