@@ -95,6 +95,11 @@ class InferenceConfig(Section):
         _ENGINE.keep_prefix_cache_on_weight_update,
         description="Embedded engine: keep cached K/V across a weight push (faster, but older weights computed it).",
     )
+    server_process: Literal["same", "split"] = Field(
+        _ENGINE.server_process,  # type: ignore[arg-type]
+        description="Embedded engine: same (its HTTP server and its model loop in one process, sharing one GIL) | "
+        "split (the model loop in an engine-core process of its own, the HTTP front end beside it).",
+    )
     weight_transport: Literal["shm", "disk", "http"] = Field(
         "shm", description="How weights reach the engines: shm (same host), disk (a shared filesystem), or http "
         "(streamed in checksummed chunks to engines on other hosts; engines on the trainer's host keep shm).",

@@ -32,16 +32,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import httpx
 from completions_round import completions_round, workload
 
 from agentrl.inference import start_embedded_engine
@@ -56,6 +60,39 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux ``/proc``)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def direct_steady(engine, job: dict) -> int:
+    """``--steady`` without a server: each client submits its next prompt from the previous one's
+    done-callback, until the deadline; returns the tokens generated."""
+    from agentrl.inference.sampling import EngineSampling
+
+    deadline, left, lock, tokens = time.perf_counter() + job["steady"], threading.Semaphore(0), threading.Lock(), [0]
+
+    def client(rng: random.Random, f=None) -> None:
+        if f is not None:
+            with lock:
+                tokens[0] += len(f.result()[0].token_ids)
+        if time.perf_counter() >= deadline:
+            left.release()
+            return
+        prompt = [rng.randrange(3, job["vocab"]) for _ in range(job["prompt_tokens"])]
+        nxt = engine.submit(prompt, EngineSampling(max_tokens=job["new_tokens"], temperature=1.0, ignore_eos=True))
+        nxt.add_done_callback(lambda f: client(rng, f))
+
+    for i in range(job["requests"]):
+        client(random.Random(f"{job['seed']}-{i}"))
+    for _ in range(job["requests"]):
+        left.acquire()
+    return tokens[0]
+
+
 def direct_worker(model_dir: str, batch: int, max_len: int, dtype: str) -> None:
     """``--direct-worker``: an engine with no server; each stdin line is a round (JSON prompts + tokens)."""
     from agentrl.inference.engine import Engine
@@ -67,11 +104,39 @@ def direct_worker(model_dir: str, batch: int, max_len: int, dtype: str) -> None:
     for line in sys.stdin:
         job = json.loads(line)
         t0 = time.perf_counter()
-        futures = [engine.submit(p, EngineSampling(max_tokens=job["new_tokens"], temperature=1.0, ignore_eos=True))
-                   for p in job["prompts"]]  # fmt: skip
-        tokens = sum(len(r.token_ids) for f in futures for r in f.result())
-        print(json.dumps({"seconds": time.perf_counter() - t0, "tokens": tokens}), flush=True)
+        if job.get("steady"):
+            tokens = direct_steady(engine, job)
+        else:
+            futures = [engine.submit(p, EngineSampling(max_tokens=job["new_tokens"], temperature=1.0, ignore_eos=True))
+                       for p in job["prompts"]]  # fmt: skip
+            tokens = sum(len(r.token_ids) for f in futures for r in f.result())
+        print(json.dumps({"seconds": time.perf_counter() - t0, "tokens": tokens, "steps": engine.steps}), flush=True)
     engine.close()
+
+
+async def http_steady(root_url: str, model: str, job: dict) -> tuple[float, int]:
+    """``--steady``: ``requests`` clients, each sending its next prompt as soon as its last one
+    is answered, until ``steady`` seconds have passed (then the ones in flight finish)."""
+    limits = httpx.Limits(max_connections=job["requests"] + 1, max_keepalive_connections=job["requests"] + 1)
+    async with httpx.AsyncClient(base_url=root_url, timeout=1800, limits=limits,
+                                 headers={"Authorization": f"Bearer {KEY}"}) as http:  # fmt: skip
+        t0 = time.perf_counter()
+        deadline = t0 + job["steady"]
+
+        async def client(i: int) -> int:
+            rng, tokens = random.Random(f"{job['seed']}-{i}"), 0
+            while time.perf_counter() < deadline:
+                prompt = [rng.randrange(3, job["vocab"]) for _ in range(job["prompt_tokens"])]
+                r = await http.post("/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": job["new_tokens"], "temperature": 1.0,
+                    "ignore_eos": True, "logprobs": 0, "return_token_ids": True,
+                })  # fmt: skip
+                r.raise_for_status()
+                tokens += r.json()["usage"]["completion_tokens"]
+            return tokens
+
+        counts = await asyncio.gather(*(client(i) for i in range(job["requests"])))
+        return time.perf_counter() - t0, sum(counts)
 
 
 def main() -> None:
@@ -83,6 +148,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each engine process")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--split", action="store_true",
+                    help="also an engine with server_process=split (HTTP front end and engine core in two processes)")
+    ap.add_argument("--steady", type=float, default=0.0, metavar="SECONDS",
+                    help="rounds of SECONDS with --requests clients each sending its next request when its last is "
+                         "answered (arrivals while the engine decodes, as in a run), instead of one burst per round")
+    ap.add_argument("--no-direct", action="store_true", help="leave out the direct side (with --split: split vs same only)")
     ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds the engine may take to start")
     ap.add_argument("--direct-worker", nargs=4, metavar=("MODEL", "BATCH", "MAX_LEN", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -94,7 +165,8 @@ def main() -> None:
 
     threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     max_len = args.prompt_tokens + args.new_tokens + 16
-    with tempfile.TemporaryDirectory(prefix="engine-http-cost-") as tmp:
+    worker = None
+    with tempfile.TemporaryDirectory(prefix="engine-http-cost-") as tmp, contextlib.ExitStack() as stack:
         if args.model:
             model_dir = Path(args.model)
         else:
@@ -102,58 +174,108 @@ def main() -> None:
 
             model_dir = build_tiny_model(Path(tmp) / "tiny")
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        worker = subprocess.Popen(
-            [sys.executable, __file__, "--direct-worker", str(model_dir), str(args.requests), str(max_len), args.dtype],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **threads},
-        )  # fmt: skip
-        try:
-            with start_embedded_engine(model_dir, api_key=KEY, max_batch_size=args.requests, max_model_len=max_len,
-                                       device="cpu", dtype=args.dtype, env=threads,
-                                       startup_timeout=args.startup_timeout) as eng:  # fmt: skip
-                assert json.loads(worker.stdout.readline())["ready"]
+        if not args.no_direct:
+            worker = subprocess.Popen(
+                [sys.executable, __file__, "--direct-worker", str(model_dir), str(args.requests), str(max_len),
+                 args.dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **threads},
+            )  # fmt: skip
 
-                def direct(prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
-                    worker.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens}) + "\n")
-                    worker.stdin.flush()
-                    done = json.loads(worker.stdout.readline())
-                    return done["seconds"], done["tokens"]
+            @stack.callback
+            def _end_worker() -> None:  # it ends at the end of its input, or now if a round is still running
+                worker.stdin.close()
+                if worker.poll() is None:
+                    worker.terminate()
+                worker.wait()
 
-                sides = {"http": lambda p, n: asyncio.run(completions_round(eng.root_url, eng.model, KEY, p, n, RUN_BODY)), "direct": direct}
-                pids = {"http": eng.proc.pid, "direct": worker.pid}
-                warm = workload(vocab, min(8, args.requests), args.prompt_tokens, 10**6)
-                for run in sides.values():  # warm-up
-                    run(warm, 8)
-                tps: dict[str, list[float]] = {side: [] for side in sides}
-                cpu_k: dict[str, list[float]] = {side: [] for side in sides}  # CPU s per 1k tokens
-                for k in range(args.rounds):
-                    prompts = workload(vocab, args.requests, args.prompt_tokens, seed=k)
-                    for side in list(sides) if k % 2 == 0 else list(sides)[::-1]:
-                        cpu0 = cpu_seconds(pids[side])
-                        seconds, tokens = sides[side](prompts, args.new_tokens)
-                        cpu_k[side].append(1000 * (cpu_seconds(pids[side]) - cpu0) / tokens)
-                        assert tokens == args.requests * args.new_tokens, (side, tokens)
-                        tps[side].append(tokens / seconds)
-                        print(f"round {k + 1}/{args.rounds} {side:>6}: {tokens / seconds:.1f} tok/s, "
-                              f"{cpu_k[side][-1]:.3f} CPU s / 1k tokens", file=sys.stderr, flush=True)  # fmt: skip
-        finally:  # the worker ends at the end of its input, or now if a round is still running
-            worker.stdin.close()
-            if worker.poll() is None:
-                worker.terminate()
-            worker.wait()
+        def engine(mode: str):
+            return stack.enter_context(start_embedded_engine(
+                model_dir, api_key=KEY, max_batch_size=args.requests, max_model_len=max_len, device="cpu",
+                dtype=args.dtype, env=threads, startup_timeout=args.startup_timeout, server_process=mode))  # fmt: skip
+
+        def over_http(eng):
+            def run(p: list[list[int]], n: int, steady: dict | None = None) -> tuple[float, int]:
+                if steady:
+                    seconds, tokens = asyncio.run(http_steady(eng.root_url, eng.model, steady))
+                else:
+                    seconds, tokens = asyncio.run(completions_round(eng.root_url, eng.model, KEY, p, n, RUN_BODY))
+                metrics = httpx.get(f"{eng.root_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).json()
+                steps[id(run)] = metrics["steps"]
+                return seconds, tokens
+
+            return run
+
+        sides: dict = {}
+        steps: dict[int, int] = {}  # engine steps so far, by side function (model forwards: fewer, fuller is cheaper)
+        pids: dict[str, list[int]] = {}  # the processes whose CPU a side spends
+        eng = engine("same")
+        sides["http"], pids["http"] = over_http(eng), [eng.proc.pid]
+        if args.split:
+            eng = engine("split")
+            sides["split"], pids["split"] = over_http(eng), [eng.proc.pid, *children(eng.proc.pid)]
+            assert len(pids["split"]) == 2, f"the split engine should have one core process: {pids['split']}"
+        if worker is not None:
+            assert json.loads(worker.stdout.readline())["ready"]
+
+            def direct(prompts: list[list[int]], new_tokens: int, steady: dict | None = None) -> tuple[float, int]:
+                worker.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens, **(steady or {})}) + "\n")
+                worker.stdin.flush()
+                done = json.loads(worker.stdout.readline())
+                steps[id(direct)] = done["steps"]
+                return done["seconds"], done["tokens"]
+
+            sides["direct"], pids["direct"] = direct, [worker.pid]
+        warm = workload(vocab, min(8, args.requests), args.prompt_tokens, 10**6)
+        for run in sides.values():  # warm-up
+            run(warm, 8)
+        tps: dict[str, list[float]] = {side: [] for side in sides}
+        cpu_k: dict[str, list[float]] = {side: [] for side in sides}  # CPU s per 1k tokens, the side's processes
+        core_k: list[float] = []  # of split's: its core process alone
+        per_step: dict[str, list[float]] = {side: [] for side in sides}  # tokens per engine step
+        order = list(sides)
+        for k in range(args.rounds):
+            prompts = workload(vocab, args.requests, args.prompt_tokens, seed=k)
+            for side in order[k % len(order):] + order[: k % len(order)]:  # each side goes first in turn
+                cpu0, steps0 = [cpu_seconds(p) for p in pids[side]], steps[id(sides[side])]
+                steady = {"steady": args.steady, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+                          "new_tokens": args.new_tokens, "vocab": vocab, "seed": k} if args.steady else None
+                seconds, tokens = sides[side](prompts, args.new_tokens, steady)
+                spent = [cpu_seconds(p) - c for p, c in zip(pids[side], cpu0, strict=True)]
+                cpu_k[side].append(1000 * sum(spent) / tokens)
+                if side == "split":
+                    core_k.append(1000 * spent[1] / tokens)
+                assert args.steady or tokens == args.requests * args.new_tokens, (side, tokens)
+                tps[side].append(tokens / seconds)
+                per_step[side].append(tokens / max(1, steps[id(sides[side])] - steps0))
+                print(f"round {k + 1}/{args.rounds} {side:>6}: {tokens / seconds:.1f} tok/s, "
+                      f"{cpu_k[side][-1]:.3f} CPU s / 1k tokens, {per_step[side][-1]:.1f} tokens / step",
+                      file=sys.stderr, flush=True)  # fmt: skip
     med = {side: statistics.median(v) for side, v in tps.items()}
     cpu = {side: statistics.median(v) for side, v in cpu_k.items()}
     print(f"{'':8}{'tok/s (median)':>16}{'CPU s / 1k tok':>16}   tok/s per round")
     for side, v in tps.items():
         print(f"{side:<8}{med[side]:>16.1f}{cpu[side]:>16.3f}   {' '.join(f'{x:.0f}' for x in v)}")
+    if core_k:
+        print(f"{'  core':<8}{'':>16}{statistics.median(core_k):>16.3f}   (split's engine core process alone)")
     print(f"({args.requests} concurrent, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, "
           f"{args.threads} thread(s), {args.dtype}, {model_dir.name}; wall-clock, noisy on a shared host)")
-    print(json.dumps({"bench": "engine_http_cost", "model": model_dir.name, "requests": args.requests,
-                      "new_tokens": args.new_tokens, "rounds": args.rounds, "threads": args.threads,
-                      "http_tok_s": round(med["http"], 1), "direct_tok_s": round(med["direct"], 1),
-                      "direct_over_http": round(med["direct"] / med["http"], 3),
-                      "http_cpu_s_per_1k": round(cpu["http"], 4), "direct_cpu_s_per_1k": round(cpu["direct"], 4),
-                      "http_cpu_over_direct": round(cpu["http"] / cpu["direct"], 3),
-                      "rounds_tok_s": {s: [round(x, 1) for x in v] for s, v in tps.items()}}))  # fmt: skip
+    out: dict = {"bench": "engine_http_cost", "model": model_dir.name, "requests": args.requests, "steady_s": args.steady,
+                 "new_tokens": args.new_tokens, "rounds": args.rounds, "threads": args.threads,
+                 "http_tok_s": round(med["http"], 1), "http_cpu_s_per_1k": round(cpu["http"], 4)}
+    if "direct" in sides:
+        out.update({"direct_tok_s": round(med["direct"], 1), "direct_over_http": round(med["direct"] / med["http"], 3),
+                    "direct_cpu_s_per_1k": round(cpu["direct"], 4),
+                    "http_cpu_over_direct": round(cpu["http"] / cpu["direct"], 3)})
+    if "split" in sides:
+        # per round, then the median: both sides of a round saw the same load
+        ratios = [s / h for s, h in zip(tps["split"], tps["http"], strict=True)]
+        out.update({"split_tok_s": round(med["split"], 1), "split_over_http": round(statistics.median(ratios), 3),
+                    "split_over_http_rounds": [round(x, 3) for x in ratios],
+                    "split_cpu_s_per_1k": round(cpu["split"], 4),
+                    "split_core_cpu_s_per_1k": round(statistics.median(core_k), 4),
+                    "split_core_cpu_over_http": round(statistics.median(core_k) / cpu["http"], 3)})
+    out["tokens_per_step"] = {s: round(statistics.median(v), 2) for s, v in per_step.items()}
+    out["rounds_tok_s"] = {s: [round(x, 1) for x in v] for s, v in tps.items()}
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

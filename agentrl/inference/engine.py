@@ -121,6 +121,25 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def check_request(prompt_ids: list[int], n: int, vocab_size: int, max_model_len: int, max_batch_size: int) -> None:
+    """Raise :class:`~agentrl.errors.RequestError` for a request the engine cannot run (what
+    :meth:`Engine.submit` refuses; a front end in another process checks the same before sending)."""
+    if not prompt_ids:
+        raise RequestError("prompt must contain at least one token", param="prompt")
+    if any((not isinstance(t, int)) or t < 0 or t >= vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})", param="prompt")
+    if len(prompt_ids) >= max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {len(prompt_ids)} tokens, leaving no room for a completion. Please reduce "
+            "the length of the messages or prompt.",
+            code="context_length_exceeded",
+            param="messages",
+        )
+    if n < 1 or n > max_batch_size:
+        raise RequestError(f"n must be between 1 and {max_batch_size}, got {n}", param="n")
+
+
 class Engine:
     """A batched generator over one HF causal LM. Thread-safe ``submit``; see module doc."""
 
@@ -141,6 +160,7 @@ class Engine:
         self.model, self.tokenizer = model_support.load_model(self.model_dir, args.dtype, self.device)
         cfg = self.model.config.get_text_config()
         self.max_batch_size = args.max_batch_size
+        self.vocab_size: int = self.model.config.vocab_size
         limit = getattr(cfg, "max_position_embeddings", None) or args.max_model_len
         self.max_model_len = min(args.max_model_len, limit)
         model_support.check_servable(self.model, self.max_model_len)
@@ -183,6 +203,8 @@ class Engine:
         self.prompt_tokens = 0  # prompt tokens of admitted requests (each prompt once, whatever its n)
         self.prefill_tokens = 0  # of those, run through a prefill forward
         self.prefix_hit_tokens = 0  # of those, copied from the prefix cache instead
+        # called on the engine thread after every step (an engine core sends the step's results in one message)
+        self.on_step: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="agentrl-engine", daemon=True)
         self._thread.start()
 
@@ -196,21 +218,7 @@ class Engine:
         ``on_tokens``: called on the engine thread with each step's :class:`TokenEvent` batch
         for this request (see the module docstring); cancel the future to abort.
         """
-        if not prompt_ids:
-            raise RequestError("prompt must contain at least one token", param="prompt")
-        vocab = self.model.config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"prompt has {len(prompt_ids)} tokens, leaving no room for a completion. Please reduce "
-                "the length of the messages or prompt.",
-                code="context_length_exceeded",
-                param="messages",
-            )
-        if n < 1 or n > self.max_batch_size:
-            raise RequestError(f"n must be between 1 and {self.max_batch_size}, got {n}", param="n")
+        check_request(prompt_ids, n, self.vocab_size, self.max_model_len, self.max_batch_size)
         sampling.max_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         fut: concurrent.futures.Future = concurrent.futures.Future()
         req = _Request(list(prompt_ids), sampling, n, fut, on_tokens=on_tokens)
@@ -339,6 +347,8 @@ class Engine:
             except Exception as e:  # never let one bad batch kill the server
                 self._fail_all(e)
             finally:
+                if self.on_step is not None:
+                    self.on_step()
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()

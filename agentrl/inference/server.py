@@ -53,6 +53,7 @@ from agentrl.errors import EngineStartError, RequestError
 from agentrl.guard import Guard, Limits, split_names, uvicorn_config
 from agentrl.inference import streaming
 from agentrl.inference.bounds import RequestBounds
+from agentrl.inference.core import CoreClient
 from agentrl.inference.engine import Engine, SequenceResult
 from agentrl.inference.engine_args import EngineArgs
 from agentrl.inference.protocol import (
@@ -106,7 +107,7 @@ async def _unless_disconnected(work: Any, http: Request) -> Any:
 class EngineServer:
     """Request handling shared by the routes (tokenization, sampling, response shapes)."""
 
-    def __init__(self, engine: Engine, served_model_name: str, tool_parser: str | None = None):
+    def __init__(self, engine: Engine | CoreClient, served_model_name: str, tool_parser: str | None = None):
         self.engine = engine
         self.name = served_model_name
         self.tok = engine.tokenizer
@@ -333,7 +334,7 @@ def is_openai_route(path: str) -> bool:
 
 
 def create_app(
-    engine: Engine,
+    engine: Engine | CoreClient,
     served_model_name: str | None = None,
     tool_parser: str | None = None,
     *,
@@ -415,7 +416,7 @@ def _token_routes(app: FastAPI, srv: EngineServer) -> None:
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         srv.check_model(req.model)
-        vocab = engine.model.config.vocab_size
+        vocab = engine.vocab_size
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": srv.tok.decode(req.tokens)}
@@ -438,11 +439,14 @@ def _info_routes(app: FastAPI, srv: EngineServer) -> None:
 
     @app.get("/health")
     async def health():
+        failure = getattr(engine, "failure", None)  # a split engine whose core died
+        if failure is not None:
+            raise APIError(503, failure, type_="ServiceUnavailableError", code="engine_core_died")
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
-        return engine.stats()
+        return await asyncio.to_thread(engine.stats)  # a round trip to a split engine's core
 
 
 # ----------------------------------------------------------------------------- serve
@@ -488,7 +492,22 @@ def serve(
     import uvicorn
 
     limits = limits or Limits()
-    engine = Engine(model_dir, args or EngineArgs())
+    args = args or EngineArgs()
+    died: list[str] = []  # a split engine's core died: why (the server then exits non-zero)
+    uv: list[Any] = []  # the uvicorn server, once made
+
+    def core_died(reason: str) -> None:
+        died.append(reason)
+        print(f"{STARTUP_ERROR}{reason}", file=sys.stderr, flush=True)
+        if uv:
+            uv[0].should_exit = True  # requests in flight get their 503 first, then the server exits
+
+    if args.server_process == "split":
+        engine: Engine | CoreClient = CoreClient(model_dir, args, on_death=core_died)
+    elif args.server_process == "same":
+        engine = Engine(model_dir, args)
+    else:
+        raise EngineStartError(f"server_process must be 'same' or 'split', got {args.server_process!r}")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # accepted connections inherit this; without it keep-alive requests stall ~40 ms (Nagle)
@@ -517,12 +536,17 @@ def serve(
               + ("call it with the key" if key.explicit else "use the OpenAI routes (give --api-key to close them)"),
               file=sys.stderr, flush=True)
     config = uvicorn_config(app, limits, log_level=log_level)
+    uv.append(uvicorn.Server(config))
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        if died:
+            return
+        uv[0].run(sockets=[sock])
     finally:
         if app.state.server.weights is not None:
             app.state.server.weights.close()  # its shared-memory files and private weights dir
         engine.close()
+        if died:
+            sys.exit(1)
 
 
 def _flag(text: str) -> bool:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 
 from agentrl.errors import RequestError
+from agentrl.inference.core import CoreClient, RemoteReceiver
 from agentrl.inference.protocol import APIError
 from agentrl.weights.manifest import SIGNATURE_HEADER
 from agentrl.weights.receive import STATUS, WeightReceiver
@@ -41,8 +42,12 @@ def weight_routes(app: FastAPI, srv: EngineServer, key: str | None, weights_dir:
     signs every push (None: pushes are refused); ``weights_dir``: where disk pushes land;
     ``shm_dir``: where the engine makes its private shared-memory dir (default ``/dev/shm``)."""
     engine = srv.engine
-    rx = srv.weights = WeightReceiver(engine, key, weights_dir=weights_dir,
-                                      shm_parent=str(shm_dir) if shm_dir is not None else None)
+    shm_parent = str(shm_dir) if shm_dir is not None else None
+    if isinstance(engine, CoreClient):  # split: the receiver lives beside the model, in the core
+        rx: WeightReceiver | RemoteReceiver = engine.receiver(key, weights_dir, shm_parent)
+    else:
+        rx = WeightReceiver(engine, key, weights_dir=weights_dir, shm_parent=shm_parent)
+    srv.weights = rx
 
     async def call(fn: Callable, *args: Any) -> Any:
         try:
@@ -68,12 +73,12 @@ def weight_routes(app: FastAPI, srv: EngineServer, key: str | None, weights_dir:
 
     @app.post("/resume")
     async def resume():
-        engine.resume()
+        await asyncio.to_thread(engine.resume)
         return {"is_paused": False}
 
     @app.get("/is_paused")
     async def is_paused():
-        return {"is_paused": engine.is_paused}
+        return {"is_paused": await asyncio.to_thread(lambda: engine.is_paused)}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
@@ -82,7 +87,7 @@ def weight_routes(app: FastAPI, srv: EngineServer, key: str | None, weights_dir:
 
     @app.get("/get_weight_version")
     async def get_weight_version():
-        return {"weight_version": engine.version}
+        return {"weight_version": await asyncio.to_thread(lambda: engine.version)}
 
     @app.post("/update_weight_version")
     async def update_weight_version(http: Request):

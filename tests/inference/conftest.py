@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from testkit import SERVER_PROCESS
 from tool_call_model import MAX_MODEL_LEN, TOOL_PROMPT, TOOLS, teach_tool_call  # noqa: F401 (re-exported)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -19,7 +20,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(model_dir):
-    with start_embedded_engine(model_dir, max_batch_size=16, max_model_len=MAX_MODEL_LEN, device="cpu") as eng:
+    with start_embedded_engine(model_dir, max_batch_size=16, max_model_len=MAX_MODEL_LEN, device="cpu",
+                               server_process=SERVER_PROCESS) as eng:
         yield eng
 
 
@@ -55,5 +57,5 @@ ENGINE_KEY = "arl-test-key-0123456789"
 def keyed_engine(model_dir):
     """An engine given its key explicitly: every route but /health needs it."""
     with start_embedded_engine(model_dir, max_batch_size=4, max_model_len=MAX_MODEL_LEN, device="cpu",
-                               api_key=ENGINE_KEY) as eng:
+                               api_key=ENGINE_KEY, server_process=SERVER_PROCESS) as eng:
         yield eng

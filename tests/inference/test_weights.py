@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 import torch
-from testkit import perturbed_state
+from testkit import SERVER_PROCESS, perturbed_state
 
 from agentrl.auth import auth_headers
 from agentrl.inference import start_embedded_engine
@@ -21,7 +21,7 @@ KEY = "arl-weights-test-key"  # the engine's key: every push is signed with it
 def wengine(model_dir):
     """An engine of its own: these tests change its weights."""
     with start_embedded_engine(model_dir, max_batch_size=8, max_model_len=256, device="cpu",
-                               env={"AGENTRL_API_KEY": KEY}) as eng:
+                               env={"AGENTRL_API_KEY": KEY}, server_process=SERVER_PROCESS) as eng:
         yield eng
 
 
