@@ -3,29 +3,37 @@
 The embedded engine's HTTP server (uvicorn + FastAPI, :mod:`agentrl.inference.server`) runs in
 the engine's process, so parsing requests and writing responses take the GIL from the engine's
 step.  Moving the front end into a process of its own can at most win back what the front end
-costs; this script measures that ceiling:
+costs; this script measures that ceiling, and with ``--split`` the real thing:
 
 - **http**: the engine as agentrl starts it (:func:`agentrl.inference.start_embedded_engine`),
   ``--requests`` concurrent ``/v1/completions`` over HTTP, each asking what agentrl's
   :class:`~agentrl.inference.PolicyClient` asks in a run (token-id prompt, μ logprobs, token ids);
+- **split** (``--split``): the same, with ``server_process = "split"``: the HTTP front end and the
+  engine core in two processes (:mod:`agentrl.inference.core`); its CPU is both processes', and
+  the core's alone is printed too (the process whose one core bounds the model loop);
 - **direct**: the same engine settings in a process of its own with no server at all, the same
   prompts handed to :meth:`Engine.submit` (what a front end in another process would do, at no
-  cost for the transport).
+  cost for the transport).  ``--no-direct`` leaves it out.
 
-Both are up at once; ``--rounds`` rounds alternate between them (order alternating too), each
-round ``--requests`` prompts of ``--prompt-tokens`` random ids, exactly ``--new-tokens`` new
-tokens each (``ignore_eos``), the same prompts for both sides.  Two measures, median over rounds:
-wall-clock tokens/s (noisy on a shared host), and the CPU seconds the engine's process spent per
-1,000 tokens (``/proc``: user + system, every thread; steadier under load, and the direct figure
-of what the front end takes from the engine's process).
+All are up at once; ``--rounds`` rounds alternate between them (each side going first in turn),
+each round ``--requests`` prompts of ``--prompt-tokens`` random ids, exactly ``--new-tokens`` new
+tokens each (``ignore_eos``), the same prompts for every side.  ``--steady SECONDS``: instead of
+one burst, each of ``--requests`` clients sends its next request as soon as its last one is
+answered, for SECONDS (requests arrive while the engine decodes, as in a run).  Measures, median
+over rounds: wall-clock tokens/s (noisy on a shared host), the CPU seconds the side's processes
+spent per 1,000 tokens (``/proc``: user + system, every thread; steadier under load) and tokens
+per engine step (how full the steps were).
 
     python benchmarks/engine_http_cost.py [--model DIR] [--rounds 5] [--threads 1] [--new-tokens 64]
+    python benchmarks/engine_http_cost.py --split [--steady 15 --new-tokens 16]
 
 ``--new-tokens 8``: RL-sized turns, where a request's fixed cost weighs 8x more per token.
 
 Prints a table and, last, a JSON line with ``direct_over_http`` (direct ÷ http tokens/s) and
 ``http_cpu_over_direct`` (http ÷ direct CPU seconds per token): the most a front end in a process
-of its own could win back; near 1, it does not pay.
+of its own could win back; near 1, it does not pay.  With ``--split``: ``split_over_http`` (the
+median over rounds of split ÷ http tokens/s, both measured in the same round) and
+``split_core_cpu_over_http`` (the core's CPU per token ÷ the one-process engine's).
 """
 
 from __future__ import annotations

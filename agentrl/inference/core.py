@@ -88,22 +88,28 @@ class _Outbox:
     def __init__(self, conn: Connection):
         self._conn = conn
         self._items: list[tuple] = []
-        self._lock = threading.Lock()
+        self._queue_lock = threading.Lock()
+        self._send_lock = threading.Lock()
 
     def put(self, item: tuple) -> None:
-        """Queue an item for the next :meth:`flush` (list appends are atomic: no lock)."""
-        self._items.append(item)
+        """Queue an item for the next :meth:`flush`."""
+        with self._queue_lock:
+            self._items.append(item)
 
     def flush(self) -> None:
-        if self._items:
-            items, self._items = self._items, []
-            self.send(items)
+        with self._send_lock:  # taken before the queue: batches leave in the order they were taken
+            with self._queue_lock:
+                items, self._items = self._items, []
+            if items:
+                self._send(items)
 
     def send(self, items: list[tuple]) -> None:
-        data = _dump(items)
+        with self._send_lock:
+            self._send(items)
+
+    def _send(self, items: list[tuple]) -> None:
         try:
-            with self._lock:
-                self._conn.send_bytes(data)
+            self._conn.send_bytes(_dump(items))
         except OSError:  # the front end is gone: the reader ends the core
             pass
 
@@ -150,6 +156,8 @@ class _Core:
                 return
             self.futures[rid] = fut
             fut.add_done_callback(partial(self.done, rid))
+            if fut.done():  # finished before the callback was added: no engine step will flush it now
+                self.outbox.flush()
         elif kind == "a":  # abort: the client went away
             fut = self.futures.get(msg[1])
             if fut is not None:

@@ -28,6 +28,10 @@ was given (``--api-key`` or ``AGENTRL_API_KEY``); every other route always needs
 given none makes one and writes it 0600 to ``--key-file``).
 
 Request schemas and error bodies: :mod:`agentrl.inference.protocol`.
+
+``--server-process split`` (``inference.server_process``): the engine runs in an engine-core
+process of its own and these routes reach it through :class:`~agentrl.inference.core.CoreClient`
+(:mod:`agentrl.inference.core`); a core that dies makes every route a 503 and the server exit 1.
 """
 
 from __future__ import annotations
