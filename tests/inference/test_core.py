@@ -23,7 +23,7 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 def split_engine(model_dir):
     return start_embedded_engine(model_dir, max_batch_size=4, max_model_len=MAX_MODEL_LEN, device="cpu",
-                                 api_key=KEY, server_process="split")
+                                 api_key=KEY, server_process="split", startup_timeout=900)
 
 
 def core_of(eng) -> int:
