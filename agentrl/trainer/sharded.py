@@ -62,7 +62,8 @@ from agentrl.trainer.checkpoint import (
 )
 from agentrl.trainer.logprobs import head_of
 from agentrl.trainer.losses import add_stats
-from agentrl.trainer.trainer import Trainer, _Row
+from agentrl.trainer.shard_load import materialise, skeleton
+from agentrl.trainer.trainer import Trainer, _Row, adapter_start
 
 if TYPE_CHECKING:
     from agentrl.config import TrainerConfig
@@ -162,13 +163,24 @@ class _RankTrainer(Trainer):
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None, *, seed: int,
                  rank: int, world: int, conn: Any) -> None:  # fmt: skip
         self.rank, self.world, self.conn = rank, world, conn  # conn: rank 0 sends weights out through it
+        self._files: dict[str, Path] | None = None  # the safetensors files the meta model's shards come from
         super().__init__(model_dir, cfg, sampling, seed=seed)
-        self.setup_rss = rss()
+        self.setup_rss, self.setup_peak_rss = rss(), _max_rss()
+
+    def _load(self, model_dir: str | Path) -> torch.nn.Module:
+        """The model on the meta device, no weights (:mod:`agentrl.trainer.shard_load`); the whole model only
+        where the checkpoint is not safetensors naming every tensor."""
+        built = skeleton(model_dir)
+        if built is None:
+            return super()._load(model_dir)
+        model, self._files = built
+        return model
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        model = model.to(self.device)
+        if self._files is None:
+            model = model.to(self.device)
         decoder = head_of(model)[0]
         layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
         if layers is None:
@@ -185,6 +197,8 @@ class _RankTrainer(Trainer):
         for unit in [*units, self._root]:
             unit.set_gradient_divide_factor(1.0)  # sum over ranks: each rank's loss holds global weights
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
+        if self._files is not None:  # only now does this rank allocate, and only its shards
+            materialise(model, self._files, self.device, lambda name, shape: adapter_start(name, shape, self.seed))
         return model
 
     def _decode(self, decoder: torch.nn.Module, **inputs: torch.Tensor) -> torch.Tensor:
@@ -235,7 +249,8 @@ class _RankTrainer(Trainer):
         setup, and its RSS before and at the peak of the last weights out (``named_tensors``)."""
         push = getattr(self, "last_push_rss", {})
         return {"rank": self.rank, **tensor_bytes(self.model, self.optimizer), "max_rss_bytes": _max_rss(),
-                "setup_rss_bytes": self.setup_rss, "push_rss_before_bytes": push.get("before", 0),
+                "setup_rss_bytes": self.setup_rss, "setup_peak_rss_bytes": self.setup_peak_rss,
+                "whole_model_loaded": self._files is None, "push_rss_before_bytes": push.get("before", 0),
                 "push_rss_peak_bytes": push.get("peak", 0)}  # fmt: skip
 
     # weights out: one tensor gathered at a time; rank 0 sends them to the driver a bucket at a time

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,16 +96,15 @@ class Trainer:
         self, model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None = None, *, seed: int = 0
     ) -> None:
         """``sampling``: how the rollouts sample (π_θ is computed on the same basis as μ)."""
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(seed)
         random.seed(seed)
         self.cfg = cfg
+        self.seed = seed
         self.spec = LossSpec.from_config(cfg.loss)
         self.sampling = sampling or SamplingParams()
         self.temperature = self.sampling.temperature if self.sampling.temperature > 0 else 1.0
         self.device = resolve_device(cfg.device)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = self._load(model_dir)
         self.pad_id = model.config.pad_token_id or 0
         self.vocab_size = model.config.vocab_size
         self.model_config = model.config
@@ -120,6 +120,10 @@ class Trainer:
                 model,
                 LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=LORA_TARGETS, lora_dropout=0.0),
             )
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if not p.is_meta and (value := adapter_start(name, p.shape, seed)) is not None:
+                        p.copy_(value)  # on the meta device (a sharded rank) they are set per shard in _place
         self.model = self._place(model)
         self.model.eval()  # dropout off everywhere: RL trains on the distribution that was sampled
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -227,6 +231,12 @@ class Trainer:
             ent_sum += ent
             add_stats(totals, stats)
         return loss_sum, ent_sum, self._clip_grads()
+
+    def _load(self, model_dir: str | Path) -> torch.nn.Module:
+        """The model with its weights, float32 (a sharded rank builds it on the meta device instead)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model on the trainer's device (the sharded trainer shards it here: agentrl.trainer.sharded)."""
@@ -428,6 +438,18 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
+
+
+def adapter_start(name: str, shape: torch.Size, seed: int) -> torch.Tensor | None:
+    """The start value of a LoRA factor (None for any other parameter): A kaiming-uniform (peft's distribution) from a
+    generator seeded by the run seed and the parameter's name, B zeros, so W + s·B·A = W. The same on every rank and
+    for every world size, whatever else drew from the global RNG (a sharded rank slices its shard from it)."""
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    if ".lora_A." not in name:
+        return None
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5), generator=gen)
 
 
 def _hf_name(peft_module_name: str) -> str:
