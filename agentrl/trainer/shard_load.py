@@ -7,8 +7,9 @@ A rank of the sharded trainer (:mod:`agentrl.trainer.sharded`) never holds the w
    (a tied weight under any of its names);
 2. the rank wraps LoRA adapters around it and shards it with FSDP2 (still no storage);
 3. :func:`materialise` allocates only this rank's shards (``to_empty``) and fills each from the
-   safetensors files with ``get_slice``, reading just its own rows of dim 0 (float32, whatever
-   the file's dtype); LoRA factors come from :func:`agentrl.trainer.trainer.adapter_start` (the
+   safetensors files, reading just its own rows of dim 0 with plain reads of at most
+   ``CHUNK_BYTES`` (no mapping of the file, whose pages would count in the rank's memory), converted
+   to float32 whatever the file's dtype; LoRA factors come from :func:`agentrl.trainer.trainer.adapter_start` (the
    same start as one process, sliced); non-persistent buffers (rotary ``inv_freq``, ...) are
    recomputed by the model's own ``_init_weights``, as ``from_pretrained`` does, and a buffer left
    unset is an error, never garbage.
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,20 +34,43 @@ from agentrl.errors import AgentrlError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+CHUNK_BYTES = 4 << 20  # a rank reads at most this much of a file at once (then converts it into its shard)
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}  # fmt: skip
 
 
-def weight_files(model_dir: str | Path) -> dict[str, Path] | None:
-    """Checkpoint key → its safetensors file, or None where the weights are not (only) safetensors."""
-    from safetensors import safe_open
+@dataclass(frozen=True)
+class Stored:
+    """Where one tensor's bytes are in a safetensors file (little-endian, row-major)."""
 
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+
+
+def weight_files(model_dir: str | Path) -> dict[str, Stored] | None:
+    """Checkpoint key → where it is stored, or None where the weights are not (only) safetensors of known dtypes."""
     d = Path(model_dir)
     if (d / INDEX).is_file():
-        index = json.loads((d / INDEX).read_text())["weight_map"]
-        return {k: d / f for k, f in index.items()}
-    if (d / SINGLE).is_file():
-        with safe_open(d / SINGLE, "pt") as f:
-            return dict.fromkeys(f.keys(), d / SINGLE)
-    return None
+        paths = sorted({d / f for f in json.loads((d / INDEX).read_text())["weight_map"].values()})
+    elif (d / SINGLE).is_file():
+        paths = [d / SINGLE]
+    else:
+        return None
+    out: dict[str, Stored] = {}
+    for path in paths:
+        with open(path, "rb") as f:  # the safetensors layout: u64 header size, JSON header, then the data
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            if entry["dtype"] not in DTYPES:
+                return None
+            out[key] = Stored(path, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + size + entry["data_offsets"][0])
+    return out
 
 
 def file_key(name: str) -> str:
@@ -54,7 +80,7 @@ def file_key(name: str) -> str:
     return name[len(prefix):] if name.startswith(prefix) else name
 
 
-def skeleton(model_dir: str | Path) -> tuple[torch.nn.Module, dict[str, Path]] | None:
+def skeleton(model_dir: str | Path) -> tuple[torch.nn.Module, dict[str, Stored]] | None:
     """(the model on the meta device, key → file), or None where the files do not name every tensor it holds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -69,7 +95,7 @@ def skeleton(model_dir: str | Path) -> tuple[torch.nn.Module, dict[str, Path]] |
     return model, files
 
 
-def _sources(model: torch.nn.Module, files: dict[str, Path]) -> dict[str, str | None] | None:
+def _sources(model: torch.nn.Module, files: dict[str, Stored]) -> dict[str, str | None] | None:
     """Per tensor (first name of each parameter, every persistent buffer): its checkpoint key (None for a LoRA
     factor: it starts from a seeded value), or None overall where the files lack some tensor."""
     aliases: dict[int, list[str]] = {}
@@ -90,11 +116,9 @@ def _sources(model: torch.nn.Module, files: dict[str, Path]) -> dict[str, str | 
     return out
 
 
-def materialise(model: torch.nn.Module, files: dict[str, Path], device: torch.device,
+def materialise(model: torch.nn.Module, files: dict[str, Stored], device: torch.device,
                 start: Callable[[str, torch.Size], torch.Tensor | None]) -> None:  # fmt: skip
     """Allocate this rank's shards of a sharded meta ``model`` on ``device`` and fill them (module docstring)."""
-    from safetensors import safe_open
-
     sources = _sources(model, files)
     if sources is None:  # skeleton() checked the base model; only adapters are added since
         raise AgentrlError("trainer.world_size > 1: the checkpoint no longer names every tensor of the model")
@@ -103,26 +127,37 @@ def materialise(model: torch.nn.Module, files: dict[str, Path], device: torch.de
     tensors.update(model.named_buffers())
     with torch.no_grad():
         _init_buffers(model)
-        by_file: dict[Path, list[tuple[str, str]]] = {}
         for name, key in sources.items():
+            t = tensors[name]
+            rows = _rows(t)
             if key is None:
-                value = start(name, tensors[name].shape)
+                value = start(name, t.shape)
                 if value is None:
                     raise AgentrlError(f"trainer.world_size > 1: no start value for {name}")
-                rows = _rows(tensors[name])
-                _local(tensors[name]).copy_(value[rows[0]:rows[1]] if rows else value)
-            else:
-                by_file.setdefault(files[key], []).append((name, key))
-        for path, pairs in by_file.items():
-            with safe_open(path, "pt", device="cpu") as f:
-                for name, key in pairs:
-                    t = tensors[name]
-                    sl = f.get_slice(key)
-                    if tuple(sl.get_shape()) != tuple(t.shape):
-                        raise AgentrlError(f"{key} in {path.name} has shape {tuple(sl.get_shape())}, the model's "
-                                           f"{name} {tuple(t.shape)}: the checkpoint does not fit its config")  # fmt: skip
-                    rows = _rows(t)
-                    _local(t).copy_(sl[rows[0]:rows[1]] if rows else sl[:])  # only this rank's rows are read
+                _local(t).copy_(value[rows[0]:rows[1]] if rows else value)
+                continue
+            stored = files[key]
+            if stored.shape != tuple(t.shape):
+                raise AgentrlError(f"{key} in {stored.path.name} has shape {stored.shape}, the model's {name} "
+                                   f"{tuple(t.shape)}: the checkpoint does not fit its config")  # fmt: skip
+            _read_rows(stored, rows or (0, stored.shape[0] if stored.shape else 1), _local(t))
+
+
+def _read_rows(stored: Stored, rows: tuple[int, int], dest: torch.Tensor) -> None:
+    """Rows [start, end) of dim 0 of a stored tensor into ``dest`` (any dtype and device), ``CHUNK_BYTES`` at a time:
+    no more of the file than that is ever in memory (a plain read, not a mapping of the file)."""
+    row_numel = math.prod(stored.shape[1:]) if stored.shape else 1
+    row_bytes = row_numel * stored.dtype.itemsize
+    per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes))
+    flat = dest.view(-1, row_numel) if stored.shape else dest.view(1, 1)
+    with open(stored.path, "rb", buffering=0) as f:
+        for r0 in range(rows[0], rows[1], per_chunk):
+            r1 = min(rows[1], r0 + per_chunk)
+            buf = torch.empty((r1 - r0) * row_bytes, dtype=torch.uint8)
+            f.seek(stored.offset + r0 * row_bytes)
+            if f.readinto(memoryview(buf.numpy())) != buf.numel():
+                raise AgentrlError(f"{stored.path} ends early: the checkpoint is truncated")
+            flat[r0 - rows[0]:r1 - rows[0]].copy_(buf.view(stored.dtype).view(r1 - r0, row_numel))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,9 @@ talked to is one seam, :class:`Ranks`: :class:`ProcessRanks` spawns N rank proce
 Ray actors in a placement group (:mod:`agentrl.distributed.trainer_ranks`).  Both run the same
 :class:`_RankTrainer` (:func:`start_rank`).
 
+No rank holds the whole model at start: it is built on the meta device, sharded, and each rank reads only its own
+shards from the safetensors files (:mod:`agentrl.trainer.shard_load`).
+
 How a sharded step stays the one-process step (:class:`_RankTrainer`):
 
 - every rank gets the whole batch and derives the same rows, the same aggregation weights (over
@@ -62,7 +65,7 @@ from agentrl.trainer.checkpoint import (
 )
 from agentrl.trainer.logprobs import head_of
 from agentrl.trainer.losses import add_stats
-from agentrl.trainer.shard_load import materialise, skeleton
+from agentrl.trainer.shard_load import Stored, materialise, skeleton
 from agentrl.trainer.trainer import Trainer, _Row, adapter_start
 
 if TYPE_CHECKING:
@@ -163,9 +166,11 @@ class _RankTrainer(Trainer):
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, sampling: SamplingParams | None, *, seed: int,
                  rank: int, world: int, conn: Any) -> None:  # fmt: skip
         self.rank, self.world, self.conn = rank, world, conn  # conn: rank 0 sends weights out through it
-        self._files: dict[str, Path] | None = None  # the safetensors files the meta model's shards come from
+        self._files: dict[str, Stored] | None = None  # where the meta model's shards are read from
+        reset_peak_rss()
+        self.start_rss = rss()  # torch and the process group, before any of the model
         super().__init__(model_dir, cfg, sampling, seed=seed)
-        self.setup_rss, self.setup_peak_rss = rss(), _max_rss()
+        self.setup_rss, self.setup_peak_rss = rss(), peak_rss()
 
     def _load(self, model_dir: str | Path) -> torch.nn.Module:
         """The model on the meta device, no weights (:mod:`agentrl.trainer.shard_load`); the whole model only
@@ -245,11 +250,13 @@ class _RankTrainer(Trainer):
         return int(t.item())
 
     def memory(self) -> dict[str, float]:
-        """This rank's bytes of weights, gradients and optimizer state (its shards), its peak RSS, its RSS after
-        setup, and its RSS before and at the peak of the last weights out (``named_tensors``)."""
+        """This rank's bytes of weights, gradients and optimizer state (its shards), its peak RSS, its RSS before and
+        after setup and the peak in between (the model built, sharded and filled), whether it had to load the whole
+        model, and its RSS before and at the peak of the last weights out (``named_tensors``)."""
         push = getattr(self, "last_push_rss", {})
         return {"rank": self.rank, **tensor_bytes(self.model, self.optimizer), "max_rss_bytes": _max_rss(),
-                "setup_rss_bytes": self.setup_rss, "setup_peak_rss_bytes": self.setup_peak_rss,
+                "start_rss_bytes": self.start_rss, "setup_rss_bytes": self.setup_rss,
+                "setup_peak_rss_bytes": self.setup_peak_rss,
                 "whole_model_loaded": self._files is None, "push_rss_before_bytes": push.get("before", 0),
                 "push_rss_peak_bytes": push.get("peak", 0)}  # fmt: skip
 
@@ -431,7 +438,7 @@ class ProcessRanks:
             child.close()
             self._procs.append(p)
             self._conns.append(parent)
-        self._closed = False
+        self._closed = self._out_of_step = False
 
     @property
     def pids(self) -> list[int]:
@@ -442,6 +449,9 @@ class ProcessRanks:
 
     def call(self, method: str, args: tuple[Any, ...], *, every: bool = False,
              on_part: Callable[[Any], None] | None = None) -> Any:  # fmt: skip
+        if self._out_of_step:
+            raise TrainerDied(f"the sharded trainer's last call was interrupted before every rank replied; cannot run "
+                              f"{method} (its replies would be the last call's): start a new trainer (--resume)")  # fmt: skip
         for rank, c in enumerate(self._conns):
             try:
                 c.send((method, args))
@@ -475,29 +485,43 @@ class ProcessRanks:
             c.close()
 
     def _wait(self, every: bool = False, on_part: Callable[[Any], None] | None = None) -> Any:
-        """Every rank's reply (rank 0's returned, or all in rank order); a rank that dies or fails raises RankLost."""
+        """Every rank's reply (rank 0's returned, or all in rank order); a rank that dies or fails raises RankLost.
+
+        Every rank's reply to this call is read even when ``on_part`` raises (its error is raised after), so the next
+        call never reads this one's leftovers; a wait cut short otherwise (Ctrl-C) leaves the ranks out of step."""
         replies: dict[int, Any] = {}
-        while len(replies) < self.world:
-            waiting = {c: r for r, c in enumerate(self._conns) if r not in replies}
-            sentinels = {self._procs[r].sentinel: r for r in waiting.values()}
-            for ready in multiprocessing.connection.wait([*waiting, *sentinels], timeout=5.0):
-                if ready in waiting:
-                    rank = waiting[ready]
-                    try:
-                        kind, value = ready.recv()
-                    except (EOFError, OSError):
-                        self._lost(rank, None)
-                    if kind == "error":
-                        self._lost(rank, value)
-                    if kind == "part":
-                        if on_part is not None:
-                            on_part(value)
-                        continue
-                    replies[rank] = value
-                else:
-                    rank = sentinels[ready]
-                    if not self._conns[rank].poll():  # exited without a last word
-                        self._lost(rank, None)
+        failed: Exception | None = None
+        try:
+            while len(replies) < self.world:
+                waiting = {c: r for r, c in enumerate(self._conns) if r not in replies}
+                sentinels = {self._procs[r].sentinel: r for r in waiting.values()}
+                for ready in multiprocessing.connection.wait([*waiting, *sentinels], timeout=5.0):
+                    if ready in waiting:
+                        rank = waiting[ready]
+                        try:
+                            kind, value = ready.recv()
+                        except (EOFError, OSError):
+                            self._lost(rank, None)
+                        if kind == "error":
+                            self._lost(rank, value)
+                        if kind == "part":
+                            if on_part is not None and failed is None:
+                                try:
+                                    on_part(value)
+                                except Exception as e:  # noqa: BLE001 - raised once every reply is in
+                                    failed = e
+                            continue
+                        replies[rank] = value
+                    else:
+                        rank = sentinels[ready]
+                        if not self._conns[rank].poll():  # exited without a last word
+                            self._lost(rank, None)
+        except BaseException:
+            if len(replies) < self.world:
+                self._out_of_step = True
+            raise
+        if failed is not None:
+            raise failed
         return [replies[r] for r in range(self.world)] if every else replies[0]
 
     def _lost(self, rank: int, error: str | None) -> None:

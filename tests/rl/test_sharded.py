@@ -168,3 +168,80 @@ def test_weights_out_leave_rank_0_in_buckets_and_lora_sends_only_adapters(small_
                for b in buckets)  # a bucket closes once it holds 10 KiB
     assert set(weights) == set(expected) and all(torch.equal(weights[k], v) for k, v in expected.items())
     assert set(adapters) == set(one.adapter_tensors()) and all(".lora_" in k for k in adapters)
+
+
+def _big_checkpoint(root, vocab: int = 65536, hidden: int = 512):
+    """A Llama with tied embeddings (SmolLM2's shape, one layer) whose weights are mostly one big embedding, saved
+    in bfloat16 across several safetensors files (an index), and the same weights as one pytorch_model.bin."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=100000.0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(root / "st", max_shard_size="20MB")
+    (root / "bin").mkdir()
+    cfg.save_pretrained(root / "bin")
+    torch.save(model.state_dict(), root / "bin" / "pytorch_model.bin")
+    return root / "st", root / "bin", sum(p.numel() for p in model.parameters()) * 4  # bytes in float32
+
+
+@pytest.mark.slow
+def test_no_rank_loads_the_whole_model(tmp_path):
+    # each rank builds the model on the meta device and reads only its rows of each tensor from the safetensors files,
+    # where the pytorch_model.bin copy still loads whole, then shards; the weights are the same, bfloat16 files read
+    # into float32
+    st, whole, model_bytes = _big_checkpoint(tmp_path)
+    assert (st / "model.safetensors.index.json").exists() and len(list(st.glob("*.safetensors"))) >= 2
+    batch = load_benchmark("trainer_parity").fixed_batch(0, 512)
+    peaks, weights, losses, loaded_whole = {}, {}, {}, {}
+    for label, path in (("sharded", st), ("whole", whole)):
+        trainer = ShardedTrainer(path, TrainerConfig(device="cpu", world_size=2), SamplingParams())
+        try:
+            mem = trainer.memory_by_rank()
+            peaks[label] = max(r["setup_peak_rss_bytes"] - r["setup_rss_bytes"] for r in mem)
+            loaded_whole[label] = [r["whole_model_loaded"] for r in mem]
+            weights[label] = trainer.named_tensors()
+            losses[label] = trainer.step(batch)["loss"]
+        finally:
+            trainer.close()
+    # how far the start-up peak rose above what the rank holds once set up (its shard): a read chunk, where loading the
+    # whole model and then sharding it peaks at least half the float32 model higher
+    assert peaks["sharded"] < 0.25 * model_bytes and peaks["whole"] > 0.5 * model_bytes, (peaks, model_bytes)
+    assert loaded_whole == {"sharded": [False, False], "whole": [True, True]}
+    assert set(weights["sharded"]) == set(weights["whole"])
+    assert all(torch.equal(weights["sharded"][k], v) for k, v in weights["whole"].items())
+    # the rotary inv_freq, which the meta model leaves empty, was recomputed: the same step from the same weights
+    assert abs(losses["sharded"] - losses["whole"]) < 1e-6, losses
+
+
+@pytest.mark.slow
+def test_a_failing_reader_of_weights_out_leaves_the_pipes_in_step(small_model):
+    # on_part raises at the first bucket: the call still reads every rank's reply, so the next call gets its own
+    # replies, not the rest of this one's (rank 0's remaining buckets and its reply to named_tensors)
+    parity = load_benchmark("trainer_parity")
+    cfg = TrainerConfig(device="cpu", world_size=2, push_bucket_mb=0.001)  # ~1 KiB: many buckets
+    trainer = ShardedTrainer(small_model, cfg, SamplingParams())
+    try:
+        def refuse(bucket):
+            raise ValueError("the receiver is full")
+
+        with pytest.raises(ValueError, match="the receiver is full"):
+            trainer._call("named_tensors", on_part=refuse)
+        stats = trainer.step(parity.fixed_batch(0, 512))
+        assert "loss" in stats and stats["updates"] >= 1, stats
+        mem = trainer.memory_by_rank()
+        assert [r["rank"] for r in mem] == [0, 1]
+        assert len(trainer.named_tensors()) > 3
+
+        def interrupt(bucket):
+            raise KeyboardInterrupt
+
+        # a wait cut short by Ctrl-C cannot drain: the next call refuses in one line instead of reading leftovers
+        with pytest.raises(KeyboardInterrupt):
+            trainer._call("named_tensors", on_part=interrupt)
+        with pytest.raises(TrainerDied, match="interrupted before every rank replied") as e:
+            trainer.step(parity.fixed_batch(0, 512))
+        assert "\n" not in str(e.value)
+    finally:
+        trainer.close()
