@@ -260,7 +260,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
 
     from agentrl.metrics import StepProgress
     from agentrl.precision import use_bf16
-    from agentrl.trainer.trainer import resolve_device
+    from agentrl.trainer.trainer import adamw, resolve_device
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -271,7 +271,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(dev)
     model.train()
     bf16 = use_bf16(dtype, model.config.get_text_config().hidden_size, dev.type)
-    opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    opt = adamw(list(model.parameters()), lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)  # fused where it can
     pad = model.config.pad_token_id or 0
     warmup = max(1, sft.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))

@@ -69,6 +69,19 @@ class _Row:
     prox_outside: list[bool] | None = None  # the token is outside π_prox's own top-K support
 
 
+def adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel where every parameter is a plain float tensor on a CPU or GPU.
+
+    The default path on a CPU updates each tensor in several passes (torch picks neither foreach
+    nor fused there): SmolLM2-135M's step took 0.70 CPU s, the fused one 0.09 s (one thread).  The
+    fused kernel does the same arithmetic in one pass (results agree to float rounding).  Sharded
+    (DTensor) parameters keep torch's default.
+    """
+    fused = all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                for p in params)  # fmt: skip
+    return torch.optim.AdamW(params, fused=fused or None, **kwargs)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -127,7 +140,7 @@ class Trainer:
         self.model = self._place(model)
         self.model.eval()  # dropout off everywhere: RL trains on the distribution that was sampled
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.optimizer = adamw(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
         )
@@ -435,7 +448,10 @@ class Trainer:
                 "or export it (`agentrl export`) and start a new run from the exported model"
             )
         self.model.load_state_dict(state["model"])
+        kernels = [(g["fused"], g["foreach"]) for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for g, (fused, foreach) in zip(self.optimizer.param_groups, kernels, strict=True):
+            g["fused"], g["foreach"] = fused, foreach  # a checkpoint's kernel choice is not its state
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
 

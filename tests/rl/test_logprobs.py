@@ -59,6 +59,32 @@ def test_gradient_flows_through_the_chunks_and_matches_the_unchunked_rule():
         assert bool(outside[i]) == (tokens[i].item() not in torch.topk(base[i], k).indices.tolist())
 
 
+@pytest.mark.parametrize("rows,chunk,heads", [(5, 8, 1), (10, 4, 3 + 2)])
+def test_only_the_chunks_before_the_last_rerun_the_lm_head_in_the_backward(rows, chunk, heads):
+    """The last chunk's backward runs first, so it keeps its activations: one LM head forward per
+    chunk plus one rerun per earlier chunk (the old path reran every chunk, the last too)."""
+    from agentrl.trainer.logprobs import token_logprobs_from_hidden
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 8, generator=gen, requires_grad=True)
+    hidden = torch.randn(rows, 8, generator=gen, requires_grad=True)
+    tokens, support = torch.randint(0, 40, (rows,), generator=gen), torch.zeros(rows, dtype=torch.long)
+    calls = []
+
+    def head(h):
+        calls.append(h.shape[0])
+        return h @ w.t()
+
+    logp, _, _ = token_logprobs_from_hidden(hidden, head, tokens, support, 1.0, chunk_tokens=chunk)
+    logp.sum().backward()
+    assert len(calls) == heads
+    ref = torch.log_softmax(hidden.detach() @ w.detach().t(), -1).gather(-1, tokens[:, None])[:, 0]
+    assert torch.allclose(logp.detach(), ref, atol=1e-6)
+    hidden2, w2 = hidden.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    torch.log_softmax(hidden2 @ w2.t(), -1).gather(-1, tokens[:, None]).sum().backward()
+    assert torch.allclose(hidden.grad, hidden2.grad, atol=1e-6) and torch.allclose(w.grad, w2.grad, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "qwen3"])
 def test_the_trainers_hidden_state_path_equals_the_models_own_logits(family, tmp_path):
     """The trainer sends hidden states through the LM head itself (memory); that path must apply

@@ -134,6 +134,23 @@ def test_checkpoint_roundtrip_and_incomplete_ones_are_ignored(tiny_model, tmp_pa
         assert torch.allclose(p, q, atol=1e-6)
 
 
+def test_adamw_runs_fused_on_a_cpu_and_a_resumed_trainer_keeps_it(tiny_model, tmp_path):
+    """torch's default AdamW on a CPU makes several passes per tensor (7x slower on SmolLM2); a
+    checkpoint written before the fused kernel (or by another torch) must not switch it back off."""
+    tr = Trainer(tiny_model, _cfg())
+    assert [g["fused"] for g in tr.optimizer.param_groups] == [True]
+    before = tr.model.lm_head.weight.detach().clone()
+    tr.step(_groups())
+    assert not torch.equal(before, tr.model.lm_head.weight)
+    state = tr.state_dict()
+    for g in state["optimizer"]["param_groups"]:
+        g["fused"], g["foreach"] = None, None  # as an older agentrl saved it
+    fresh = Trainer(tiny_model, _cfg())
+    fresh.load_state_dict(state)
+    assert [(g["fused"], g["foreach"]) for g in fresh.optimizer.param_groups] == [(True, None)]
+    assert fresh.optimizer.state_dict()["state"].keys() == tr.optimizer.state_dict()["state"].keys()
+
+
 def _mu_groups(tr):
     """Two groups whose μ are the model's own logprobs (as if sampled at T=1 by these weights)."""
     groups = _groups() + _groups()
