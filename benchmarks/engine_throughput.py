@@ -92,20 +92,20 @@ def run_hf(model, tok, prompts, max_tokens, batch: int) -> tuple[float, int, int
     return time.perf_counter() - t0, useful, generated
 
 
-def compare_worker(model_dir: str, batch: int, prompt_len: int, dtype: str) -> None:
+def compare_worker(model_dir: str, batch: int, prompt_len: int, dtype: str, max_len: int = 1024) -> None:
     """One side of ``--compare``: ``decode N`` / ``prefill N`` on stdin -> mean ms on stdout."""
     torch.set_num_threads(1)
     from agentrl.inference.engine import Engine
     from agentrl.inference.sampling import EngineSampling
 
-    eng = Engine(model_dir, max_batch_size=batch + 1, max_model_len=1024, device="cpu", dtype=dtype,
+    eng = Engine(model_dir, max_batch_size=batch + 1, max_model_len=max_len, device="cpu", dtype=dtype,
                  enable_prefix_caching=False)  # fmt: skip
     eng.pause()  # this thread drives the steps
     rng = random.Random(0)
     vocab = eng.model.config.vocab_size
     for i in range(batch):  # staggered lengths, as in a real batch
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len + i)]
-        eng.submit(prompt, EngineSampling(max_tokens=1024 - prompt_len - batch, temperature=0.6, ignore_eos=True))
+        eng.submit(prompt, EngineSampling(max_tokens=max_len - prompt_len - batch, temperature=0.6, ignore_eos=True))
     eng._step()  # prefill all + first decode
     row = [rng.randrange(3, vocab) for _ in range(prompt_len)]
     print("ready", flush=True)
@@ -127,7 +127,8 @@ def compare(args) -> None:
     archive = subprocess.run(["git", "-C", str(repo), "archive", args.compare, "agentrl"], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", base], input=archive.stdout, check=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [sys.executable, __file__, "--worker", model_dir, str(args.batch), str(args.prompt_len), args.dtype]
+    cmd = [sys.executable, __file__, "--worker", model_dir, str(args.batch), str(args.prompt_len), args.dtype,
+           str(args.max_model_len)]
     sides = {name: subprocess.Popen(cmd, env={**env, "PYTHONPATH": path}, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
              for name, path in (("new", str(repo)), (args.compare, base))}
@@ -163,7 +164,7 @@ def compare(args) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
-        return compare_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        return compare_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default=None, help="HF model dir (default: build the default tiny model)")
     ap.add_argument("--requests", type=int, default=64)
@@ -178,6 +179,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8, help="--compare: alternating rounds")
     ap.add_argument("--steps", type=int, default=10, help="--compare: steps per block")
     ap.add_argument("--dtype", default="auto", help="--compare: engine dtype")
+    ap.add_argument("--max-model-len", type=int, default=1024,
+                    help="--compare: engine context (its slot cache is batch x this; 256 keeps SmolLM2 at 64 rows small)")
     args = ap.parse_args()
     if args.compare:
         return compare(args)

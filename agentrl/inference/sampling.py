@@ -60,7 +60,9 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tuple
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device)
     greedy = temps <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    # x / 1 == x exactly: at T = 1 (or greedy) skip a [R, V] pass and its allocation
+    unit = all(p.temperature == 1 or p.temperature <= 0 for p in params)
+    scaled = logits if unit else logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < v and p.temperature > 0 else v for p in params], device=device)
     top_p = torch.tensor([p.top_p if p.temperature > 0 else 1.0 for p in params], device=device)
     min_p = torch.tensor([p.min_p if p.temperature > 0 else 0.0 for p in params], device=device)
@@ -99,7 +101,8 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     support is never drawn.  The sum runs in float64: in float32, at a 49k vocabulary, thousands
     of tokens with p > 0 got zero-width intervals (never drawn) and others were drawn up to 5 %
     off their reported μ."""
-    cdf = probs.double().cumsum(dim=-1)
+    # a copy summed in place: one [R, V] float64 buffer, not two (each a fresh mmap at a 49k vocabulary)
+    cdf = probs.to(torch.float64, copy=True).cumsum_(dim=-1)
     return torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None]).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
@@ -111,16 +114,19 @@ def sample(
 ) -> Draw:
     """Draw one token per row (see the module docstring for μ and the support)."""
     r, v = logits.shape
-    greedy = torch.tensor([p.temperature <= 0 for p in params], device=logits.device)
+    is_greedy = [p.temperature <= 0 for p in params]
+    greedy = torch.tensor(is_greedy, device=logits.device)
     scaled, support = filtered_logits(logits, params)
     logp = torch.log_softmax(scaled, dim=-1)
-    raw_logp = torch.log_softmax(logits, dim=-1) if bool(greedy.any()) else logp
-    dist_logp = torch.where(greedy[:, None], raw_logp, logp)
+    # the [R, V] passes only greedy rows need (a raw log-softmax, an argmax) run only when there are some
+    any_greedy = any(is_greedy)
+    dist_logp = torch.where(greedy[:, None], torch.log_softmax(logits, dim=-1), logp) if any_greedy else logp
 
-    tokens = draw(logp.exp(), rng) if not bool(greedy.all()) else None
-    tokens = logits.argmax(dim=-1) if tokens is None else torch.where(greedy, logits.argmax(dim=-1), tokens)
+    tokens = draw(logp.exp(), rng) if not all(is_greedy) else None
+    if any_greedy:
+        tokens = logits.argmax(dim=-1) if tokens is None else torch.where(greedy, logits.argmax(dim=-1), tokens)
     for i, g in enumerate(generators):
-        if g is not None and not bool(greedy[i]):
+        if g is not None and not is_greedy[i]:
             tokens[i] = draw(logp[i : i + 1].exp(), g)[0]
     chosen = dist_logp.gather(1, tokens[:, None]).squeeze(1)
 
