@@ -44,6 +44,7 @@ import json
 import multiprocessing.connection
 import os
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -561,6 +562,9 @@ class ShardedTrainer:
         self.model_dir = Path(model_dir)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._closed = False
+        # one call on the ranks at a time: the recipe's threads (a step; a push after an engine restart) would
+        # otherwise interleave collectives and read each other's replies
+        self._one_call = threading.RLock()
         self.ranks = ranks if ranks is not None else ProcessRanks(model_dir, cfg, sampling, seed)
         self.backend = self.ranks.backend
         self.lora = bool(self._guard(self.ranks.start)["lora"])
@@ -642,7 +646,8 @@ class ShardedTrainer:
     def _guard(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """``fn`` on the ranks; a rank lost stops every rank and raises one line naming it and the newest checkpoint."""
         try:
-            return fn(*args, **kw)
+            with self._one_call:
+                return fn(*args, **kw)
         except RankLost as e:
             self.close()
             raise TrainerDied(

@@ -245,3 +245,36 @@ def test_a_failing_reader_of_weights_out_leaves_the_pipes_in_step(small_model):
         assert "\n" not in str(e.value)
     finally:
         trainer.close()
+
+
+@pytest.mark.slow
+def test_calls_from_two_threads_take_turns(small_model):
+    # the recipe steps in a worker thread while the supervisor may push to an engine that came back: two calls at
+    # once interleaved their collectives and read each other's replies (a hang, or a step answered with weights)
+    import threading
+
+    parity = load_benchmark("trainer_parity")
+    cfg = TrainerConfig(device="cpu", world_size=2, collective_timeout_s=120, push_bucket_mb=0.001)
+    trainer = ShardedTrainer(small_model, cfg, SamplingParams())
+    try:
+        out: dict[str, object] = {}
+        barrier = threading.Barrier(2)
+
+        def run(name, fn):
+            barrier.wait()
+            try:
+                out[name] = fn()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                out[name] = e
+
+        threads = [threading.Thread(target=run, args=("step", lambda: trainer.step(parity.fixed_batch(0, 512)))),
+                   threading.Thread(target=run, args=("weights", trainer.named_tensors))]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads), "two calls at once hung"
+        assert isinstance(out["step"], dict) and "loss" in out["step"], out["step"]
+        assert isinstance(out["weights"], dict) and len(out["weights"]) > 3, type(out["weights"])
+    finally:
+        trainer.close()
