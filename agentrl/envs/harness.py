@@ -212,6 +212,9 @@ class HarnessEnv(Environment):
         tail = "" if stderr is None else f"; stderr: {stderr}"
         if session.calls == 0 and not session.refusals:
             raise EpisodeError(f"the {kind} {self.program} {never}{tail}")
+        if not session.refusals:  # accepted, then it ended before the reply (it swallowed its client's timeout)
+            raise EpisodeError(f"the {kind} {self.program} got no model reply: its {session.calls} call(s) got no "
+                               f"reply before it exited{tail}")  # fmt: skip
         raise EpisodeError(f"the {kind} {self.program} got no model reply: its {session.refusals} call(s) were "
                            f"refused (first: {session.first_refusal}){tail}")  # fmt: skip
 

@@ -585,6 +585,28 @@ async def test_a_program_that_swallows_every_failed_call_does_not_train_as_done(
     assert traj.error_kind == "env" and "no model reply" in traj.error and "n must be 1" in traj.error, traj.error
 
 
+async def test_a_program_that_gave_up_waiting_for_its_reply_is_named_so(tmp_path):
+    """The call was accepted, the model is slow, the program's client times out, it swallows that and
+    exits 0: nothing was refused, so the error says the call got no reply (it used to say "its 0
+    call(s) were refused (first: None)")."""
+    cmd = program(tmp_path, """
+        import openai
+        try:
+            OpenAI(max_retries=0, timeout=0.3).chat.completions.create(model="m", messages=TASK["prompt"])
+        except openai.APITimeoutError:
+            print("the model took too long")
+    """)
+
+    class Slow(ScriptedClient):
+        async def complete(self, prompt_ids, sampling, n=1):
+            await asyncio.sleep(3)
+            return await super().complete(prompt_ids, sampling, n)
+
+    traj = await run(HarnessEnv(cmd, dataset=ROWS), Slow(lambda p: "x"))
+    assert traj.error_kind == "env", (traj.error_kind, traj.error)
+    assert "its 1 call(s) got no reply before it exited" in traj.error and "refused" not in traj.error, traj.error
+
+
 async def test_an_agent_that_raises_or_hangs_is_named():
     async def raises(client, task):
         await client.chat.completions.create(model="m", messages=task["prompt"])
