@@ -24,8 +24,8 @@ naming the path and the free space; the earlier checkpoints are untouched.
 ``trainer.pt`` and ``rank_K.pt`` hold tensors, numbers and strings only (the RNG states too)
 and are read weights-only (:func:`load_tensors`): any program of the user can write into a run
 dir, and unpickling any other object would run its code.  ``torch.distributed.checkpoint`` reads
-its own ``.metadata`` and non-tensor items with plain pickle: :func:`check_dcp_metadata` and
-:func:`weights_only_planner` let through only its records and plain values.
+its own ``.metadata`` and non-tensor items with plain pickle: :func:`dcp_reader` and
+:func:`weights_only_planner` let through only its records and plain values (:func:`load_dcp`).
 """
 
 from __future__ import annotations
@@ -173,12 +173,9 @@ def load_sharded_weights(sharded_dir: str | Path) -> dict[str, torch.Tensor]:
     """The full model state of a sharded checkpoint (every rank's shards put together), in this process.
 
     Reads only the weights, not the AdamW state; needs no process group (``agentrl export``)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    check_dcp_metadata(sharded_dir)
-    reader = dcp.FileSystemReader(str(sharded_dir))
-    entries = reader.read_metadata().state_dict_metadata
+    entries = dcp_reader(sharded_dir).read_metadata().state_dict_metadata
     model = {
         key.removeprefix("model."): torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         for key, meta in entries.items()
@@ -186,7 +183,7 @@ def load_sharded_weights(sharded_dir: str | Path) -> dict[str, torch.Tensor]:
     }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": model}, storage_reader=reader, no_dist=True, planner=weights_only_planner())
+        load_dcp({"model": model}, sharded_dir, no_dist=True)
     return model
 
 
@@ -208,20 +205,51 @@ class _DCPMetadata(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name}")
 
 
-def check_dcp_metadata(sharded_dir: str | Path) -> None:
-    """Refuse a sharded checkpoint whose ``.metadata`` pickles (``torch.distributed.checkpoint``
-    reads them with plain ``pickle.load``) name anything but DCP's own records: each is unpickled
-    here first with only those allowed, so the load after it runs no other code."""
-    for path in sorted(Path(sharded_dir).glob("*.metadata")):
-        try:
-            with open(path, "rb") as f:
-                _DCPMetadata(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
-            raise CheckpointError(
-                f"{path} names an object other than torch.distributed.checkpoint's records ({e}): not loaded, since "
-                "loading it would run code; it was not written by agentrl's trainer (or was altered since): resume "
-                "from another checkpoint"
-            ) from None
+def load_dcp(state: dict[str, Any], path: str | Path, *, no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load`` of ``state`` from ``path`` with :func:`dcp_reader` and
+    :func:`weights_only_planner`: a refused ``.metadata`` is its one-line CheckpointError (DCP itself
+    swallows a reader's error and tries the rank's own metadata file before failing)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = dcp_reader(path)
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=no_dist, planner=weights_only_planner())
+    except (Exception, CheckpointException):  # DCP's wrapper of every rank's failure is a BaseException
+        if reader.refused is not None:
+            raise reader.refused from None
+        raise
+
+
+def dcp_reader(path: str | Path) -> Any:
+    """A ``FileSystemReader`` for ``path`` whose ``.metadata`` pickles (DCP's own reader runs plain
+    ``pickle.load`` on them) are unpickled once, with only DCP's records allowed: the bytes checked are
+    the bytes used, so a file swapped after any check runs nothing.  A refused file is a CheckpointError,
+    kept in ``reader.refused``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        refused: CheckpointError | None = None
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            where = self._get_metadata_path(kwargs.get("rank"))
+            try:
+                with self.fs.create_stream(where, "rb") as f:
+                    metadata = _DCPMetadata(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
+                self.refused = self.refused or CheckpointError(
+                    f"{where} names an object other than torch.distributed.checkpoint's records ({e}): not loaded, "
+                    "since loading it would run code; it was not written by agentrl's trainer (or was altered "
+                    "since): resume from another checkpoint"
+                )
+                raise self.refused from None
+            if getattr(metadata, "storage_meta", None) is None:  # what DCP's own read_metadata sets
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(str(path))
 
 
 def weights_only_planner() -> Any:

@@ -58,11 +58,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from agentrl.errors import AgentrlError, CheckpointError, TrainerDied
 from agentrl.trainer.checkpoint import (
     SHARDED,
-    check_dcp_metadata,
+    load_dcp,
     load_tensors,
     rng_state,
     set_rng_state,
-    weights_only_planner,
 )
 from agentrl.trainer.logprobs import head_of
 from agentrl.trainer.losses import add_stats
@@ -304,13 +303,11 @@ class _RankTrainer(Trainer):
 
     def load_shards(self, path: str) -> None:
         """Read this rank's shards (written by the same world size) into its weights and AdamW state."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # the layout to read into (AdamW's made)
         state = {"model": model_sd, "optimizer": optim_sd}
-        check_dcp_metadata(path)  # DCP unpickles its metadata and non-tensor items: nothing but its records may run
-        dcp.load(state, checkpoint_id=path, planner=weights_only_planner())
+        load_dcp(state, path)  # DCP's metadata and non-tensor items: nothing but its records and plain values load
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         own = load_tensors(Path(path) / f"rank_{self.rank}.pt")
         self.scheduler.load_state_dict(own["scheduler"])

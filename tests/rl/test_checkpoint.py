@@ -214,6 +214,50 @@ def test_a_sharded_checkpoint_whose_dcp_pickles_would_run_code_is_refused(tmp_pa
     assert not marker.exists()
 
 
+def test_a_dcp_metadata_swapped_between_a_check_and_the_load_still_runs_nothing(tmp_path, monkeypatch):
+    """Time of check, time of use: another program of the user swaps ``.metadata`` for a pickle that
+    runs code after any check of it and before torch.distributed.checkpoint opens it (DCP's reader
+    runs plain ``pickle.load``).  The load's own read is the restricted one, so neither export nor a
+    rank's resume runs it."""
+    import io
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from agentrl.trainer import checkpoint as ckpt_mod
+    from agentrl.trainer.checkpoint import load_sharded_weights
+
+    model = torch.nn.Linear(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        msd, _ = get_state_dict(model, torch.optim.AdamW(model.parameters()))
+        dcp.save({"model": msd}, checkpoint_id=tmp_path / "trainer", no_dist=True)
+    meta = tmp_path / "trainer" / ".metadata"
+    good, marker = meta.read_bytes(), tmp_path / "pwned"
+    bad, real_open, swaps = pickle.dumps(_OpensAFile(marker)), io.open, []
+
+    def swapped_for_the_load(file, mode="r", *a, **kw):  # pathlib's open, which DCP's file system uses
+        if str(file).endswith(".metadata") and "r" in mode:
+            with real_open(meta, "wb") as f:
+                f.write(bad)
+            swaps.append(file)
+        return real_open(file, mode, *a, **kw)
+
+    monkeypatch.setattr(io, "open", swapped_for_the_load)
+    loads = [lambda: load_sharded_weights(tmp_path / "trainer")]  # agentrl export
+    if hasattr(ckpt_mod, "load_dcp"):  # a rank's resume
+        loads.append(lambda: ckpt_mod.load_dcp({"model": dict(msd)}, tmp_path / "trainer", no_dist=True))
+    for load in loads:
+        meta.write_bytes(good)
+        swaps.clear()
+        with warnings.catch_warnings(), pytest.raises(CheckpointError, match=r"\.metadata names an object other"):
+            warnings.simplefilter("ignore", UserWarning)
+            load()
+        assert swaps and not marker.exists()
+
+
 def test_rng_states_are_tensors_and_numbers_and_older_checkpoints_still_resume(tmp_path):
     """What agentrl writes now loads with a plain weights-only load (no allowlist); a checkpoint from
     before (python's state a tuple, numpy's a pickled array) still restores every generator."""
