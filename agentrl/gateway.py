@@ -23,8 +23,9 @@ calls never share a sequence, so interleaved calls stay apart.
 **Sampling.**  Temperature, top-p, top-k, min-p and the seed are the run's (the trainer
 rebuilds μ from them); the program's values are ignored.  ``max_tokens`` /
 ``max_completion_tokens`` and ``stop`` are honoured within the run's per-turn budget and the
-episode's token limits; past ``max_calls`` a call is a 400, each further one answered a little
-later (a retry loop would otherwise spin on the run's event loop).  ``n`` must be 1.  ``tool_choice``: ``"none"`` returns the text
+episode's token limits; past ``max_calls`` a call is a 400 (its body unparsed), each further one answered a little
+later, one episode's refusals one after another (a retry loop, or many threads, would otherwise spin on the
+run's event loop).  ``n`` must be 1.  ``tool_choice``: ``"none"`` returns the text
 unparsed; ``"auto"``, ``"required"`` and a named function parse tool calls with the model's
 tool-call format but do not constrain decoding (a reply without a call stays text).
 ``stream: true`` sends the finished reply as server-sent-event chunks (one content chunk,
@@ -120,6 +121,7 @@ class Session:
         self.closed = False
         self._branches: list[_Branch] = []
         self._lock = asyncio.Lock()
+        self._over_limit_lock = asyncio.Lock()
 
     @property
     def base_url(self) -> str:
@@ -138,15 +140,23 @@ class Session:
 
     # ------------------------------------------------------------------ one call
 
+    async def refuse_if_spent(self) -> None:
+        """Past ``max_calls`` a call is refused (before its body is parsed).  A program that keeps calling (a
+        retry loop, or many threads of one) would spin on the run's event loop, which every episode shares:
+        each further refusal waits a little longer, the first not at all, and the waits of one episode's
+        refusals run one after another, so concurrent callers queue instead of each waiting on its own."""
+        if self.calls < self.max_calls:
+            return
+        self.hit_limit = True
+        async with self._over_limit_lock:
+            if not self.closed:  # once the episode is over, the queue drains at once
+                self.over_limit += 1
+                await asyncio.sleep(min(OVER_LIMIT_WAIT_MAX_S, OVER_LIMIT_WAIT_S * (self.over_limit - 1)))
+        raise Refused(400, f"this episode's limit of {self.max_calls} model calls is spent (max_turns)")
+
     async def chat(self, body: dict[str, Any]) -> tuple[dict[str, Any], str, dict[str, int]]:
         """Serve one chat-completion request: (assistant message, finish reason, usage)."""
-        if self.calls >= self.max_calls:
-            self.hit_limit = True
-            self.over_limit += 1
-            # a program that keeps calling (a retry loop) would spin on the run's event loop, which
-            # every episode shares: each further refusal waits a little longer, the first not at all
-            await asyncio.sleep(min(OVER_LIMIT_WAIT_MAX_S, OVER_LIMIT_WAIT_S * (self.over_limit - 1)))
-            raise Refused(400, f"this episode's limit of {self.max_calls} model calls is spent (max_turns)")
+        await self.refuse_if_spent()
         messages, tools, max_tokens, stop, parse_tools = _read_request(body)
         self.calls += 1
         if not self.token_exact:
@@ -447,6 +457,7 @@ class Gateway:
         session = None
         try:
             session = self._session(eid, authorization)
+            await session.refuse_if_spent()  # a flood past the limit: no body of it is parsed
             try:
                 body = json.loads(raw)
             except ValueError:

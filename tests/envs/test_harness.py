@@ -319,13 +319,50 @@ async def test_a_program_that_keeps_calling_past_its_limit_is_slowed_not_served_
                 statuses.append(urllib.request.urlopen(urllib.request.Request(url, body, headers)).status)
             except urllib.error.HTTPError as e:
                 statuses.append(e.code)
-        print(json.dumps(statuses))
+        try:  # past the limit a body is not even parsed
+            urllib.request.urlopen(urllib.request.Request(url, b"{not json", headers))
+        except urllib.error.HTTPError as e:
+            print(json.dumps([statuses, e.read().decode()]))
     """)
     traj = await run(HarnessEnv(cmd, dataset=ROWS, max_turns=2), ScriptedClient(lambda p: "x"))
-    statuses = json.loads(traj.state["result"])
+    statuses, unparsed = json.loads(traj.state["result"])
+    assert "max_turns" in unparsed and "not JSON" not in unparsed, unparsed
     assert traj.error is None and len(traj.turns) == 2 and traj.stop_reason == "max_turns"
     assert statuses[:2] == [200, 200] and set(statuses[2:]) == {400}
     assert len(statuses) < 40, len(statuses)  # waits of 0, 20, 40, ... ms: at most ~15 refusals fit 2 s
+
+
+async def test_many_threads_calling_past_the_limit_are_slowed_together(tmp_path):
+    """64 threads of one program flood calls past max_turns.  Each refusal used to wait on its own, so
+    the waits overlapped: ~60 refusals a second (242 in 4 s), every one of them parsing its body.  The
+    waits of one episode's refusals now run one after another: a few dozen in 4 s at most."""
+    cmd = program(tmp_path, """
+        import threading, time, urllib.request
+        url = os.environ["OPENAI_BASE_URL"] + "/chat/completions"
+        body = json.dumps({"model": "m", "messages": TASK["prompt"]}).encode()
+        headers = {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"}
+        statuses, t0 = [], time.monotonic()
+
+        def flood():  # a call queued longer than 2 s ends its thread (the queue would take a minute to drain)
+            while time.monotonic() - t0 < 4:
+                try:
+                    statuses.append(urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=2).status)
+                except urllib.error.HTTPError as e:
+                    statuses.append(e.code)
+                except (TimeoutError, urllib.error.URLError):
+                    return
+
+        threads = [threading.Thread(target=flood) for _ in range(64)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        print(json.dumps(statuses))
+    """)
+    traj = await run(HarnessEnv(cmd, dataset=ROWS, max_turns=2, timeout_s=60), ScriptedClient(lambda p: "x"))
+    statuses = json.loads(traj.state["result"])
+    assert traj.error is None and len(traj.turns) == 2 and traj.stop_reason == "max_turns"
+    assert statuses.count(200) == 2 and set(statuses) <= {200, 400}
+    # waits of 0, 20, 40, ... ms one after another: ~20 fit 4 s, plus the calls still queued at the end
+    assert statuses.count(400) < 100, statuses.count(400)
 
 
 # ----------------------------------------------------------------------------- failures, named
