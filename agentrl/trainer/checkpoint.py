@@ -167,6 +167,15 @@ def load_tensors(path: Path | IO[bytes], name: str | None = None) -> Any:
             f"{name or path} holds an object other than tensors and numbers{what}: not loaded, since loading it would run "
             "code; it was not written by agentrl's trainer (or was altered since): resume from another checkpoint"
         ) from None
+    except (RuntimeError, EOFError) as e:  # torch's zip reader on a cut-off file; an empty one
+        raise unreadable(name or path, e) from None
+
+
+def unreadable(what: object, e: BaseException) -> CheckpointError:
+    """The one line for a checkpoint file that cannot be read back (cut off by a full disk, say)."""
+    why = str(e).split(". ")[0].splitlines()[0] if str(e) else type(e).__name__
+    return CheckpointError(f"{what} is unreadable (truncated or corrupt): {why}; resume from an earlier checkpoint "
+                           "(delete this one's directory) or start without --resume")  # fmt: skip
 
 
 def load_sharded_weights(sharded_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -198,11 +207,15 @@ _DCP_GLOBALS = {
 }  # fmt: skip
 
 
+class _Forbidden(pickle.UnpicklingError):
+    """A global the metadata may not name (one that is not DCP's)."""
+
+
 class _DCPMetadata(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise _Forbidden(f"{module}.{name}")
 
 
 def load_dcp(state: dict[str, Any], path: str | Path, *, no_dist: bool = False) -> None:
@@ -238,6 +251,9 @@ def dcp_reader(path: str | Path) -> Any:
                 with self.fs.create_stream(where, "rb") as f:
                     metadata = _DCPMetadata(f).load()
             except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
+                if not isinstance(e, (_Forbidden, AttributeError, ImportError)):  # cut off, or not a pickle at all
+                    self.refused = self.refused or unreadable(where, e)
+                    raise self.refused from None
                 self.refused = self.refused or CheckpointError(
                     f"{where} names an object other than torch.distributed.checkpoint's records ({e}): not loaded, "
                     "since loading it would run code; it was not written by agentrl's trainer (or was altered "

@@ -258,6 +258,38 @@ def test_a_dcp_metadata_swapped_between_a_check_and_the_load_still_runs_nothing(
         assert swaps and not marker.exists()
 
 
+def test_a_cut_off_or_corrupt_checkpoint_file_is_one_line_naming_it(tmp_path):
+    """A trainer.pt whose bytes were damaged (same size, so the COMPLETE sizes match) or cut off, and a
+    cut-off DCP .metadata: each is the one-line "unreadable" CheckpointError naming the file, not a
+    torch traceback, and a cut-off .metadata is not blamed as code that would run."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from agentrl.trainer.checkpoint import load_sharded_weights, load_tensors
+
+    ckpt = save_checkpoint(tmp_path / "run", 1, _state(1), {"step": 1})
+    pt = ckpt / "trainer.pt"
+    data = pt.read_bytes()
+    pt.write_bytes(data[:-300] + bytes(300))  # the zip's central directory zeroed
+    with pytest.raises(CheckpointError, match=r"trainer\.pt is unreadable \(truncated or corrupt\): .*without --resume"):
+        load_checkpoint(ckpt)
+    for cut in (data[: len(data) // 2], b""):
+        pt.write_bytes(cut)
+        with pytest.raises(CheckpointError, match=r"trainer\.pt is unreadable \(truncated or corrupt\)"):
+            load_tensors(pt)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": {"w": torch.ones(3)}}, checkpoint_id=tmp_path / "trainer", no_dist=True)
+    meta = tmp_path / "trainer" / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:40])
+    with warnings.catch_warnings(), pytest.raises(CheckpointError) as e:
+        warnings.simplefilter("ignore", UserWarning)
+        load_sharded_weights(tmp_path / "trainer")
+    assert ".metadata is unreadable (truncated or corrupt)" in str(e.value) and "run code" not in str(e.value), e.value
+
+
 def test_rng_states_are_tensors_and_numbers_and_older_checkpoints_still_resume(tmp_path):
     """What agentrl writes now loads with a plain weights-only load (no allowlist); a checkpoint from
     before (python's state a tuple, numpy's a pickled array) still restores every generator."""
