@@ -86,13 +86,21 @@ class EnginePush:
     async def push(self, tensors: dict[str, Any], version: int, urls: list[str], local_urls: list[str],
                    sync_args: dict[str, Any], adapters: bool) -> tuple[float, dict[str, float]]:  # fmt: skip
         """(seconds, the sync's stats)."""
+        from agentrl.weights.sync import one_bucket
+
+        return await self.push_stream(tensors, one_bucket(tensors), version, urls, local_urls, sync_args, adapters)
+
+    async def push_stream(self, specs: Any, buckets: Any, version: int, urls: list[str], local_urls: list[str],
+                          sync_args: dict[str, Any], adapters: bool) -> tuple[float, dict[str, float]]:  # fmt: skip
+        """:meth:`push` of tensors arriving in ``buckets`` (``specs``: their names, dtypes, shapes, in order)."""
         from agentrl.weights import make_weight_sync
 
         key = (tuple(urls), tuple(local_urls), tuple(sorted(sync_args.items())))
         if key != self.key:  # first push, or an engine came back at a new address
             await self.close()
             self.sync, self.key = make_weight_sync(list(urls), local_urls=list(local_urls), **sync_args), key
-        seconds = await (self.sync.push(tensors, version, lora=True) if adapters else self.sync.push(tensors, version))
+        lora = {"lora": True} if adapters else {}  # vLLM's sync takes no lora (a LoRA run there pushes merged weights)
+        seconds = await self.sync.push_stream(specs, buckets, version, **lora)
         return seconds, dict(getattr(self.sync, "last_stats", {}))
 
     async def close(self) -> None:

@@ -18,9 +18,10 @@ several nodes are not supported yet).
 Files: no filesystem is shared with the driver.  A checkpoint: each rank writes its shards
 (``torch.distributed.checkpoint``) into a temporary directory on its node and sends the files back;
 the driver writes them into the checkpoint.  A resume sends the checkpoint's files to every rank
-through Ray's object store.  Weights out: every rank joins the gathers, rank 0 collects the buckets
-(``trainer.push_bucket_mb``) and pushes them to the engines itself, so weights never pass through
-the driver; rank 0 holds the one full copy a push needs (the driver holds it with local ranks).
+through Ray's object store.  Weights out: every rank joins the gathers and rank 0 pushes to the
+engines itself, so weights never pass through the driver: the push's manifest comes from the
+parameters' shapes before any data, and each bucket (``trainer.push_bucket_mb``) is written into
+the engines' staged transfer as it is gathered, so no rank holds a full copy of the model.
 
 Death: a rank actor is never restarted; one that dies (or fails) ends the call with
 :class:`~agentrl.errors.TrainerDied` naming the rank and the newest checkpoint, and every other
@@ -31,11 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,8 @@ class RankActorImpl:
         torch.set_num_threads(threads)
         self.rank, self.world = rank, world
         self.trainer: Any = None
-        self.parts: list[dict[str, Any]] = []  # rank 0's weight buckets of the running call
+        self.parts: list[dict[str, Any]] = []  # rank 0's weight buckets of the running call (not a push)
+        self.feed: _Feed | None = None  # rank 0's weight buckets to the running push
         self.pusher = EnginePush()
 
     async def info(self) -> dict[str, Any]:
@@ -85,8 +88,11 @@ class RankActorImpl:
         return {"lora": self.trainer.lora}
 
     def send(self, message: tuple[str, Any]) -> None:
-        """The rank's ``conn``: rank 0's weight buckets, kept for the running call."""
-        self.parts.append(message[1])
+        """The rank's ``conn``: rank 0's weight buckets, to the running push (or kept for the running call)."""
+        if self.feed is not None:
+            self.feed.put(message[1])
+        else:
+            self.parts.append(message[1])
 
     async def call(self, method: str, args: tuple[Any, ...]) -> tuple[list[dict[str, Any]], Any]:
         """``_RankTrainer.method(*args)``, or one of this actor's own calls; (rank 0's buckets, the result)."""
@@ -124,20 +130,77 @@ class RankActorImpl:
 
     async def _push(self, version: int, urls: list[str], local_urls: list[str], sync_args: dict[str, Any],
                     adapters: bool) -> tuple[float, dict[str, float]] | Exception | None:  # fmt: skip
-        """Every rank joins the gathers; rank 0 pushes the buckets it collected.  A failed push (WeightSyncError: an
-        engine down) is rank 0's answer, not a lost rank: the collectives are over, the ranks are fine."""
-        await asyncio.to_thread(self.trainer.adapter_tensors if adapters else self.trainer.named_tensors)
+        """Every rank joins the gathers; rank 0 pushes each bucket as it is gathered (the manifest comes first, from
+        the parameters' shapes), so it never holds the whole model.  A failed push (WeightSyncError: an engine down)
+        is rank 0's answer, not a lost rank: the gathers still run to their end, the ranks are fine."""
+        gather = self.trainer.adapter_tensors if adapters else self.trainer.named_tensors
         if self.rank != 0:
+            await asyncio.to_thread(gather)
             return None
-        tensors = {k: v for part in self.parts for k, v in part.items()}
-        self.parts = []
+        specs = self.trainer.weight_specs(adapters)
+        self.feed = feed = _Feed()
+
+        def run() -> None:
+            try:
+                gather()
+            finally:
+                feed.put(_END)
+
+        gathered = asyncio.ensure_future(asyncio.to_thread(run))
         try:
-            return await self.pusher.push(tensors, version, urls, local_urls, sync_args, adapters)
+            return await self.pusher.push_stream(specs, feed.buckets(), version, urls, local_urls, sync_args, adapters)
         except Exception as e:  # noqa: BLE001 - raised again in the driver, as the one-rank actor's push does
             return e
+        finally:
+            feed.close()  # buckets the push did not take are dropped: every rank finishes its gathers
+            try:
+                await gathered  # a failed collective raises here: a lost rank
+            finally:
+                self.feed = None
 
     async def close(self) -> None:
         await self.pusher.close()
+
+
+class _Feed:
+    """Rank 0's weight buckets from the gather (a worker thread, in collectives) to the push (the actor's event loop).
+    A bucket is handed over only once the push took the one before, so at most two are alive (one written, one
+    waiting) besides the one being gathered; once the push has ended (done or failed), buckets are dropped, so
+    the gather never waits on it and every rank finishes its collectives."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self.open = True
+
+    def put(self, item: Any) -> None:
+        """From the gather thread: wait until the push took the previous bucket (or has ended)."""
+        while self.open:
+            try:
+                self.q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _get(self) -> Any:
+        while self.open:
+            try:
+                return self.q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return _END
+
+    async def buckets(self) -> AsyncIterator[dict[str, Any]]:
+        while (item := await asyncio.to_thread(self._get)) is not _END:
+            yield item
+            del item  # the push wrote it: nothing holds it here while the next one waits
+
+    def close(self) -> None:
+        self.open = False
+        while not self.q.empty():
+            self.q.get_nowait()
+
+
+_END = object()
 
 
 class RayRanks:

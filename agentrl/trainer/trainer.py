@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import random
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -381,6 +381,14 @@ class Trainer:
             raise ValueError("adapter_tensors() needs a LoRA trainer (trainer.lora_rank > 0)")
         return self._collect(self._adapters())
 
+    @torch.no_grad()
+    def weight_specs(self, adapters: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """What :meth:`named_tensors` (``adapters``: :meth:`adapter_tensors`) hands out, in its order, as ``meta``
+        tensors: names, dtypes and whole shapes, no data, nothing gathered (a push's manifest before the gather)."""
+        if adapters and not self.lora:
+            raise ValueError("weight_specs(adapters=True) needs a LoRA trainer (trainer.lora_rank > 0)")
+        return list(self._adapters(_meta) if adapters else self._weights(_meta))
+
     def _full_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """The whole tensor of a parameter (the sharded trainer gathers a shard's here)."""
         return t
@@ -389,9 +397,10 @@ class Trainer:
         """The weights out, on the CPU (the sharded trainer sends them in buckets instead)."""
         return {name: t.detach().to("cpu").contiguous() for name, t in items}
 
-    def _weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) of the plain HF model, one tensor at a time, LoRA merged (W + s·B·A)."""
-        full = self._full_tensor
+    def _weights(self, full: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the plain HF model, one tensor at a time, LoRA merged (W + s·B·A); ``full`` makes each
+        parameter whole (default :meth:`_full_tensor`)."""
+        full = full or self._full_tensor
         if not self.lora:
             for k, v in self.model.state_dict().items():
                 yield k, full(v)
@@ -407,8 +416,8 @@ class Trainer:
             else:
                 yield name, full(v)
 
-    def _adapters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        full = self._full_tensor
+    def _adapters(self, full: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        full = full or self._full_tensor
         for name, _, a, b, scale in self._adapted_modules():
             yield name + ".lora_A", full(a)
             yield name + ".lora_B", full(b) * scale
@@ -505,3 +514,8 @@ def _split(items: list[Any], parts: int) -> list[list[Any]]:
         out.append(items[i:j])
         i = j
     return out
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s dtype and whole shape (a shard's global one), without data."""
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")

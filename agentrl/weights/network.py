@@ -8,8 +8,9 @@ is :class:`agentrl.weights.receive.WeightReceiver`).  The wire protocol::
     PUT  /weights/chunk?transfer=T&index=i        raw bytes of chunk i, header X-Agentrl-Signature
     POST /weights/commit  {transfer, signature}    every chunk arrived → checked, loaded as weight_version
 
-The trainer packs every tensor into one flat buffer laid out by :mod:`agentrl.weights.manifest`
-and cuts it into buckets of ``bucket_mb`` (a tensor may straddle two buckets).  Each bucket
+The trainer lays every tensor out in one flat buffer (:mod:`agentrl.weights.manifest`) cut into
+buckets of ``bucket_mb`` (a tensor may straddle two buckets), and builds each bucket as the
+tensors arrive (``push_stream``: a sharded trainer's gather), so it never holds the whole buffer.  Each bucket
 carries an HMAC-SHA256 under the engines' key over the transfer id, its index and its bytes (it
 proves the sender and catches corruption); the engine checks it on arrival and writes the bucket
 into its staging buffer, while generation goes on.  Only the commit stops generation, between
@@ -38,7 +39,15 @@ from agentrl.auth import auth_headers, client_key
 from agentrl.errors import WeightSyncError
 from agentrl.weights import sync as wire
 from agentrl.weights.manifest import SIGNATURE_HEADER, layout, signature
-from agentrl.weights.sync import NamedTensors, items_of, url_root
+from agentrl.weights.sync import (
+    Buckets,
+    NamedTensors,
+    checked_buckets,
+    flat_bytes,
+    items_of,
+    one_bucket,
+    url_root,
+)
 
 DEFAULT_BUCKET_MB = 32.0
 
@@ -89,9 +98,6 @@ class HttpWeightSync:
         self.in_flight_chunks = 3
         self._http_timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self._http: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
-        self._buf: torch.Tensor | None = None
-        self._layout_key: tuple | None = None
-        self._manifest: list[dict[str, Any]] = []
         self._aborts: set[asyncio.Task] = set()  # aborts of transfers that ran past their deadline
         self.behind: dict[str, str] = {}  # engine root -> why its last push failed (cleared when one succeeds)
         self.results: list[EnginePush] = []
@@ -107,18 +113,37 @@ class HttpWeightSync:
 
     async def push(self, named_tensors: NamedTensors, version: int, *, lora: bool = False) -> float:
         """Every engine gets the tensors as ``version``, each on its own (module doc)."""
-        t0 = time.perf_counter()
         items = items_of(named_tensors)
+        return await self.push_stream(items, one_bucket(items), version, lora=lora)
+
+    async def push_stream(self, specs: NamedTensors, buckets: Buckets, version: int, *, lora: bool = False) -> float:
+        """:meth:`push` of tensors arriving in ``buckets`` (in the order of ``specs``): each engine takes every
+        bucket as it comes (a few chunks in flight), so nothing here holds the whole set."""
+        t0 = time.perf_counter()
+        specs = items_of(specs)
+        manifest, size = layout(specs)
+        plan = chunk_plan(size, self.bucket_bytes)
         jobs: dict[str, Any] = {}
-        chunks: list[tuple[int, int, str]] = []
+        tee = _Tee(buckets, len(self.remote) + len(self.local))
         if self.remote:
             key, transfer = wire.need_key(self.api_key), wire.new_transfer()
-            chunks, size = await asyncio.to_thread(self._pack, items, key, transfer)
-            jobs.update({r: self._push_http(r, key, transfer, chunks, size, version, lora) for r in self.remote})
-        t_packed = time.perf_counter()
-        jobs.update({r: sync.push(items, version, lora=lora) for r, sync in self.local.items()})
+            for i, r in enumerate(self.remote):
+                jobs[r] = self._push_http(r, key, transfer, manifest, size, plan, tee.stream(i), version, lora)
+        for i, (r, sync) in enumerate(self.local.items(), start=len(self.remote)):
+            jobs[r] = sync.push_stream(specs, tee.stream(i), version, lora=lora)
         roots = list(jobs)
-        outcomes = await asyncio.gather(*(self._deadline(r, jobs[r]) for r in roots))
+
+        async def one(i: int, root: str) -> EnginePush:
+            try:
+                return await self._deadline(root, jobs[root])
+            finally:
+                tee.leave(i)  # an engine that failed or finished takes no more buckets
+
+        pump = asyncio.ensure_future(tee.pump())
+        try:
+            outcomes = await asyncio.gather(*(one(i, r) for i, r in enumerate(roots)))
+        finally:
+            await pump  # every bucket was taken (or dropped): the trainer's gather is never left waiting
         self.results = list(outcomes)
         for res in outcomes:
             if res.ok:
@@ -127,9 +152,9 @@ class HttpWeightSync:
                 self.behind[res.root] = res.error or "failed"
         t1 = time.perf_counter()
         self.last_stats = {
-            "pack_s": t_packed - t0, "total_s": t1 - t0, "engines_ok": float(sum(r.ok for r in outcomes)),
+            "total_s": t1 - t0, "engines_ok": float(sum(r.ok for r in outcomes)),
             "engines_failed": float(sum(not r.ok for r in outcomes)),
-            "bytes": float(sum(t.numel() * t.element_size() for _, t in items)), "chunks": float(len(chunks)),
+            "bytes": float(sum(t.numel() * t.element_size() for _, t in specs)), "chunks": float(len(plan)),
         }
         if not any(r.ok for r in outcomes):
             causes = "; ".join(f"{r.root}: {r.error}" for r in outcomes)
@@ -147,22 +172,42 @@ class HttpWeightSync:
             return EnginePush(root, False, kind, time.perf_counter() - t0, f"{type(e).__name__}: {e}"[:300])
         return EnginePush(root, True, kind, time.perf_counter() - t0)
 
-    async def _push_http(self, root: str, key: str, transfer: str, chunks: list[tuple[int, int, str]], size: int,
-                         version: int, lora: bool) -> None:
+    async def _push_http(self, root: str, key: str, transfer: str, manifest: list[dict[str, Any]], size: int,
+                         plan: list[tuple[int, int]], buckets: Buckets, version: int, lora: bool) -> None:
         http = self._client()
         await wire.begin(http, root, key, transfer=transfer, transport="http", version=version,
-                         manifest=self._manifest, size=size, lora=lora, session=self.session,
-                         chunks=[[o, n] for o, n, _ in chunks])
+                         manifest=manifest, size=size, lora=lora, session=self.session, chunks=[list(c) for c in plan])
         try:
-            assert self._buf is not None
-            data, window = memoryview(self._buf.numpy()), asyncio.Semaphore(self.in_flight_chunks)
+            window = asyncio.Semaphore(self.in_flight_chunks)
+            sends: set[asyncio.Task] = set()
 
-            async def send(i: int, off: int, nbytes: int, sig: str) -> None:
-                async with window:  # a few chunks in flight: the engine checks one while the next travels
+            async def send(i: int, data: bytes, sig: str) -> None:
+                try:
                     await wire.call(http, "PUT", root + "/weights/chunk", params={"transfer": transfer, "index": i},
-                                    content=bytes(data[off : off + nbytes]), headers={SIGNATURE_HEADER: sig})
+                                    content=data, headers={SIGNATURE_HEADER: sig})
+                finally:
+                    window.release()
 
-            await asyncio.gather(*(send(i, off, n, sig) for i, (off, n, sig) in enumerate(chunks)))
+            async def send_all(chunks: list[tuple[int, bytes, str]]) -> None:
+                for i, data, sig in chunks:
+                    await window.acquire()  # a few chunks in flight: the engine checks one while the next travels
+                    for task in [t for t in sends if t.done()]:
+                        sends.discard(task)
+                        task.result()  # a refused chunk ends this engine's push
+                    sends.add(asyncio.ensure_future(send(i, data, sig)))
+
+            def signed(chunks: list[tuple[int, bytes]]) -> list[tuple[int, bytes, str]]:
+                return [(i, data, signature(key, "chunk", transfer, str(i), data)) for i, data in chunks]
+
+            chunker = _Chunker(plan)
+            try:
+                async for part in checked_buckets(manifest, buckets):
+                    await send_all(await asyncio.to_thread(lambda part=part: signed(chunker.feed(part))))
+                await send_all(await asyncio.to_thread(lambda: signed(chunker.finish())))
+                await asyncio.gather(*sends)
+            finally:
+                for task in sends:
+                    task.cancel()
             await wire.commit(http, root, key, transfer)
         except asyncio.CancelledError:  # past the deadline: abort without waiting on a hung engine
             task = asyncio.ensure_future(wire.abort(http, root, key, transfer))
@@ -173,26 +218,87 @@ class HttpWeightSync:
             await wire.abort(http, root, key, transfer)
             raise
 
-    def _pack(self, items: list[tuple[str, torch.Tensor]], key: str,
-              transfer: str) -> tuple[list[tuple[int, int, str]], int]:
-        """Copy every tensor into the flat buffer (reused while the layout holds); sign each bucket."""
-        shapes = tuple((n, t.dtype, tuple(t.shape)) for n, t in items)
-        if shapes != self._layout_key:
-            self._manifest, size = layout(items)
-            self._buf, self._layout_key = torch.zeros(size, dtype=torch.uint8), shapes
-        assert self._buf is not None
-        with torch.no_grad():
-            for (_, t), entry in zip(items, self._manifest, strict=True):
-                nbytes, off = t.numel() * t.element_size(), entry["offset"]
-                self._buf[off : off + nbytes].view(t.dtype).view(t.shape).copy_(t)
-        size = int(self._buf.numel())
-        data = memoryview(self._buf.numpy())
-        return [(off, n, signature(key, "chunk", transfer, str(i), data[off : off + n]))
-                for i, (off, n) in enumerate(chunk_plan(size, self.bucket_bytes))], size
-
     async def close(self) -> None:
         for sync in self.local.values():
             await sync.close()
         if self._http is not None and self._http[0] is asyncio.get_running_loop():
             await self._http[1].aclose()
-        self._http, self._buf, self._layout_key = None, None, None
+        self._http = None
+
+
+class _Chunker:
+    """The flat buffer of a push (:mod:`agentrl.weights.manifest`'s layout) cut into the plan's chunks, built one
+    chunk at a time from tensors that arrive in manifest order: only the chunk being filled is held here."""
+
+    def __init__(self, plan: list[tuple[int, int]]):
+        self.plan, self.index = plan, 0
+        self.chunk = torch.zeros(plan[0][1] if plan else 0, dtype=torch.uint8)
+
+    def feed(self, part: list[tuple[dict[str, Any], torch.Tensor]]) -> list[tuple[int, bytes]]:
+        """Copy these tensors into place; the chunks they completed, (index, bytes)."""
+        done: list[tuple[int, bytes]] = []
+        for entry, t in part:
+            data, pos = flat_bytes(t), int(entry["offset"])
+            while data.numel():
+                start, n = self.plan[self.index]
+                if pos >= start + n:  # the rest of this chunk is padding
+                    done.append(self._next())
+                    continue
+                take = min(data.numel(), start + n - pos)
+                self.chunk[pos - start : pos - start + take].copy_(data[:take])
+                data, pos = data[take:], pos + take
+        return done
+
+    def finish(self) -> list[tuple[int, bytes]]:
+        """The chunks left (the last tensor's and any padding after it)."""
+        done = []
+        while self.index < len(self.plan):
+            done.append(self._next())
+        return done
+
+    def _next(self) -> tuple[int, bytes]:
+        out = (self.index, self.chunk.numpy().tobytes())
+        self.index += 1
+        if self.index < len(self.plan):
+            self.chunk = torch.zeros(self.plan[self.index][1], dtype=torch.uint8)
+        return out
+
+
+class _Tee:
+    """One stream of buckets to several engines' pushes, each taking every bucket in order; at most one bucket
+    waits per engine.  An engine that leaves (done, failed, past its deadline) takes no more, and the rest of the
+    stream is still drained, so its producer (the trainer's gather) always runs to its end."""
+
+    def __init__(self, source: Buckets, n: int):
+        self.source = source
+        self.queues: list[asyncio.Queue[Any] | None] = [asyncio.Queue(maxsize=1) for _ in range(n)]
+
+    async def pump(self) -> None:
+        try:
+            async for bucket in self.source:
+                for q in list(self.queues):
+                    if q is not None:
+                        await q.put(bucket)
+            end: Any = _END
+        except Exception as e:  # noqa: BLE001 - each engine's push raises it
+            end = e
+        for q in list(self.queues):
+            if q is not None:
+                await q.put(end)
+
+    async def stream(self, i: int) -> Buckets:
+        while (q := self.queues[i]) is not None:
+            bucket = await q.get()
+            if bucket is _END:
+                return
+            if isinstance(bucket, Exception):
+                raise bucket
+            yield bucket
+
+    def leave(self, i: int) -> None:
+        q, self.queues[i] = self.queues[i], None
+        while q is not None and not q.empty():  # a put waiting on this queue goes through
+            q.get_nowait()
+
+
+_END = object()

@@ -16,6 +16,11 @@ Transports:
 - ``"disk"``: a safetensors file in the engine's weights dir (``--weights-dir``: put it on a
   shared filesystem for engines on other hosts), its SHA-256 signed in the commit.
 
+``push_stream(specs, buckets, version)``: the same push from tensors that arrive a bucket at a time
+(a sharded trainer's gather): the manifest comes from the specs (names, dtypes, shapes), each bucket
+is written into its place as it arrives, so the trainer never holds the whole set; ``push`` is the
+stream of one bucket.
+
 Every message is signed with the engines' key (``api_key``, default ``AGENTRL_API_KEY``).
 ``push(..., lora=True)`` sends LoRA factors (``{module}.lora_A`` / ``.lora_B``) instead of
 weights over the same transports; the engine merges them into its base weights
@@ -25,8 +30,6 @@ weights over the same transports; the engine merges them into its base weights
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -38,7 +41,15 @@ from agentrl.auth import auth_headers, client_key
 from agentrl.errors import WeightSyncError
 from agentrl.weights import sync as wire
 from agentrl.weights.manifest import layout
-from agentrl.weights.sync import NamedTensors, items_of, url_root
+from agentrl.weights.sync import (
+    Buckets,
+    NamedTensors,
+    SafetensorsWriter,
+    checked_buckets,
+    items_of,
+    one_bucket,
+    url_root,
+)
 
 
 class EmbeddedWeightSync:
@@ -80,25 +91,29 @@ class EmbeddedWeightSync:
 
     async def push(self, named_tensors: NamedTensors, version: int, *, lora: bool = False) -> float:
         """``lora=True``: the tensors are LoRA factors for the engine to merge (adapter-only push)."""
+        items = items_of(named_tensors)
+        return await self.push_stream(items, one_bucket(items), version, lora=lora)
+
+    async def push_stream(self, specs: NamedTensors, buckets: Buckets, version: int, *, lora: bool = False) -> float:
+        """:meth:`push` of tensors arriving in ``buckets`` (in the order of ``specs``: names, dtypes, shapes): every
+        engine's transfer opens from the manifest, each bucket is written into its place as it comes (nothing
+        holds the whole set here), then one pause and commit."""
         t0 = time.perf_counter()
         key = wire.need_key(self.api_key)
-        items = items_of(named_tensors)
-        manifest, size = layout(items)
+        manifest, size = layout(items_of(specs))
         http, transfer = self._client(), wire.new_transfer()
         begun: list[str] = []
-        sha: dict[str, str] = {}
+        writers: dict[str, Any] = {}
 
-        async def stage(root: str) -> None:  # begin, then write where the engine says
+        async def stage(root: str) -> None:  # begin, then open the place the engine names
             answer = await wire.begin(http, root, key, transfer=transfer, transport=self.transport,
                                       version=version, manifest=manifest, size=size, lora=lora, session=self.session)
             begun.append(root)
-            if self.transport == "shm":
-                await asyncio.to_thread(self._write_shm, answer["path"], size, items, manifest)
-            else:
-                sha[root] = await asyncio.to_thread(self._write_disk, answer["path"], items)
+            writers[root] = await asyncio.to_thread(self._writer, answer["path"], size, manifest)
 
         t_paused = t_written = t0
         committed: list[str] = []
+        nbytes = 0
         try:
             # every stage finishes before a failure is raised: a begin still in flight when the
             # abort below ran left its transfer open, and the engine refused the next push (409)
@@ -106,6 +121,10 @@ class EmbeddedWeightSync:
             failed_stage = [s for s in staged if isinstance(s, BaseException)]
             if failed_stage:
                 raise failed_stage[0]
+            async for part in checked_buckets(manifest, buckets):
+                await asyncio.to_thread(_write_part, list(writers.values()), part)
+                nbytes += sum(t.numel() * t.element_size() for _, t in part)
+            sha = {r: w.finish() for r, w in writers.items()}
             t_written = time.perf_counter()
             await self._all(http, "POST", "/pause", params={"mode": "keep"})
             t_paused = time.perf_counter()
@@ -116,6 +135,8 @@ class EmbeddedWeightSync:
             if failed:
                 raise failed[0]
         except BaseException:
+            for w in writers.values():
+                w.close()
             await asyncio.gather(*(wire.abort(http, r, key, transfer) for r in begun if r not in committed))
             raise
         finally:
@@ -126,7 +147,7 @@ class EmbeddedWeightSync:
             "pause_s": t_paused - t_written,
             "load_s": t1 - t_paused,
             "total_s": t1 - t0,
-            "bytes": float(sum(t.numel() * t.element_size() for _, t in items)),
+            "bytes": float(nbytes),
         }
         return t1 - t0
 
@@ -143,38 +164,42 @@ class EmbeddedWeightSync:
 
     # ------------------------------------------------------------------ transports
 
-    def _write_shm(self, path: str, size: int, items: list[tuple[str, torch.Tensor]],
-                   manifest: list[dict[str, Any]]) -> None:
+    def _writer(self, path: str, size: int, manifest: list[dict[str, Any]]) -> Any:
+        if self.transport == "disk":
+            return SafetensorsWriter(path, manifest)
         buf = self._maps.get(path)
         if buf is None:
             buf = self._maps[path] = wire.map_segment(path, size)
             while len(self._maps) > 2 * len(self.roots):  # each engine uses two in turn
                 self._maps.pop(next(iter(self._maps)))
-        with torch.no_grad():
-            for (_, t), entry in zip(items, manifest, strict=True):
-                nbytes, off = t.numel() * t.element_size(), entry["offset"]
-                buf[off : off + nbytes].view(t.dtype).view(t.shape).copy_(t)
-
-    @staticmethod
-    def _write_disk(path: str, items: list[tuple[str, torch.Tensor]]) -> str:
-        """Write a safetensors file at the engine's path (created here, never followed); its SHA-256."""
-        from safetensors.torch import save
-
-        tensors = {}
-        seen: dict[int, str] = {}
-        for name, t in items:  # safetensors refuses shared storage (tied weights): clone those
-            t = t.to("cpu").contiguous()
-            ptr = t.untyped_storage().data_ptr()
-            tensors[name] = t.clone() if ptr in seen else t
-            seen[ptr] = name
-        data = save(tensors)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return hashlib.sha256(data).hexdigest()
+        return _ShmWriter(buf)
 
     async def close(self) -> None:
         if self._http is not None and self._http[0] is asyncio.get_running_loop():
             await self._http[1].aclose()
         self._http = None
         self._maps.clear()
+
+
+class _ShmWriter:
+    """Writes each tensor into its place in an engine's mapped segment (the manifest's offset)."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+
+    def write(self, entry: dict[str, Any], t: torch.Tensor) -> None:
+        off = entry["offset"]
+        with torch.no_grad():
+            self.buf[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+
+    def finish(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _write_part(writers: list[Any], part: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
+    for entry, t in part:
+        for w in writers:
+            w.write(entry, t)

@@ -3,20 +3,25 @@ the signed begin/commit/abort of a push (:mod:`agentrl.weights.receive` has the 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import mmap
 import os
 import secrets
 import stat
-from collections.abc import Iterable, Mapping
+import struct
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
 import torch
 
 from agentrl.errors import WeightSyncError
-from agentrl.weights.manifest import sign_body, signature, signed_by
+from agentrl.weights.manifest import DTYPES, dtype_name, sign_body, signature, signed_by
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+# the tensors of one push, a few at a time, in the order of the push's specs (a sharded trainer's gather)
+Buckets = AsyncIterator[NamedTensors]
 
 
 @runtime_checkable
@@ -27,12 +32,92 @@ class WeightSync(Protocol):
         """Load these tensors into every engine as weight ``version``; return seconds taken."""
         ...
 
+    async def push_stream(self, specs: NamedTensors, buckets: Buckets, version: int) -> float:
+        """:meth:`push` of tensors that arrive in ``buckets``; ``specs``: their names, dtypes and shapes in that
+        order (tensors on the ``meta`` device will do), known before any data."""
+        ...
+
     async def close(self) -> None: ...
 
 
 def items_of(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     return [(name, t.detach()) for name, t in items]
+
+
+async def one_bucket(items: NamedTensors) -> Buckets:
+    """The whole set as one bucket: a plain push is a stream of one."""
+    yield items
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A spec: the dtype and (global, for a shard) shape of ``t`` without its data."""
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+
+
+async def checked_buckets(manifest: list[dict[str, Any]],
+                          buckets: Buckets) -> AsyncIterator[list[tuple[dict[str, Any], torch.Tensor]]]:
+    """Each bucket's tensors with their manifest entries, in order; a tensor that is not the manifest's next (name,
+    dtype, shape), or a stream that ends short: WeightSyncError before anything is committed."""
+    i = 0
+    async for bucket in buckets:
+        part = []
+        for name, t in items_of(bucket):
+            want = manifest[i] if i < len(manifest) else None
+            got = {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+            if want is None or any(want[k] != got[k] for k in got):
+                raise WeightSyncError(f"weight push: tensor {i} arrived as {got}, the manifest has "
+                                      f"{ {k: want[k] for k in got} if want else 'no more tensors'}")  # fmt: skip
+            part.append((want, t))
+            i += 1
+        yield part
+    if i != len(manifest):
+        raise WeightSyncError(f"weight push: the tensors stopped after {i} of {len(manifest)} (the gather failed?); "
+                              "nothing was committed")
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes (uint8, CPU, contiguous)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+              "int32": "I32"}  # fmt: skip
+assert set(_ST_DTYPES) == set(DTYPES)
+
+
+class SafetensorsWriter:
+    """A safetensors file written one tensor at a time: the header first, from the manifest (every name, dtype and
+    shape is known before any data), then each tensor's bytes as it arrives; the SHA-256 as it goes.  Created here
+    (``O_EXCL``, never through a link), 0600."""
+
+    def __init__(self, path: str | os.PathLike[str], manifest: list[dict[str, Any]]):
+        header, off = {}, 0
+        for e in manifest:
+            n = DTYPES[e["dtype"]].itemsize * int(torch.Size(e["shape"]).numel())
+            header[e["name"]] = {"dtype": _ST_DTYPES[e["dtype"]], "shape": e["shape"], "data_offsets": [off, off + n]}
+            off += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.file = os.fdopen(fd, "wb")
+        self.sha = hashlib.sha256()
+        self._out(struct.pack("<Q", len(raw)) + raw)
+
+    def _out(self, data: bytes | memoryview) -> None:
+        self.sha.update(data)
+        self.file.write(data)
+
+    def write(self, entry: dict[str, Any], t: torch.Tensor) -> None:
+        self._out(memoryview(flat_bytes(t).numpy()))
+
+    def finish(self) -> str:
+        """Close the file; its SHA-256 (hex)."""
+        self.file.close()
+        return self.sha.hexdigest()
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def url_root(url: str) -> str:

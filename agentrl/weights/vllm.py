@@ -32,7 +32,7 @@ import httpx
 import torch
 
 from agentrl.errors import WeightSyncError
-from agentrl.weights.sync import NamedTensors, items_of, url_root
+from agentrl.weights.sync import Buckets, NamedTensors, items_of, url_root
 
 Transfer = Literal["disk", "nccl"]
 
@@ -122,6 +122,14 @@ class VLLMWeightSync:
         await self._all("/update_weight_version", json={"new_version": str(version)})
 
     # ------------------------------------------------------------------ push
+
+    async def push_stream(self, specs: NamedTensors, buckets: Buckets, version: int) -> float:
+        """:meth:`push` of tensors arriving in buckets.  Collected first: vLLM's NCCL engine replays its source and
+        its disk reload reads one finished file, so this sync holds the whole set (unlike the embedded engine's)."""
+        items: list[tuple[str, torch.Tensor]] = []
+        async for bucket in buckets:
+            items += items_of(bucket)
+        return await self.push(items, version)
 
     async def push(self, named_tensors: NamedTensors, version: int) -> float:
         t0 = time.perf_counter()
