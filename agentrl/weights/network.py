@@ -265,13 +265,15 @@ class _Chunker:
 
 
 class _Tee:
-    """One stream of buckets to several engines' pushes, each taking every bucket in order; at most one bucket
-    waits per engine.  An engine that leaves (done, failed, past its deadline) takes no more, and the rest of the
-    stream is still drained, so its producer (the trainer's gather) always runs to its end."""
+    """One stream of buckets to several engines' pushes, each taking every bucket in order; at most two buckets
+    wait per engine (a one-bucket push and its end never wait on a slow engine; a longer stream goes at the pace
+    of the slowest engine still within its deadline).  An engine that leaves (done, failed, past its deadline)
+    takes no more, and the rest of the stream is still drained, so its producer (the trainer's gather) always
+    runs to its end."""
 
     def __init__(self, source: Buckets, n: int):
         self.source = source
-        self.queues: list[asyncio.Queue[Any] | None] = [asyncio.Queue(maxsize=1) for _ in range(n)]
+        self.queues: list[asyncio.Queue[Any] | None] = [asyncio.Queue(maxsize=2) for _ in range(n)]
 
     async def pump(self) -> None:
         try:

@@ -72,3 +72,19 @@ def test_a_push_from_many_buckets_serves_exactly_the_pushed_weights(small_model,
         asyncio.run(scenario())
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_the_trainers_specs_are_what_it_hands_out_in_order(small_model, lora):
+    # a streamed push's manifest is built from the specs before any data: names, dtypes and shapes must be exactly
+    # those of the tensors the gather hands out (LoRA merged weights, and the adapters alone)
+    from agentrl.config import TrainerConfig
+    from agentrl.trainer.trainer import Trainer
+
+    trainer = Trainer(small_model, TrainerConfig(device="cpu", lora_rank=lora), None)
+    cases = [(trainer.weight_specs(), trainer.named_tensors())]
+    if lora:
+        cases.append((trainer.weight_specs(adapters=True), trainer.adapter_tensors()))
+    for specs, tensors in cases:
+        assert all(t.is_meta for _, t in specs)
+        assert [(n, t.dtype, t.shape) for n, t in specs] == [(n, t.dtype, t.shape) for n, t in tensors.items()]
