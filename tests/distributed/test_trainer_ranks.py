@@ -152,8 +152,8 @@ def exact_rss_ray():
 def test_rank_zero_pushes_each_bucket_as_it_is_gathered(tmp_path, exact_rss_ray):
     # rank 0 pushes to a real engine over HTTP while the ranks gather: its peak resident memory during a push (the
     # kernel's high-water mark of its process, reset just before) grows by far less than the model's size (measured:
-    # ~10-16 MiB for an 81 MiB model). It used to collect every bucket, then pack them into one buffer: two full
-    # copies (~200 MiB). The engine serves the pushed version.
+    # 6-11 MiB for an 81 MiB model). It used to collect every bucket, then pack them into one buffer: two full
+    # copies (105 MiB more on a second push, the packing buffer being kept). The engine serves the pushed version.
     from agentrl.config import TrainerConfig
     from agentrl.inference import start_embedded_engine
     from agentrl.tiny_model import build_tiny_model

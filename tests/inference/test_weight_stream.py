@@ -46,6 +46,7 @@ async def _buckets(items: list[tuple[str, torch.Tensor]], per: int):
         yield dict(items[i : i + per])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "disk", "http"])
 def test_a_push_from_many_buckets_serves_exactly_the_pushed_weights(small_model, tmp_path, transport):
     engine = start_embedded_engine(small_model, max_batch_size=4, max_model_len=64, device="cpu",
