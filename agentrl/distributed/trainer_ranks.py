@@ -137,7 +137,6 @@ class RankActorImpl:
         if self.rank != 0:
             await asyncio.to_thread(gather)
             return None
-        specs = self.trainer.weight_specs(adapters)
         self.feed = feed = _Feed()
 
         def run() -> None:
@@ -146,8 +145,9 @@ class RankActorImpl:
             finally:
                 feed.put(_END)
 
-        gathered = asyncio.ensure_future(asyncio.to_thread(run))
+        gathered = asyncio.ensure_future(asyncio.to_thread(run))  # started first: the other ranks are in it
         try:
+            specs = self.trainer.weight_specs(adapters)
             return await self.pusher.push_stream(specs, feed.buckets(), version, urls, local_urls, sync_args, adapters)
         except Exception as e:  # noqa: BLE001 - raised again in the driver, as the one-rank actor's push does
             return e
@@ -164,9 +164,9 @@ class RankActorImpl:
 
 class _Feed:
     """Rank 0's weight buckets from the gather (a worker thread, in collectives) to the push (the actor's event loop).
-    A bucket is handed over only once the push took the one before, so at most two are alive (one written, one
-    waiting) besides the one being gathered; once the push has ended (done or failed), buckets are dropped, so
-    the gather never waits on it and every rank finishes its collectives."""
+    A bucket is handed over only once the push took the one before (one waits here at most; the gather waits
+    meanwhile); once the push has ended (done or failed), buckets are dropped, so the gather never waits on it
+    and every rank finishes its collectives."""
 
     def __init__(self) -> None:
         self.q: queue.Queue[Any] = queue.Queue(maxsize=1)
