@@ -11,7 +11,8 @@ for Ray, :class:`RayRanks`, and the driver's handle, :class:`RemoteShardedTraine
 Placement: one placement group, one bundle per rank (``cluster.trainer_cpus`` CPUs and
 ``cluster.trainer_gpus`` GPUs each; ``trainer_gpus = 1``: one GPU per rank and nccl, 0: CPU ranks and
 gloo), strategy ``STRICT_PACK``: every rank on one node, so FSDP2's all-gathers stay on that node's
-links and the rendezvous is on loopback.  Rank 0 picks a free port and hands it to the others; a
+links, and the ranks meet through a file in a private directory of rank 0 (nothing listens for them on any
+address: :func:`~agentrl.trainer.sharded.start_rank`); a
 cluster without a node that fits all N bundles fails the start with one line (ranks spread over
 several nodes are not supported yet).
 
@@ -34,7 +35,6 @@ import asyncio
 import os
 import queue
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,7 +45,7 @@ import ray
 
 from agentrl.distributed.trainer_actor import EnginePush, _cause
 from agentrl.errors import AgentrlError
-from agentrl.trainer.sharded import RankLost, ShardedTrainer, first_line, start_rank
+from agentrl.trainer.sharded import RankLost, ShardedTrainer, first_line, rendezvous_dir, start_rank
 from agentrl.types import SamplingParams
 
 
@@ -60,6 +60,7 @@ class RankActorImpl:
         self.trainer: Any = None
         self.parts: list[dict[str, Any]] = []  # rank 0's weight buckets of the running call (not a push)
         self.feed: _Feed | None = None  # rank 0's weight buckets to the running push
+        self.store = ""  # rank 0: the rendezvous directory it made
         self.pusher = EnginePush()
 
     async def info(self) -> dict[str, Any]:
@@ -67,22 +68,20 @@ class RankActorImpl:
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "pid": os.getpid()}  # fmt: skip
 
-    async def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: the address and a free port for the process group (STRICT_PACK: every rank is on this node, so
-        loopback; nothing listens on the node's cluster address)."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return "127.0.0.1", s.getsockname()[1]
+    async def rendezvous(self) -> str:
+        """Rank 0: the process group's rendezvous directory (STRICT_PACK: every rank is on this node)."""
+        self.store = rendezvous_dir()
+        return self.store
 
-    async def start(self, backend: str, addr: str, port: int, model_dir: str, cfg: Any, sampling: SamplingParams,
+    async def start(self, backend: str, store: str, model_dir: str, cfg: Any, sampling: SamplingParams,
                     seed: int) -> dict[str, Any]:  # fmt: skip
         import torch
 
         device = torch.device("cuda:0") if backend == "nccl" else torch.device("cpu")  # Ray shows each rank its GPU
 
         def build() -> None:
-            self.trainer = start_rank(self.rank, self.world, backend, addr, port, device, model_dir, cfg, sampling,
-                                      seed, self)  # fmt: skip
+            self.trainer = start_rank(self.rank, self.world, backend, store, device, model_dir, cfg, sampling, seed,
+                                      self)  # fmt: skip
 
         await asyncio.to_thread(build)
         return {"lora": self.trainer.lora}
@@ -160,6 +159,8 @@ class RankActorImpl:
 
     async def close(self) -> None:
         await self.pusher.close()
+        if self.store:
+            shutil.rmtree(self.store, ignore_errors=True)
 
 
 class _Feed:
@@ -231,7 +232,7 @@ class RayRanks:
         self._closed = False
 
     def start(self) -> dict[str, Any]:
-        """Place the group, let rank 0 pick the rendezvous port, and build every rank's trainer."""
+        """Place the group, let rank 0 make the rendezvous directory, and build every rank's trainer."""
         try:
             ray.get(self.pg.ready(), timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
@@ -239,8 +240,8 @@ class RayRanks:
                                f"needs {self.what} free (cluster.trainer_cpus / trainer_gpus)") from None  # fmt: skip
         infos = self._all([a.info.remote() for a in self.actors])
         self.pids, self.node_id = [i["pid"] for i in infos], infos[0]["node_id"]
-        addr, port = self._all([self.actors[0].rendezvous.remote()], ranks=[0])[0]
-        refs = [a.start.remote(self.backend, addr, port, self.model_dir, self.cfg, self.sampling, self.seed)
+        store = self._all([self.actors[0].rendezvous.remote()], ranks=[0])[0]
+        refs = [a.start.remote(self.backend, store, self.model_dir, self.cfg, self.sampling, self.seed)
                 for a in self.actors]  # fmt: skip
         return self._all(refs)[0]
 

@@ -43,7 +43,8 @@ import errno
 import json
 import multiprocessing.connection
 import os
-import socket
+import shutil
+import tempfile
 import threading
 import time
 import traceback
@@ -329,21 +330,34 @@ def _write_error(e: BaseException, rank: int) -> tuple[int, int, str]:
     return rank, 0, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def start_rank(rank: int, world: int, backend: str, addr: str, port: int, device: torch.device, model_dir: str,
+def rendezvous_dir() -> str:
+    """A new private (0700) directory for a process group's rendezvous file (:func:`start_rank`); its maker
+    removes it when the ranks are closed."""
+    return tempfile.mkdtemp(prefix="agentrl-ranks-")
+
+
+def start_rank(rank: int, world: int, backend: str, store: str, device: torch.device, model_dir: str,
                cfg: TrainerConfig, sampling: SamplingParams | None, seed: int, conn: Any) -> _RankTrainer:  # fmt: skip
-    """Join the process group at rank 0's ``addr:port`` and build this rank's trainer on ``device`` (a rank process
-    here, or a Ray rank actor: :mod:`agentrl.distributed.trainer_ranks`); ``conn.send`` takes rank 0's weight buckets."""
+    """Join the process group through the rendezvous file in ``store`` (:func:`rendezvous_dir`) and build this
+    rank's trainer on ``device`` (a rank process here, or a Ray rank actor: :mod:`agentrl.distributed.trainer_ranks`);
+    ``conn.send`` takes rank 0's weight buckets.
+
+    torch.distributed's store and collectives carry no key: the ranks (always on one host) meet through a file
+    in a private directory, not a TCP store (which listens on every interface), and gloo's own connections are
+    on loopback; processes of the same user on the host are trusted."""
     import torch.distributed as dist
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+    else:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would bind the host's cluster address
+    dist.init_process_group(backend, init_method=f"file://{Path(store) / 'store'}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg.collective_timeout_s))  # fmt: skip
     return _RankTrainer(model_dir, cfg.model_copy(update={"device": str(device)}), sampling, seed=seed,
                         rank=rank, world=world, conn=conn)  # fmt: skip
 
 
-def _rank_main(rank: int, world: int, backend: str, port: int, model_dir: str, cfg: TrainerConfig,
+def _rank_main(rank: int, world: int, backend: str, store: str, model_dir: str, cfg: TrainerConfig,
                sampling: SamplingParams | None, seed: int, conn) -> None:  # fmt: skip
     """A rank process: build its trainer, then run the driver's calls until ``close`` or the pipe ends."""
     import torch.distributed as dist
@@ -351,7 +365,7 @@ def _rank_main(rank: int, world: int, backend: str, port: int, model_dir: str, c
     torch.set_num_threads(cfg.num_threads or 1)
     try:
         device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
-        trainer = start_rank(rank, world, backend, "127.0.0.1", port, device, model_dir, cfg, sampling, seed, conn)
+        trainer = start_rank(rank, world, backend, store, device, model_dir, cfg, sampling, seed, conn)
         conn.send(("ok", {"lora": trainer.lora}))
         while True:
             try:
@@ -426,12 +440,13 @@ class ProcessRanks:
         self.world = cfg.world_size
         self.backend = resolve_backend(cfg)
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        self._store = rendezvous_dir()
         self._procs, self._conns = [], []
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_rank_main, name=f"agentrl-trainer-rank{rank}", daemon=True,
-                            args=(rank, self.world, self.backend, port, str(model_dir), cfg, sampling, seed, child))  # fmt: skip
+                            args=(rank, self.world, self.backend, self._store, str(model_dir), cfg, sampling, seed,
+                                  child))  # fmt: skip
             p.start()
             child.close()
             self._procs.append(p)
@@ -481,6 +496,7 @@ class ProcessRanks:
                 p.join(5)
         for c in self._conns:
             c.close()
+        shutil.rmtree(self._store, ignore_errors=True)
 
     def _wait(self, every: bool = False, on_part: Callable[[Any], None] | None = None) -> Any:
         """Every rank's reply (rank 0's returned, or all in rank order); a rank that dies or fails raises RankLost.
@@ -539,12 +555,6 @@ class ProcessRanks:
 
 
 # ----------------------------------------------------------------------------- the driver's handle
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ShardedTrainer:

@@ -57,6 +57,51 @@ def test_a_stuck_rank_times_out_the_collective(small_model):
         trainer.close()
 
 
+def _listening(pid: int) -> list[str]:
+    """The addresses (hex, as /proc/net/tcp* writes them) that sockets of process ``pid`` listen on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    out.append(cols[1])
+    return out
+
+
+def _loopback(hex_addr: str) -> bool:
+    ip = hex_addr.split(":")[0]
+    if len(ip) == 8:  # IPv4, little-endian: 127.x.x.x ends in 7F
+        return ip.endswith("7F")
+    return ip == "0" * 31 + "1" or (ip.startswith("0000000000000000FFFF0000") and ip.endswith("7F"))  # ::1, ::ffff:127.*
+
+
+@pytest.mark.slow
+def test_the_ranks_listen_on_no_network_address(small_model):
+    """torch.distributed's store and collectives carry no key: a TCP store listened on every interface
+    (``*:port``), so anyone on the network could join or disrupt the group.  The ranks meet through a
+    file in a private directory and gloo stays on loopback: no socket of theirs listens beyond it."""
+    parity = load_benchmark("trainer_parity")
+    trainer = ShardedTrainer(small_model, TrainerConfig(device="cpu", world_size=2), SamplingParams())
+    try:
+        trainer.step(parity.fixed_batch(0, 512))  # the collectives' connections are up
+        exposed = {pid: [a for a in _listening(pid) if not _loopback(a)] for pid in trainer.pids}
+        assert exposed == {pid: [] for pid in trainer.pids}, exposed
+        store = trainer.ranks._store
+        assert oct(os.stat(store).st_mode & 0o777) == "0o700"
+    finally:
+        trainer.close()
+    assert not os.path.exists(store)
+
+
 def _zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
