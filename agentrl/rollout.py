@@ -99,6 +99,26 @@ class _Watched:
         return await self._client.tokenize(**kwargs)
 
 
+def admits(active: int, group_size: int, max_in_flight: int) -> bool:
+    """The admission rule: a whole group starts when it fits under ``max_in_flight`` beside the
+    ``active`` episodes; a group larger than the cap may run alone."""
+    return active + group_size <= max_in_flight or active == 0
+
+
+def admissible_groups(active: int, group_size: int, max_in_flight: int) -> int:
+    """How many more whole groups :func:`admits` starts beside ``active`` episodes (from 0: a manager's
+    peak is this many groups)."""
+    n = 0
+    while admits(active + n * group_size, group_size, max_in_flight):
+        n += 1
+    return n
+
+
+def worker_share(max_in_flight: int, workers: int, group_size: int) -> int:
+    """Each of ``workers`` rollout workers' ``max_in_flight``: an equal share, at least one group."""
+    return max(group_size, max_in_flight // workers)
+
+
 class RolloutManager:
     """Runs groups of episodes under admission control until stopped."""
 
@@ -162,8 +182,7 @@ class RolloutManager:
     def _can_admit(self) -> bool:
         if self._stopping or self.buffer.capacity() <= 0 or (self.admit is not None and not self.admit()):
             return False
-        # a group larger than the cap may run alone
-        return self.active_episodes + self.group_size <= self.max_in_flight or self.active_episodes == 0
+        return admits(self.active_episodes, self.group_size, self.max_in_flight)
 
     def _cancel_doomed(self) -> None:
         """Stop groups that already hold a token too stale to ever be trained.

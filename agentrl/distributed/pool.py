@@ -34,7 +34,7 @@ import ray
 
 from agentrl.buffer import Batch, StalenessBuffer
 from agentrl.distributed.roles import buffer_actor, rollout_worker
-from agentrl.rollout import TaskSampler, evaluate_tasks
+from agentrl.rollout import TaskSampler, evaluate_tasks, worker_share
 from agentrl.types import SamplingParams, Task, Trajectory
 
 RESTART_WAIT_S = 120.0  # how long a dead worker may take to come back before the run ends
@@ -236,7 +236,7 @@ def start_rollout_workers(
         timeout=ic.request_timeout_s, max_retries=ic.max_retries, requests_per_s=ro.requests_per_s / n,
         cache_salt=client.cache_salt, api_key=client.api_key,
     )  # fmt: skip
-    share = max(ro.group_size, ro.max_in_flight // n)
+    share = worker_share(ro.max_in_flight, n, ro.group_size)
     workers = [
         rollout_worker(f"w{i}", actor, cfg.env.name, dict(cfg.env.args), make_client, ro.sampling(),
                        group_size=ro.group_size, max_in_flight=share, episode_timeout_s=ro.episode_timeout_s,

@@ -33,7 +33,7 @@ from typing import Any
 import ray
 
 from agentrl.buffer import Batch, RunningGroup, RunningGroups, StalenessBuffer
-from agentrl.rollout import RolloutManager, TaskSampler
+from agentrl.rollout import RolloutManager, TaskSampler, admissible_groups
 from agentrl.types import Group, SamplingParams, Task
 
 LEASE_POLL_S = 0.5  # a lease request waits at most this long on the actor for a free slot
@@ -410,8 +410,7 @@ class RolloutWorkerImpl:
         g, cap = self.opts["group_size"], self.opts["max_in_flight"]
 
         def room() -> int:
-            active = self.manager.active_episodes if self.manager is not None else 0
-            return max(0, (cap - active) // g) if active else max(1, cap // g)
+            return admissible_groups(self.manager.active_episodes if self.manager is not None else 0, g, cap)
 
         leased = self.leased = LeasedBuffer(self.actor, self.worker, room, incarnation, on_engines=getattr(client, "rebase", None))
         self.manager = RolloutManager(env, client, leased, leased, sampling, admit=leased.engines_up, **self.opts)

@@ -39,7 +39,7 @@ from agentrl.metrics import LiveProgress
 from agentrl.protocols import RolloutSource, TrainingBuffer
 from agentrl.recipes.engines import Engines, Supervisor, WeightPusher, open_engines, preflight
 from agentrl.recipes.rl_steps import LOGS, HeldOut, Rollouts, RunLogs, RunSteps, StepLog, StepReport
-from agentrl.rollout import TaskSampler
+from agentrl.rollout import TaskSampler, admissible_groups, worker_share
 from agentrl.types import Task
 
 
@@ -147,11 +147,8 @@ def served_env_room(cfg: Config) -> str | None:
     if not is_env_url(cfg.env.name):
         return None
     ro, n, g = cfg.rollout, cfg.cluster.rollout_workers, cfg.rollout.group_size
-
-    def peak(cap: int) -> int:  # a manager's most episodes at once: whole groups, one even above the cap
-        return max(g, cap // g * g)
-
-    rollouts = n * peak(max(g, ro.max_in_flight // n)) if n else peak(ro.max_in_flight)
+    cap = worker_share(ro.max_in_flight, n, g) if n else ro.max_in_flight
+    rollouts = max(n, 1) * g * admissible_groups(0, g, cap)  # a manager's peak: whole groups, one even above the cap
     evals = min(cfg.eval.concurrency, cfg.eval.num_tasks) if cfg.eval.every > 0 else 0
     where = f" over {n} rollout workers" if n else ""
     what = f"rollout.max_in_flight{where}: {rollouts} + eval.concurrency: {evals}"

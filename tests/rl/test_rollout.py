@@ -7,7 +7,7 @@ from rl_fakes import FakeClient, FakeEngine, FakeEnv, FakeRubric
 
 from agentrl.buffer import StalenessBuffer
 from agentrl.recipes.rl import rl_loop
-from agentrl.rollout import RolloutManager, TaskSampler
+from agentrl.rollout import RolloutManager, TaskSampler, admissible_groups, worker_share
 from agentrl.types import Message, SamplingParams
 
 
@@ -133,6 +133,32 @@ async def test_in_flight_cap_is_respected():
     await runner
     w.cancel()
     assert 4 <= peak <= 8
+
+
+@pytest.mark.parametrize(("group_size", "cap"), [(4, 10), (4, 8), (6, 4)])
+async def test_the_admission_rule_the_checks_use_is_the_managers(group_size, cap):
+    """A served env's room check (recipes/rl.py), the Ray workers' shares (distributed/pool.py) and
+    their leased room (distributed/roles.py) used to recompute the manager's admission: one rule,
+    ``admissible_groups``, is what they use and what the manager does (whole groups, one above the cap)."""
+    engine = FakeEngine(latency_s=0.05)
+    buf = StalenessBuffer(batch_groups=64, max_staleness=4)
+    mgr = _manager(FakeEnv(), [engine], buf, group_size=group_size, max_in_flight=cap)
+    peak = 0
+
+    async def watch():
+        nonlocal peak
+        while True:
+            peak = max(peak, mgr.active_episodes)
+            await asyncio.sleep(0.002)
+
+    w = asyncio.create_task(watch())
+    runner = asyncio.create_task(mgr.run())
+    await asyncio.sleep(0.3)
+    mgr.stop()
+    await runner
+    w.cancel()
+    assert peak == group_size * admissible_groups(0, group_size, cap) == max(group_size, cap // group_size * group_size)
+    assert worker_share(64, 8, 16) == 16 and worker_share(96, 4, 4) == 24
 
 
 async def test_failures_become_errored_episodes_not_crashes():
