@@ -188,7 +188,9 @@ class _Episode:
         if state is None:
             return
         try:
-            await asyncio.shield(self.env.cleanup(state))
+            # shielded: a cancelled episode still closes what it opened (a remote env's episode, a
+            # sandbox); the cleanup then outlives the episode, so whoever closes the env settles it first
+            await asyncio.shield(outlive(self.env.cleanup(state)))
         except Exception as e:
             if traj.error is None:
                 self._fail("env", f"cleanup failed: {error_text(e)}")
@@ -376,4 +378,28 @@ class _Episode:
         return bridge(closed, await self._render(before + reply), sampled)
 
 
-__all__ = ["MAX_GLUE_TOKENS", "PolicyClientLike", "error_text", "run_episode"]
+_outliving: set[asyncio.Future] = set()  # env cleanups still running (their episode may be cancelled)
+
+
+def outlive(aw: Any) -> asyncio.Future:
+    """Run ``aw`` as a task that :func:`settle_cleanups` waits for: work an episode's env must
+    finish even when the episode is cancelled (closing what it opened)."""
+    fut = asyncio.ensure_future(aw)
+    _outliving.add(fut)
+    fut.add_done_callback(_outliving.discard)
+    return fut
+
+
+async def settle_cleanups(timeout: float = 30.0) -> int:
+    """Wait up to ``timeout`` s for env cleanups that outlived their cancelled episodes (in this
+    event loop), so closing the env does not cut them off: a remote env's episodes would stay
+    open on its server.  Returns how many were still running after the wait."""
+    loop = asyncio.get_running_loop()
+    pending = [f for f in _outliving if not f.done() and f.get_loop() is loop]
+    if not pending:
+        return 0
+    _, still = await asyncio.wait(pending, timeout=timeout)
+    return len(still)
+
+
+__all__ = ["MAX_GLUE_TOKENS", "PolicyClientLike", "error_text", "outlive", "run_episode", "settle_cleanups"]

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentrl.buffer import RunningGroup
-from agentrl.episode import error_text
+from agentrl.episode import error_text, settle_cleanups
 from agentrl.errors import error_kind_of
 from agentrl.ledger import LedgerError
 from agentrl.protocols import AdmissionBuffer, TaskSource
@@ -275,6 +275,7 @@ class RolloutManager:
         for r in runs:  # a runner cancelled before its first step never ran the finally that ends its record
             if self.buffer.running.get(r.id) is r:
                 self._end_cancelled(r)
+        await settle_cleanups()  # episodes cancelled mid-cleanup: their env cleanups finish before the env closes
 
     # ------------------------------------------------------------------ evaluation
 

@@ -19,6 +19,7 @@ carries the ``episode_secret`` the server returned, kept in the episode's state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -30,6 +31,7 @@ import aiohttp
 
 from agentrl.auth import KEY_ENV, auth_headers, client_key
 from agentrl.envs.base import Environment, State
+from agentrl.episode import outlive
 from agentrl.errors import AgentrlError, EpisodeFailure
 from agentrl.rubrics import Rubric
 from agentrl.rubrics.rubric import RewardFn
@@ -164,12 +166,22 @@ class RemoteEnvironment(Environment):
         return self._tools
 
     async def setup(self, task: Task) -> State:
-        out = await self.call("reset", {"task_id": task.id})
+        reset = outlive(self.call("reset", {"task_id": task.id}))
+        try:
+            out = await asyncio.shield(reset)
+        except asyncio.CancelledError:  # the server opens the episode all the same: close it once it answers
+            outlive(self._close_opened(reset))
+            raise
         state = State(task, episode_id=out["episode_id"], episode_secret=out["episode_secret"])
         state["messages"] = [Message.from_dict(m) for m in out["messages"]]
         state.metrics.update(out["metrics"])
         state.done = out["done"]
         return state
+
+    async def _close_opened(self, reset: asyncio.Future) -> None:
+        with contextlib.suppress(Exception):  # best effort: the server's idle timeout reaps what this misses
+            out = await reset
+            await self.call("close", {"episode_id": out["episode_id"], "episode_secret": out["episode_secret"]})
 
     def parse_assistant(self, text: str, state: State) -> Message:
         return _Unparsed("assistant", text)

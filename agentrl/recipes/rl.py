@@ -34,6 +34,7 @@ from typing import Any
 from agentrl.auth import run_key
 from agentrl.buffer import AdaptiveStaleness, Batch, BufferStalled, StalenessBuffer
 from agentrl.config import BufferConfig, Config
+from agentrl.episode import settle_cleanups
 from agentrl.errors import AgentrlError, RunDirExists
 from agentrl.metrics import LiveProgress
 from agentrl.protocols import RolloutSource, TrainingBuffer
@@ -203,6 +204,7 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
                 await asyncio.to_thread(state.trainer.close)
         finally:
             try:
+                await settle_cleanups()  # a cancelled held-out eval's, or a stop's: then close the env
                 await env.close()
             finally:
                 await engines.close()

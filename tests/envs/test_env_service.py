@@ -218,3 +218,33 @@ def test_env_serve_idle_timeout_flag():
         with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
             h = json.loads(r.read())
         assert (h["open"], h["expired"]) == (0, 1), h
+
+
+async def test_a_cleanup_cut_short_by_a_cancel_is_settled_before_the_env_closes():
+    """A run's end cancels episodes that may be inside their env's cleanup (a served env's close call).
+    The cleanup is shielded, so it outlives the episode; `agentrl run` closed the env (its HTTP
+    session) right after, cutting the close off: episodes stayed open on the env server (`/health`
+    open 1-4 after a short training run on a loaded host)."""
+    import asyncio
+
+    from agentrl.envs import SingleTurnEnv
+    from agentrl.episode import run_episode, settle_cleanups
+    from agentrl.rubrics import Rubric
+
+    entered, closed = asyncio.Event(), []
+
+    class SlowClose(SingleTurnEnv):
+        async def cleanup(self, state):
+            entered.set()
+            await asyncio.sleep(0.3)  # a close call on its way to the env server
+            closed.append(state)
+
+    env = SlowClose(dataset=["hi"], rubric=Rubric([lambda completion: 0.0]))
+    episode = asyncio.create_task(run_episode(env, ScriptedClient(lambda prompt: "hello"), env.dataset()[0]))
+    await entered.wait()
+    episode.cancel()  # the run ends while the episode closes
+    with pytest.raises(asyncio.CancelledError):
+        await episode
+    assert closed == []  # still on its way
+    assert await settle_cleanups(timeout=10) == 0
+    assert len(closed) == 1
