@@ -143,42 +143,44 @@ def test_a_request_spanning_a_push_tags_each_token_with_its_version(vllm, model_
                                                                      max_model_len):
     """vLLM's /inference/v1/generate reports which weight version sampled each token (no request-start guess)."""
     from agentrl.inference.client import from_generate
-    from agentrl.recipes.engines import prometheus_values
 
     ids = _prompts(tokenizer, tools, tool_prompt)[0]
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
     headers = {"Authorization": f"Bearer {KEY}"}
 
-    async def go(old: int):
-        """One request with a push of version old+1 in its middle; None when it ended first."""
+    async def go(old: int, delay: float):
+        """One request; ``delay`` s after it starts the server is paused (requests stay in flight) and
+        version old+1 pushed.  None when the request ended before the pause (a fast host)."""
         sync = VLLMWeightSync(vllm.base_url, api_key=KEY)
         await sync.set_version(old)
         async with httpx.AsyncClient(base_url=vllm.root_url, headers=headers, timeout=300) as http:
-
-            async def tokens_so_far() -> float:
-                return prometheus_values((await http.get("/metrics")).text).get("vllm:generation_tokens_total", 0.0)
-
-            before = await tokens_so_far()
             body = {"model": vllm.model, "token_ids": ids, "output_mode": "text", "sampling_params": {
                 "max_tokens": max_model_len - len(ids) - 1, "temperature": 1.0, "seed": 0, "ignore_eos": True,
                 "logprobs": 0, "detokenize": True}}  # fmt: skip
             request = asyncio.create_task(http.post("/inference/v1/generate", json=body))
-            while await tokens_so_far() < before + 8 and not request.done():  # mid-generation
-                await asyncio.sleep(0.05)
-            if request.done():  # a fast host finished it first: try again
+            await asyncio.sleep(delay)
+            (await http.post("/pause", params={"mode": "keep"})).raise_for_status()  # frozen mid-generation
+            if request.done():
+                await http.post("/resume")
                 await request
                 await sync.close()
                 return None
-            await sync.push(weights, old + 1)
+            await sync.push(weights, old + 1)  # pauses (already), reloads, resumes
             reply = (await request).json()
         await sync.close()
         return from_generate(reply["choices"][0], start_version=-1)
 
-    for old in (5, 7, 9):
-        ch = asyncio.run(go(old))
-        if ch is not None:
+    # how long a request takes depends on the host: try pauses from late to early until one lands mid-request
+    # (a pause before the first token gives every token the new version: also tried again)
+    tried = []
+    for k, delay in enumerate((0.3, 0.1, 0.03, 0.01, 0.003, 0.001)):
+        old = 5 + 2 * k
+        ch = asyncio.run(go(old, delay))
+        tried.append(None if ch is None else sorted(set(ch["token_versions"])))
+        if ch is not None and set(ch["token_versions"]) == {old, old + 1}:
             break
-    assert ch is not None, "the request ended before the push three times: nothing to check"
+    else:
+        pytest.fail(f"no pause landed mid-request (versions per try: {tried})")
     versions = ch["token_versions"]
     assert len(versions) == len(ch["token_ids"]) == max_model_len - len(ids) - 1
     assert versions[0] == old and versions[-1] == old + 1 and versions == sorted(versions)
