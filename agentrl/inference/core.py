@@ -364,15 +364,12 @@ class CoreClient:
     # -- plumbing
 
     def _stop_proc(self, timeout: float = 10.0) -> None:
-        try:
+        from agentrl.inference.launcher import end_process
+
+        try:  # the core ends on its own once its channel closes
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            end_process(self.proc, timeout)
 
     def _check_alive(self) -> None:
         if self.failure is not None:

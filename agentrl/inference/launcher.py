@@ -34,6 +34,18 @@ from agentrl.errors import AgentrlError, EngineStartError
 from agentrl.inference.engine_args import EngineArgs
 
 
+def end_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM, up to ``timeout`` s for it to exit, then SIGKILL; reaped either way."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         import ctypes
@@ -69,13 +81,7 @@ class EngineHandle:
         return self.proc.poll() is None
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_process(self.proc, timeout)
         if self.tmp_dir is not None:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             self.tmp_dir = None
