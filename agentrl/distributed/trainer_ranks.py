@@ -1,8 +1,8 @@
 """``cluster.trainer_actor`` with ``trainer.world_size = N``: the sharded trainer's N ranks as Ray actors.
 
 The ranks are the sharded trainer's own (:class:`~agentrl.trainer.sharded._RankTrainer`, built by
-:func:`~agentrl.trainer.sharded.start_rank`: the step, the reductions, the checkpoint shards and the
-weights out are that code); this module is only the :class:`~agentrl.trainer.sharded.Ranks` seam
+:func:`~agentrl.trainer.ranks.start_rank`: the step, the reductions, the checkpoint shards and the
+weights out are that code); this module is only the :class:`~agentrl.trainer.ranks.Ranks` seam
 for Ray, :class:`RayRanks`, and the driver's handle, :class:`RemoteShardedTrainer` (the
 :class:`~agentrl.trainer.sharded.ShardedTrainer` plus what the one-rank
 :class:`~agentrl.distributed.trainer_actor.RemoteTrainer` adds: ``push_weights``, ``node_id``,
@@ -12,7 +12,7 @@ Placement: one placement group, one bundle per rank (``cluster.trainer_cpus`` CP
 ``cluster.trainer_gpus`` GPUs each; ``trainer_gpus = 1``: one GPU per rank and nccl, 0: CPU ranks and
 gloo), strategy ``STRICT_PACK``: every rank on one node, so FSDP2's all-gathers stay on that node's
 links, and the ranks meet through a file in a private directory of rank 0 (nothing listens for them on any
-address: :func:`~agentrl.trainer.sharded.start_rank`); a
+address: :func:`~agentrl.trainer.ranks.start_rank`); a
 cluster without a node that fits all N bundles fails the start with one line (ranks spread over
 several nodes are not supported yet).
 
@@ -45,7 +45,8 @@ import ray
 
 from agentrl.distributed.trainer_actor import EnginePush, _cause
 from agentrl.errors import AgentrlError
-from agentrl.trainer.sharded import RankLost, ShardedTrainer, first_line, rendezvous_dir, start_rank
+from agentrl.trainer.ranks import RankLost, first_line, rendezvous_dir, start_rank
+from agentrl.trainer.sharded import ShardedTrainer
 from agentrl.types import SamplingParams
 
 
@@ -205,7 +206,7 @@ _END = object()
 
 
 class RayRanks:
-    """The :class:`~agentrl.trainer.sharded.Ranks` seam for N rank actors in one STRICT_PACK placement group."""
+    """The :class:`~agentrl.trainer.ranks.Ranks` seam for N rank actors in one STRICT_PACK placement group."""
 
     def __init__(self, model_dir: str | Path, cfg: Any, sampling: SamplingParams, seed: int, *, cpus: float,
                  gpus: float, threads: int, startup_timeout: float = 600.0) -> None:  # fmt: skip
