@@ -47,7 +47,7 @@ def serve(
     if device not in ("auto", "cpu") and not device.startswith("cuda"):
         raise AgentrlError(f"unknown device {device!r}; use auto, cpu or cuda")
     from agentrl.guard import split_names
-    from agentrl.inference.server import serve as run_server
+    from agentrl.inference.server_process import serve as run_server
 
     args = EngineArgs(max_batch_size=max_batch_size, max_model_len=max_model_len, device=device)
     with bind_errors(host, port):
