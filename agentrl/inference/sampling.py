@@ -85,6 +85,9 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tuple
     return torch.empty_like(scaled).scatter_(1, order, sorted_logits), support
 
 
+BLOCK = 256  # the inverse CDF's first level: one float64 sum per block of this many tokens
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of ``probs`` ``[R, V]`` (unnormalised, >= 0), by inverting its CDF.
 
@@ -95,15 +98,43 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return invert_cdf(probs, u)
 
 
-def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def block_sums(probs: torch.Tensor) -> torch.Tensor:
+    """``[R, ceil(V / BLOCK)]`` float64 sums of consecutive blocks of ``probs`` (the last may be short)."""
+    r, v = probs.shape
+    full = v // BLOCK
+    sums = torch.empty((r, -(-v // BLOCK)), dtype=torch.float64, device=probs.device)
+    if full:
+        torch.sum(probs[:, : full * BLOCK].reshape(r, full, BLOCK), dim=-1, dtype=torch.float64, out=sums[:, :full])
+    if v % BLOCK:
+        sums[:, full] = probs[:, full * BLOCK :].sum(dim=-1, dtype=torch.float64)
+    return sums
+
+
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor, sums: torch.Tensor | None = None) -> torch.Tensor:
     """The first index whose running sum reaches ``u`` (in ``(0, 1]``) of the row's total: it has
     ``cdf[i-1] < u·total <= cdf[i]``, so its probability is positive and a token outside the
-    support is never drawn.  The sum runs in float64: in float32, at a 49k vocabulary, thousands
-    of tokens with p > 0 got zero-width intervals (never drawn) and others were drawn up to 5 %
-    off their reported μ."""
-    # a copy summed in place: one [R, V] float64 buffer, not two (each a fresh mmap at a 49k vocabulary)
-    cdf = probs.to(torch.float64, copy=True).cumsum_(dim=-1)
-    return torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None]).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    support is never drawn.  Sums run in float64: in float32, at a 49k vocabulary, thousands of
+    tokens with p > 0 got zero-width intervals (never drawn) and others were drawn up to 5 % off
+    their reported μ.
+
+    Two levels, so no ``[R, V]`` float64 running sum is ever built: the block whose running
+    sum reaches the target, then the token inside that block.  ``sums``: :func:`block_sums`
+    of ``probs`` when the caller has them already."""
+    r, v = probs.shape
+    if sums is None:
+        sums = block_sums(probs)
+    cum = sums.cumsum(dim=-1)
+    target = u.double() * cum[:, -1]  # <= the total, since u <= 1
+    # the first block whose running sum reaches the target: its sum is > 0 and the target is past its start
+    b = torch.searchsorted(cum, target[:, None]).squeeze(1).clamp_(max=cum.shape[1] - 1)
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(1), torch.zeros_like(target))
+    cols = b[:, None] * BLOCK + torch.arange(BLOCK, device=probs.device)[None, :]
+    # past the vocabulary (a short last block) the gather repeats token v-1; the final clamp maps those back
+    inside = probs.gather(1, cols.clamp(max=v - 1)).double().cumsum_(dim=-1)
+    # the block's own running sum may end a rounding error short of the target: its last token with p > 0 then
+    rest = torch.minimum(target - before, inside[:, -1])
+    j = torch.searchsorted(inside, rest[:, None]).squeeze(1)
+    return (b * BLOCK + j).clamp_(max=v - 1)
 
 
 def sample(
@@ -112,33 +143,40 @@ def sample(
     generators: list[torch.Generator | None],
     rng: torch.Generator,
 ) -> Draw:
-    """Draw one token per row (see the module docstring for μ and the support)."""
+    """Draw one token per row (see the module docstring for μ and the support).
+
+    Three passes over the ``[R, V]`` logits (max, exp, block sums) and no log-softmax: μ of the
+    drawn token is its scaled logit minus the row's log-sum-exp, from the same sums the draw
+    inverts (a full ``[R, V]`` log-softmax is built only for top logprobs)."""
     r, v = logits.shape
     is_greedy = [p.temperature <= 0 for p in params]
-    greedy = torch.tensor(is_greedy, device=logits.device)
-    scaled, support = filtered_logits(logits, params)
-    logp = torch.log_softmax(scaled, dim=-1)
-    # the [R, V] passes only greedy rows need (a raw log-softmax, an argmax) run only when there are some
-    any_greedy = any(is_greedy)
-    dist_logp = torch.where(greedy[:, None], torch.log_softmax(logits, dim=-1), logp) if any_greedy else logp
+    scaled, support = filtered_logits(logits, params)  # greedy rows: the raw logits, support V
+    top = scaled.amax(dim=-1, keepdim=True)
+    probs = torch.sub(scaled, top).exp_()  # in (0, 1], 0 outside the support
+    sums = block_sums(probs)
+    lse = top.squeeze(1).double() + sums.sum(dim=-1).log()
 
-    tokens = draw(logp.exp(), rng) if not all(is_greedy) else None
-    if any_greedy:
+    tokens = None
+    if not all(is_greedy):
+        u = 1 - torch.rand(r, generator=rng, device=logits.device, dtype=torch.float64)
+        tokens = invert_cdf(probs, u, sums)
+    if any(is_greedy):
+        greedy = torch.tensor(is_greedy, device=logits.device)
         tokens = logits.argmax(dim=-1) if tokens is None else torch.where(greedy, logits.argmax(dim=-1), tokens)
     for i, g in enumerate(generators):
         if g is not None and not is_greedy[i]:
-            tokens[i] = draw(logp[i : i + 1].exp(), g)[0]
-    chosen = dist_logp.gather(1, tokens[:, None]).squeeze(1)
+            tokens[i] = draw(probs[i : i + 1], g)[0]
+    chosen = scaled.gather(1, tokens[:, None]).squeeze(1).double() - lse
 
     tops = None
     k_max = max(getattr(p, "top_logprobs", 0) for p in params)
     if k_max > 0:
-        vals, idx = dist_logp.topk(min(k_max, v), dim=-1)
-        vals = vals.clamp_min(TOP_LOGPROB_FLOOR)  # tokens outside the kept set are -inf: JSON has no -inf
+        vals, idx = scaled.topk(min(k_max, v), dim=-1)
+        vals = (vals.double() - lse[:, None]).clamp_min(TOP_LOGPROB_FLOOR)  # outside the kept set: -inf; JSON has no -inf
         vals_l, idx_l = vals.tolist(), idx.tolist()
         ks = [getattr(p, "top_logprobs", 0) for p in params]
         tops = [list(zip(idx_l[i][: ks[i]], vals_l[i][: ks[i]], strict=True)) for i in range(r)]
-    return Draw(tokens.tolist(), chosen.tolist(), support.tolist(), tops)
+    return Draw(tokens.tolist(), chosen.float().tolist(), support.tolist(), tops)
 
 
 def validate(params: SamplingParams) -> str | None:

@@ -53,3 +53,36 @@ def test_every_token_with_probability_is_drawn_on_its_own_interval_at_a_49k_voca
     wrong = [i for i, g in zip(ids, got, strict=True) if g != i]
     assert not wrong, f"{len(wrong)} of {len(ids)} tokens are drawn as a neighbour (e.g. {wrong[:5]})"
     assert int(invert_cdf(probs[None], torch.ones(1, dtype=torch.float64))) == 49151 or p[-1] == 0
+
+
+def test_the_two_level_inverse_cdf_matches_a_one_token_at_a_time_sum_across_block_edges():
+    """A vocabulary that is not a multiple of the block size, with zero-probability runs at the
+    ends of blocks and a zero last block: every draw is the first token whose (Python-float)
+    running sum reaches u·total, never a token with p = 0, u = 1 included."""
+    from agentrl.inference.sampling import BLOCK, invert_cdf
+
+    v = 3 * BLOCK + 100
+    gen = torch.Generator().manual_seed(1)
+    probs = torch.rand(v, generator=gen) ** 4
+    probs[BLOCK - 40 : BLOCK + 3] = 0  # a block's tail and the next block's head
+    probs[2 * BLOCK : 3 * BLOCK] = 0  # a whole block
+    probs[3 * BLOCK + 50 :] = 0  # the short last block's tail
+    p = probs.tolist()
+    total, cum = 0.0, []
+    for x in p:
+        total += x
+        cum.append(total)
+    us = torch.cat([torch.rand(4000, generator=gen, dtype=torch.float64), torch.tensor([1.0, 1e-300], dtype=torch.float64)])
+    got = invert_cdf(probs.expand(len(us), -1), us).tolist()
+    for u, g in zip(us.tolist(), got, strict=True):
+        assert p[g] > 0, f"drew token {g} with p = 0 at u = {u}"
+        target = u * total
+        want = next(i for i, c in enumerate(cum) if c >= target)
+        if abs(cum[want] - target) > 1e-12 * total and (want == 0 or abs(cum[want - 1] - target) > 1e-12 * total):
+            assert g == want, (u, g, want)
+    # u = 1 on many rows: where a block's sum and its own running sum differ in the last bit, the
+    # draw is still a token of the last block with p > 0, not one past it
+    rows = torch.softmax(torch.randn(2000, v, generator=gen) * 6, dim=-1)  # a wide exponent range: sums round
+    rows[:, 3 * BLOCK + 50 :] = 0
+    drawn = invert_cdf(rows, torch.ones(2000, dtype=torch.float64))
+    assert bool((drawn >= 3 * BLOCK).all()) and bool((rows.gather(1, drawn[:, None]) > 0).all())
