@@ -33,7 +33,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
@@ -44,6 +43,7 @@ from typing import Any
 from agentrl.errors import EngineStartError, RequestError
 from agentrl.inference.engine import SequenceResult, TokenCallback, TokenEvent, check_request
 from agentrl.inference.engine_args import EngineArgs
+from agentrl.inference.launcher import end_process, exit_with_parent
 from agentrl.inference.protocol import APIError
 from agentrl.inference.sampling import EngineSampling
 
@@ -214,12 +214,6 @@ def _core(conn: Connection) -> None:
     _Core(conn, engine).serve()
 
 
-def _watch_parent(ppid: int) -> None:
-    while os.getppid() == ppid:
-        time.sleep(1.0)
-    os._exit(0)  # the front end is gone (even a SIGKILL): no orphaned core
-
-
 def core_main(argv: list[str] | None = None) -> None:
     """``python -m agentrl.inference.core --fd N --parent-pid P`` (started by :class:`CoreClient`)."""
     import argparse
@@ -230,7 +224,7 @@ def core_main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end ends the core
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds serve(): its files are removed
-    threading.Thread(target=_watch_parent, args=(a.parent_pid,), daemon=True).start()
+    exit_with_parent(a.parent_pid)  # the front end is gone (even a SIGKILL): no orphaned core
     _core(Connection(a.fd))
     sys.stderr.flush()
     os._exit(0)  # cleaned up already; skip tearing down torch's threads (slow on a loaded host)
@@ -364,8 +358,6 @@ class CoreClient:
     # -- plumbing
 
     def _stop_proc(self, timeout: float = 10.0) -> None:
-        from agentrl.inference.launcher import end_process
-
         try:  # the core ends on its own once its channel closes
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -5,8 +5,8 @@
 :func:`start_embedded_engine` runs ``python -m agentrl.inference.server`` in a child
 process: ``with start_embedded_engine(model_dir) as eng: ...``; ``eng.base_url`` is the
 OpenAI base URL (``http://127.0.0.1:PORT/v1``).  The child dies with the parent (Linux
-parent-death signal, plus a watchdog thread in the child), ``stop()`` is idempotent and
-removes the engine's temporary directory.  ``eng.api_key`` is the engine's key: the one given
+parent-death signal, plus :func:`exit_with_parent`, the watchdog thread the server and its engine
+core both start), ``stop()`` is idempotent and removes the engine's temporary directory.  ``eng.api_key`` is the engine's key: the one given
 (``api_key=``, else ``AGENTRL_API_KEY``), handed to the child in its environment (never its
 command line), or the one the engine made and wrote 0600 into its temporary directory.
 """
@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -44,6 +45,18 @@ def end_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def exit_with_parent(ppid: int) -> None:
+    """In a child: a daemon thread that exits this process (``os._exit(0)``, no cleanup) once
+    ``ppid`` is no longer its parent, however that parent ended (even a SIGKILL): no orphans."""
+
+    def watch() -> None:
+        while os.getppid() == ppid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -16,8 +16,6 @@ import json
 import os
 import socket
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +25,10 @@ from agentrl.guard import Limits, split_names, uvicorn_config
 from agentrl.inference.core import CoreClient
 from agentrl.inference.engine import Engine
 from agentrl.inference.engine_args import EngineArgs
+from agentrl.inference.launcher import exit_with_parent
 from agentrl.inference.server import create_app
 
 STARTUP_ERROR = "agentrl engine: error: "  # prefix of the one line a refused start prints
-
-
-def _watch_parent(ppid: int) -> None:
-    """Exit when the process that started us is gone (no orphaned engines)."""
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != ppid:
-            os._exit(0)
 
 
 def default_key_file(port: int) -> Path:
@@ -98,7 +89,7 @@ def serve(
     app = create_app(engine, served_model_name, tool_parser, key=key, allowed_hosts=(host, *allowed_hosts),
                      allowed_origins=allowed_origins, limits=limits, weights_dir=weights_dir, shm_dir=shm_dir)
     if parent_pid:
-        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+        exit_with_parent(parent_pid)  # no orphaned engines
     if port_file:
         tmp = Path(port_file).with_suffix(".tmp")
         tmp.write_text(json.dumps({"port": bound, "pid": os.getpid()}))

@@ -104,6 +104,22 @@ def test_the_core_ends_with_its_front_end(model_dir, how):
         assert gone(core, within=60), f"the engine core {core} outlived its front end ({how})"
 
 
+def test_a_watched_child_exits_once_its_parent_is_gone():
+    """``exit_with_parent``, the watchdog the server and its core both start: a SIGKILLed parent
+    (no channel to close, no parent-death signal) still takes the child down within a few seconds."""
+    child = ("import sys, time; from agentrl.inference.launcher import exit_with_parent; "
+             "exit_with_parent(int(sys.argv[1])); print('watching', flush=True); time.sleep(120)")
+    parent = ("import os, subprocess, sys, time; "
+              "p = subprocess.Popen([sys.executable, '-c', sys.argv[1], str(os.getpid())]); "
+              "print(p.pid, flush=True); time.sleep(120)")
+    with subprocess.Popen([sys.executable, "-c", parent, child], stdout=subprocess.PIPE, text=True) as proc:
+        pid = int(proc.stdout.readline())
+        assert proc.stdout.readline() == "watching\n"
+        assert not gone(pid, within=1.5), "the child exited while its parent lived"
+        proc.kill()
+        assert gone(pid, within=10), f"the child {pid} outlived its killed parent"
+
+
 @pytest.mark.slow
 def test_server_streaming_and_weight_tests_pass_in_split_mode():
     """The engine's own route tests, run again against split engines."""
