@@ -25,7 +25,8 @@ rebuilds μ from them); the program's values are ignored.  ``max_tokens`` /
 ``max_completion_tokens`` and ``stop`` are honoured within the run's per-turn budget and the
 episode's token limits; past ``max_calls`` a call is a 400 (its body unparsed), each further one answered a little
 later, one episode's refusals one after another (a retry loop, or many threads, would otherwise spin on the
-run's event loop).  ``n`` must be 1.  ``tool_choice``: ``"none"`` returns the text
+run's event loop).  A call whose client went away (a timeout, a killed thread) is cancelled: it leaves that
+queue, or stops sampling and records nothing (it still counts against ``max_calls``).  ``n`` must be 1.  ``tool_choice``: ``"none"`` returns the text
 unparsed; ``"auto"``, ``"required"`` and a named function parse tool calls with the model's
 tool-call format but do not constrain decoding (a reply without a call stays text).
 ``stream: true`` sends the finished reply as server-sent-event chunks (one content chunk,
@@ -400,8 +401,10 @@ class Gateway:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
-        # an ended episode's calls still sampling are not recorded: close does not wait long for them
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # an ended episode's calls still sampling are not recorded: close does not wait long for them.
+        # handler_cancellation: a call whose client went away is cancelled where it waits (aiohttp's
+        # default runs it on): it leaves the refusal queue, and its sampling stops unrecorded
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, self.host, 0)
         await site.start()
