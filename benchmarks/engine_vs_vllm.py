@@ -48,7 +48,8 @@ def compare(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
     threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     print(f"[{name}] starting the embedded engine and vllm serve on {model_dir} ...", file=sys.stderr, flush=True)
     with start_embedded_engine(model_dir, api_key=key, max_batch_size=args.requests, max_model_len=max_len,
-                               device="cpu", dtype=args.dtype, env=threads, startup_timeout=args.startup_timeout) as eng, \
+                               device="cpu", dtype=args.dtype, env=threads, startup_timeout=args.startup_timeout,
+                               server_process=args.server_process) as eng, \
          start_vllm_server(model_dir, api_key=key, vllm=args.vllm,
                            args=VLLMArgs(dtype=args.dtype, max_model_len=max_len, max_num_seqs=args.requests),
                            env={**threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
@@ -98,6 +99,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per server (OMP_NUM_THREADS)")
     ap.add_argument("--dtype", default="float32", help="both servers' dtype: float32 (the trainer's) or bfloat16")
+    ap.add_argument("--server-process", default="same", choices=["same", "split"],
+                    help="the embedded engine's inference.server_process (split: its engine core in a child "
+                         "process, as vLLM's API server and engine core are)")
     ap.add_argument("--vllm", default=None, help="vLLM's CLI (default: .venv-vllm/bin/vllm here or in agentrl's checkout)")
     ap.add_argument("--startup-timeout", type=float, default=1800.0,
                     help="seconds each server may take to start (vllm serve takes minutes on a busy host)")
@@ -132,7 +136,8 @@ def main() -> None:
     print(f"({args.requests} concurrent, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, "
           f"{args.rounds} alternating rounds, {args.threads} thread(s), {args.dtype}; wall-clock, noisy on a shared host)")
     out = {"bench": "engine_vs_vllm", "requests": args.requests, "prompt_tokens": args.prompt_tokens,
-           "new_tokens": args.new_tokens, "rounds": args.rounds, "threads": args.threads, "dtype": args.dtype}  # fmt: skip
+           "new_tokens": args.new_tokens, "rounds": args.rounds, "threads": args.threads, "dtype": args.dtype,
+           "server_process": args.server_process}  # fmt: skip
     for name in ("tiny", "smollm"):
         r = results.get(name)
         out[f"ratio_{name}"] = r["ratio"] if r else None
