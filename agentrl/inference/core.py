@@ -43,7 +43,7 @@ from typing import Any
 from agentrl.errors import EngineStartError, RequestError
 from agentrl.inference.engine import SequenceResult, TokenCallback, TokenEvent, check_request
 from agentrl.inference.engine_args import EngineArgs
-from agentrl.inference.launcher import end_process, exit_with_parent
+from agentrl.inference.launcher import end_process, exit_with_parent, keep_freed_memory
 from agentrl.inference.protocol import APIError
 from agentrl.inference.sampling import EngineSampling
 
@@ -225,6 +225,7 @@ def core_main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front end ends the core
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds serve(): its files are removed
     exit_with_parent(a.parent_pid)  # the front end is gone (even a SIGKILL): no orphaned core
+    keep_freed_memory()
     _core(Connection(a.fd))
     sys.stderr.flush()
     os._exit(0)  # cleaned up already; skip tearing down torch's threads (slow on a loaded host)

@@ -25,7 +25,7 @@ from agentrl.guard import Limits, split_names, uvicorn_config
 from agentrl.inference.core import CoreClient
 from agentrl.inference.engine import Engine
 from agentrl.inference.engine_args import EngineArgs
-from agentrl.inference.launcher import exit_with_parent
+from agentrl.inference.launcher import exit_with_parent, keep_freed_memory
 from agentrl.inference.server import create_app
 
 STARTUP_ERROR = "agentrl engine: error: "  # prefix of the one line a refused start prints
@@ -73,6 +73,8 @@ def serve(
         if uv:
             uv[0].should_exit = True  # requests in flight get their 503 first, then the server exits
 
+    if args.server_process == "same":
+        keep_freed_memory()  # this process runs the model loop (split: the core does this itself)
     if args.server_process == "split":
         engine: Engine | CoreClient = CoreClient(model_dir, args, on_death=core_died)
     elif args.server_process == "same":
