@@ -3,6 +3,8 @@ the SFT loop and the engine; float32 for the tiny model."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -22,7 +24,13 @@ def test_the_rule(monkeypatch):
     assert not precision.use_bf16("float32", 576, "cpu")
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
     assert not precision.use_bf16("auto", 576, "cpu")
-    assert precision.use_bf16("bfloat16", 64, "cpu")  # asked for: always
+    with pytest.warns(precision.EmulatedBF16Warning, match="without native bf16"):
+        assert precision.use_bf16("bfloat16", 64, "cpu")  # asked for: always, with a warning where it is emulated
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert precision.use_bf16("bfloat16", 64, "cpu")  # native: no warning
+        assert precision.use_bf16("bfloat16", 64, "cuda")
 
 
 def test_cpu_flags_are_read_from_cpuinfo():
