@@ -77,7 +77,9 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tuple
     remove |= ~support_rule.kept(sorted_logits, torch.minimum(top_k, (~remove).sum(dim=-1)), sorted_logits)
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
-    remove |= (before >= top_p[:, None]) & (ranks > 0)
+    # top_p = 1 is off (greedy rows too): a float32 running mass reaches 1.0 before the tail, and
+    # cutting that tail made a row's support depend on whether another row in its batch filters
+    remove |= (before >= top_p[:, None]) & (ranks > 0) & (top_p[:, None] < 1)
     # a tie at the boundary is kept whole (agentrl.support: the trainer applies the same rule to K)
     keep = support_rule.kept(sorted_logits, (~remove).sum(dim=-1), sorted_logits)
     support = keep.sum(dim=-1)

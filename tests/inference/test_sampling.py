@@ -86,3 +86,22 @@ def test_the_two_level_inverse_cdf_matches_a_one_token_at_a_time_sum_across_bloc
     rows[:, 3 * BLOCK + 50 :] = 0
     drawn = invert_cdf(rows, torch.ones(2000, dtype=torch.float64))
     assert bool((drawn >= 3 * BLOCK).all()) and bool((rows.gather(1, drawn[:, None]) > 0).all())
+
+
+def test_a_row_without_filters_keeps_its_whole_vocabulary_whatever_the_batch():
+    """A greedy row and a top_p = 1 row next to a top-k row: their support is still V and their μ
+    and top logprobs are what they are alone (greedy: the raw log-softmax, no floor).  A float32
+    running mass that reached 1.0 used to cut their tails (K = 5 of 1000 on these peaked logits),
+    so the row's distribution depended on who shared its batch."""
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(0)) * 20
+    other = EngineSampling(temperature=1.0, top_k=2)
+    for sp in (EngineSampling(temperature=0.0, top_logprobs=20), EngineSampling(temperature=1.0, top_logprobs=20)):
+        alone = sample(logits[:1], [sp], [None], torch.Generator().manual_seed(0))
+        mixed = sample(logits, [sp, other], [None, None], torch.Generator().manual_seed(0))
+        assert mixed.support[0] == alone.support[0] == 1000, (sp, mixed.support, alone.support)
+        assert mixed.tokens[0] == alone.tokens[0] and mixed.logprobs[0] == alone.logprobs[0]
+        assert mixed.top_logprobs[0] == alone.top_logprobs[0]
+    raw = torch.log_softmax(logits[0].double(), dim=-1).topk(20)
+    tops = alone.top_logprobs[0]
+    assert [t for t, _ in tops] == raw.indices.tolist()
+    assert max(abs(a - b) for (_, a), b in zip(tops, raw.values.tolist(), strict=True)) < 1e-5
