@@ -175,7 +175,7 @@ def sample(
     if k_max > 0:
         vals, idx = scaled.topk(min(k_max, v), dim=-1)
         vals = (vals.double() - lse[:, None]).clamp_min(TOP_LOGPROB_FLOOR)  # outside the kept set: -inf; JSON has no -inf
-        vals_l, idx_l = vals.tolist(), idx.tolist()
+        vals_l, idx_l = vals.float().tolist(), idx.tolist()  # float32 as μ is: the drawn token's entry equals its μ
         ks = [getattr(p, "top_logprobs", 0) for p in params]
         tops = [list(zip(idx_l[i][: ks[i]], vals_l[i][: ks[i]], strict=True)) for i in range(r)]
     return Draw(tokens.tolist(), chosen.float().tolist(), support.tolist(), tops)

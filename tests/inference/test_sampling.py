@@ -105,3 +105,14 @@ def test_a_row_without_filters_keeps_its_whole_vocabulary_whatever_the_batch():
     tops = alone.top_logprobs[0]
     assert [t for t, _ in tops] == raw.indices.tolist()
     assert max(abs(a - b) for (_, a), b in zip(tops, raw.values.tolist(), strict=True)) < 1e-5
+
+
+def test_the_drawn_tokens_top_logprob_entry_is_its_logprob():
+    """OpenAI's logprobs: the sampled token, listed among the top logprobs, carries its own logprob
+    there (a client matches them), greedy or sampled."""
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(3)) * 4
+    params = [EngineSampling(temperature=t, top_k=k, top_logprobs=5) for t in (0.0, 0.7) for k in (-1, 3)] * 2
+    d = sample(logits, params, [None] * 8, torch.Generator().manual_seed(0))
+    for tok, mu, tops in zip(d.tokens, d.logprobs, d.top_logprobs, strict=True):
+        listed = dict(tops)
+        assert tok not in listed or listed[tok] == mu, (tok, mu, tops)
