@@ -123,7 +123,10 @@ def test_a_watched_child_exits_once_its_parent_is_gone():
 def test_an_engine_process_reuses_freed_memory_instead_of_faulting_it_in_every_step():
     """``keep_freed_memory`` (the server and its core call it): a step's worth of logits- and
     prefill-sized tensors, allocated and freed 20 times, page-faults nothing once the process
-    keeps freed memory; glibc's defaults fault most of it in again every step."""
+    keeps freed memory; glibc's defaults map the tensor over 32 MiB afresh every step (the
+    smaller ones only in some address-space layouts: glibc raises its threshold for them, so a
+    total over all sizes failed this test both ways, in about half the runs).  Per step, the
+    median: the heap can still settle in a step after the warm-up (a one-time first touch)."""
     step = ("import resource, sys, torch\n"
             "from agentrl.inference.launcher import keep_freed_memory\n"
             "if sys.argv[1] == 'keep': assert keep_freed_memory()\n"
@@ -131,15 +134,20 @@ def test_an_engine_process_reuses_freed_memory_instead_of_faulting_it_in_every_s
             "    a, c = torch.ones(64, 49152), torch.ones(2048, 1536)\n"
             "    b, d = a.double(), torch.ones(2048, 3072)\n"
             "    del b, d\n"
-            "    return a, c, torch.ones(4096, 2048)\n"
+            "    return a, c, torch.ones(4096, 3072)\n"
             "for _ in range(3): step()\n"
-            "f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-            "for _ in range(20): step()\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)\n")
-    faults = {mode: int(subprocess.run([sys.executable, "-c", step, mode], capture_output=True, text=True,
-                                       check=True, timeout=120).stdout) for mode in ("default", "keep")}  # fmt: skip
-    assert faults["default"] > 20 * 2000, faults  # ~23k pages a step: the cost this removes
-    assert faults["keep"] < faults["default"] / 100, faults
+            "faults = []\n"
+            "for _ in range(20):\n"
+            "    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+            "    step()\n"
+            "    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)\n"
+            "print(*faults)\n")
+    faults = {mode: sorted(map(int, subprocess.run([sys.executable, "-c", step, mode], capture_output=True, text=True,
+                                                   check=True, timeout=120).stdout.split()))
+              for mode in ("default", "keep")}  # fmt: skip
+    median = {mode: f[len(f) // 2] for mode, f in faults.items()}
+    assert median["default"] > 10_000, faults  # 48 MiB a step at least: the cost this removes
+    assert median["keep"] < median["default"] / 100, faults
 
 
 @pytest.mark.slow
