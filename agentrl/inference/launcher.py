@@ -70,7 +70,7 @@ def keep_freed_memory(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 <
     is a fresh mmap, zero-filled page by page on first touch, and the heap top is trimmed
     after frees; an engine allocates the same sizes every step, so it paid those page faults
     every step (SmolLM2-135M, 64 rows: a prefill's SiLU took 3x its arithmetic).  The cost is
-    that the process keeps its peak heap.  False where the C library is not glibc."""
+    that the process keeps its peak heap.  False where the C library is not glibc (or refuses)."""
     import ctypes
 
     try:
@@ -79,11 +79,12 @@ def keep_freed_memory(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 <
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all([
-        mallopt(_M_MMAP_THRESHOLD, mmap_threshold),
-        mallopt(_M_TRIM_THRESHOLD, trim_threshold),
-        mallopt(_M_TOP_PAD, 64 << 20),
-    ])  # fmt: skip
+    # older glibc (2.34 at least) refuses a threshold over 32 MiB (HEAP_MAX_SIZE / 2): that then.  Any
+    # of these calls stops glibc raising its threshold by itself, so the trim and pad are never
+    # set without a threshold: alone they would leave every tensor over 128 KiB a fresh mmap
+    if not (mallopt(_M_MMAP_THRESHOLD, mmap_threshold) or mallopt(_M_MMAP_THRESHOLD, min(mmap_threshold, 32 << 20))):
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold)) & bool(mallopt(_M_TOP_PAD, 64 << 20))
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

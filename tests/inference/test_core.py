@@ -150,6 +150,34 @@ def test_an_engine_process_reuses_freed_memory_instead_of_faulting_it_in_every_s
     assert median["keep"] < median["default"] / 100, faults
 
 
+
+@pytest.mark.parametrize("glibc_max", [None, 32 << 20, 0])
+def test_keep_freed_memory_never_freezes_glibcs_threshold_low(monkeypatch, glibc_max):
+    """Older glibc (2.34 at least) refuses an mmap threshold over 32 MiB, and any of these mallopt calls
+    switches off the threshold glibc raises by itself: the trim and pad settings alone would
+    leave every tensor over 128 KiB a fresh mmap for good.  So: 256 MiB, else 32 MiB, else
+    nothing at all (a C library that refuses both)."""
+    import ctypes
+
+    from agentrl.inference import launcher
+
+    calls: list[tuple[int, int]] = []
+
+    def mallopt(param: int, value: int) -> int:
+        ok = glibc_max is None or param != launcher._M_MMAP_THRESHOLD or value <= glibc_max
+        calls.append((param, value))
+        return int(ok)
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda _name: type("Libc", (), {"mallopt": staticmethod(mallopt)})())
+    done = launcher.keep_freed_memory()
+    thresholds = [v for p, v in calls if p == launcher._M_MMAP_THRESHOLD]
+    others = [p for p, _ in calls if p != launcher._M_MMAP_THRESHOLD]
+    if glibc_max == 0:
+        assert not done and not others, calls
+    else:
+        assert done and thresholds[-1] == min(256 << 20, glibc_max or 256 << 20), calls
+        assert sorted(others) == [launcher._M_TOP_PAD, launcher._M_TRIM_THRESHOLD], calls
+
 @pytest.mark.slow
 def test_server_streaming_and_weight_tests_pass_in_split_mode():
     """The engine's own route tests, run again against split engines."""
