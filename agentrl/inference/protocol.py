@@ -55,6 +55,12 @@ class SamplingBody(_Body):
     def _none_is_default(cls, v, info):
         return {"temperature": 1.0, "top_p": 1.0}[info.field_name] if v is None else v
 
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, v):
+        # as vLLM (its _SAMPLING_EPS): far smaller ones divide float32 logits to inf (μ NaN) or are 0 in float32
+        return 0.0 if v < 1e-5 else v
+
 
 class ChatRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)

@@ -116,3 +116,19 @@ def test_the_drawn_tokens_top_logprob_entry_is_its_logprob():
     for tok, mu, tops in zip(d.tokens, d.logprobs, d.top_logprobs, strict=True):
         listed = dict(tops)
         assert tok not in listed or listed[tok] == mu, (tok, mu, tops)
+
+
+def test_a_request_temperature_too_small_for_float32_is_greedy():
+    """``temperature`` 1e-40 divided the logits to inf (μ NaN, which JSON cannot carry, and a
+    token that was not the argmax); 1e-300 became 0 in float32, so the filters treated the row as
+    greedy while the draw sampled it at T = 1.  Below 1e-5 a request is greedy, as in vLLM."""
+    from agentrl.inference.protocol import CompletionRequest
+
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    for t in (1e-300, 1e-40, 1e-6):
+        req = CompletionRequest(prompt=[1], temperature=t)
+        sp = EngineSampling(temperature=req.temperature)
+        draws = [sample(logits, [sp], [None], torch.Generator().manual_seed(s)) for s in range(20)]
+        assert {d.tokens[0] for d in draws} == {int(logits.argmax())}, t
+        assert all(d.logprobs[0] == draws[0].logprobs[0] and d.logprobs[0] <= 0 for d in draws), t
+    assert CompletionRequest(prompt=[1], temperature=1e-3).temperature == 1e-3
