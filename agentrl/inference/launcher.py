@@ -70,7 +70,10 @@ def keep_freed_memory(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 <
     is a fresh mmap, zero-filled page by page on first touch, and the heap top is trimmed
     after frees; an engine allocates the same sizes every step, so it paid those page faults
     every step (SmolLM2-135M, 64 rows: a prefill's SiLU took 3x its arithmetic).  The cost is
-    that the process keeps its peak heap.  False where the C library is not glibc (or refuses)."""
+    that the process keeps its peak heap.  False where the C library is not glibc (or refuses).
+    Threads other than the main one allocate from glibc's per-thread arenas, where a chunk over
+    64 MiB is always a fresh mmap whatever the threshold (the engine loop's thread in ``same``
+    mode: a step's tensors up to 64 MiB are covered, larger ones still fault)."""
     import ctypes
 
     try:

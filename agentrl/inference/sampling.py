@@ -180,15 +180,3 @@ def sample(
         tops = [list(zip(idx_l[i][: ks[i]], vals_l[i][: ks[i]], strict=True)) for i in range(r)]
     return Draw(tokens.tolist(), chosen.float().tolist(), support.tolist(), tops)
 
-
-def validate(params: SamplingParams) -> str | None:
-    """What is wrong with these parameters (one line), or None."""
-    if not (params.temperature >= 0 and math.isfinite(params.temperature)):
-        return f"temperature must be a finite number >= 0, got {params.temperature}"
-    if not 0 < params.top_p <= 1:
-        return f"top_p must be in (0, 1], got {params.top_p}"
-    if not 0 <= params.min_p <= 1:
-        return f"min_p must be in [0, 1], got {params.min_p}"
-    if params.top_k < -1:
-        return f"top_k must be -1 (off), 0 (off) or positive, got {params.top_k}"
-    return None
