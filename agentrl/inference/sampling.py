@@ -19,7 +19,6 @@ support V.  A terminating eos token is sampled like any other.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
