@@ -5,8 +5,9 @@
 :func:`start_embedded_engine` runs ``python -m agentrl.inference.server`` in a child
 process: ``with start_embedded_engine(model_dir) as eng: ...``; ``eng.base_url`` is the
 OpenAI base URL (``http://127.0.0.1:PORT/v1``).  The child dies with the parent (Linux
-parent-death signal, plus :func:`exit_with_parent`, the watchdog thread the server and its engine
-core both start), ``stop()`` is idempotent and removes the engine's temporary directory.  ``eng.api_key`` is the engine's key: the one given
+parent-death signal, plus :func:`exit_with_parent`, the watchdog thread the server and its
+engine core both start), ``stop()`` is idempotent and removes the engine's temporary
+directory.  ``eng.api_key`` is the engine's key: the one given
 (``api_key=``, else ``AGENTRL_API_KEY``), handed to the child in its environment (never its
 command line), or the one the engine made and wrote 0600 into its temporary directory.
 """
