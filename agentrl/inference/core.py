@@ -41,9 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.errors import EngineStartError, RequestError
+from agentrl.heap import keep_freed_memory
 from agentrl.inference.engine import SequenceResult, TokenCallback, TokenEvent, check_request
 from agentrl.inference.engine_args import EngineArgs
-from agentrl.inference.launcher import end_process, exit_with_parent, keep_freed_memory
+from agentrl.inference.launcher import end_process, exit_with_parent
 from agentrl.inference.protocol import APIError
 from agentrl.inference.sampling import EngineSampling
 

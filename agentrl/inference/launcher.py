@@ -60,37 +60,6 @@ def exit_with_parent(ppid: int) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-
-
-def keep_freed_memory(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30) -> bool:
-    """In an engine process: let glibc reuse freed memory instead of returning it to the OS.
-
-    By default every tensor over 128 KiB to 32 MiB (a step's logits, a prefill's activations)
-    is a fresh mmap, zero-filled page by page on first touch, and the heap top is trimmed
-    after frees; an engine allocates the same sizes every step, so it paid those page faults
-    every step (SmolLM2-135M, 64 rows: a prefill's SiLU took 3x its arithmetic).  The cost is
-    that the process keeps its peak heap.  False where the C library is not glibc (or refuses).
-    Threads other than the main one allocate from glibc's per-thread arenas, where a chunk over
-    64 MiB is always a fresh mmap whatever the threshold (the engine loop's thread in ``same``
-    mode: a step's tensors up to 64 MiB are covered, larger ones still fault)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    # older glibc (2.34 at least) refuses a threshold over 32 MiB (HEAP_MAX_SIZE / 2): that then.  Any
-    # of these calls stops glibc raising its threshold by itself, so the trim and pad are never
-    # set without a threshold: alone they would leave every tensor over 128 KiB a fresh mmap
-    if not (mallopt(_M_MMAP_THRESHOLD, mmap_threshold) or mallopt(_M_MMAP_THRESHOLD, min(mmap_threshold, 32 << 20))):
-        return False
-    return bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold)) & bool(mallopt(_M_TOP_PAD, 64 << 20))
-
-
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         import ctypes

@@ -22,10 +22,11 @@ from typing import Any
 from agentrl.auth import server_key
 from agentrl.errors import EngineStartError
 from agentrl.guard import Limits, split_names, uvicorn_config
+from agentrl.heap import keep_freed_memory
 from agentrl.inference.core import CoreClient
 from agentrl.inference.engine import Engine
 from agentrl.inference.engine_args import EngineArgs
-from agentrl.inference.launcher import exit_with_parent, keep_freed_memory
+from agentrl.inference.launcher import exit_with_parent
 from agentrl.inference.server import create_app
 
 STARTUP_ERROR = "agentrl engine: error: "  # prefix of the one line a refused start prints

@@ -258,6 +258,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentrl.heap import HeapBudget
     from agentrl.metrics import StepProgress
     from agentrl.precision import use_bf16
     from agentrl.trainer.trainer import adamw, resolve_device
@@ -275,6 +276,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     pad = model.config.pad_token_id or 0
     warmup = max(1, sft.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    budget = HeapBudget() if dev.type == "cpu" else None  # freed buffers reused, within a bound (agentrl.heap)
     t0 = time.perf_counter()
     log = []
     with StepProgress("sft", sft.steps, enabled=progress) as bar:
@@ -294,6 +296,8 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
+            if budget is not None:
+                budget.after_step()
             log.append({"step": step, "loss": float(loss.detach()), "wall_s": time.perf_counter() - t0})
             bar.step(f"loss {float(loss.detach()):.3f}")
             if not math.isfinite(float(loss.detach())):

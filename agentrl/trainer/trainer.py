@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agentrl.heap import HeapBudget
 from agentrl.precision import use_bf16
 from agentrl.trainer.checkpoint import rng_state, set_rng_state
-from agentrl.trainer.heap import release_free_memory
 from agentrl.trainer.logprobs import head_of, token_logprobs_from_hidden
 from agentrl.trainer.losses import LossSpec, add_stats, policy_loss, summarize, token_weights
 from agentrl.trainer.packing import attention_mask, choose, pack, packable
@@ -117,6 +117,8 @@ class Trainer:
         self.sampling = sampling or SamplingParams()
         self.temperature = self.sampling.temperature if self.sampling.temperature > 0 else 1.0
         self.device = resolve_device(cfg.device)
+        # a CPU step reuses the last step's freed buffers instead of faulting fresh pages in (agentrl.heap)
+        self._heap = HeapBudget() if self.device.type == "cpu" else None
         model = self._load(model_dir)
         self.pad_id = model.config.pad_token_id or 0
         self.vocab_size = model.config.vocab_size
@@ -187,8 +189,8 @@ class Trainer:
                 else:  # this update only: its statistics are not logged, its episodes may train in another
                     failed |= trajs
                 self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cpu":
-            release_free_memory()  # the step's freed activations back to the OS (agentrl.trainer.heap)
+        if self._heap is not None:
+            self._heap.after_step()  # freed buffers kept for the next step, within a bound (agentrl.heap)
         for k in sorted(failed - applied):
             skipped[episode_ids[k]] = "every optimizer update holding it had a non-finite gradient"
         updates = len(norms)

@@ -120,64 +120,6 @@ def test_a_watched_child_exits_once_its_parent_is_gone():
         assert gone(pid, within=10), f"the child {pid} outlived its killed parent"
 
 
-def test_an_engine_process_reuses_freed_memory_instead_of_faulting_it_in_every_step():
-    """``keep_freed_memory`` (the server and its core call it): a step's worth of logits- and
-    prefill-sized tensors, allocated and freed 20 times, page-faults nothing once the process
-    keeps freed memory; glibc's defaults map the tensor over 32 MiB afresh every step (the
-    smaller ones only in some address-space layouts: glibc raises its threshold for them, so a
-    total over all sizes failed this test both ways, in about half the runs).  Per step, the
-    median: the heap can still settle in a step after the warm-up (a one-time first touch)."""
-    step = ("import resource, sys, torch\n"
-            "from agentrl.inference.launcher import keep_freed_memory\n"
-            "if sys.argv[1] == 'keep': assert keep_freed_memory()\n"
-            "def step():\n"
-            "    a, c = torch.ones(64, 49152), torch.ones(2048, 1536)\n"
-            "    b, d = a.double(), torch.ones(2048, 3072)\n"
-            "    del b, d\n"
-            "    return a, c, torch.ones(4096, 3072)\n"
-            "for _ in range(3): step()\n"
-            "faults = []\n"
-            "for _ in range(20):\n"
-            "    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-            "    step()\n"
-            "    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)\n"
-            "print(*faults)\n")
-    faults = {mode: sorted(map(int, subprocess.run([sys.executable, "-c", step, mode], capture_output=True, text=True,
-                                                   check=True, timeout=120).stdout.split()))
-              for mode in ("default", "keep")}  # fmt: skip
-    median = {mode: f[len(f) // 2] for mode, f in faults.items()}
-    assert median["default"] > 10_000, faults  # 48 MiB a step at least: the cost this removes
-    assert median["keep"] < median["default"] / 100, faults
-
-
-
-@pytest.mark.parametrize("glibc_max", [None, 32 << 20, 0])
-def test_keep_freed_memory_never_freezes_glibcs_threshold_low(monkeypatch, glibc_max):
-    """Older glibc (2.34 at least) refuses an mmap threshold over 32 MiB, and any of these mallopt calls
-    switches off the threshold glibc raises by itself: the trim and pad settings alone would
-    leave every tensor over 128 KiB a fresh mmap for good.  So: 256 MiB, else 32 MiB, else
-    nothing at all (a C library that refuses both)."""
-    import ctypes
-
-    from agentrl.inference import launcher
-
-    calls: list[tuple[int, int]] = []
-
-    def mallopt(param: int, value: int) -> int:
-        ok = glibc_max is None or param != launcher._M_MMAP_THRESHOLD or value <= glibc_max
-        calls.append((param, value))
-        return int(ok)
-
-    monkeypatch.setattr(ctypes, "CDLL", lambda _name: type("Libc", (), {"mallopt": staticmethod(mallopt)})())
-    done = launcher.keep_freed_memory()
-    thresholds = [v for p, v in calls if p == launcher._M_MMAP_THRESHOLD]
-    others = [p for p, _ in calls if p != launcher._M_MMAP_THRESHOLD]
-    if glibc_max == 0:
-        assert not done and not others, calls
-    else:
-        assert done and thresholds[-1] == min(256 << 20, glibc_max or 256 << 20), calls
-        assert sorted(others) == [launcher._M_TOP_PAD, launcher._M_TRIM_THRESHOLD], calls
-
 @pytest.mark.slow
 def test_server_streaming_and_weight_tests_pass_in_split_mode():
     """The engine's own route tests, run again against split engines."""
