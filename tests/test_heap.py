@@ -11,6 +11,7 @@ import random
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,13 +26,12 @@ from agentrl.types import Group, Message, Task, TokenSequence, Trajectory
 glibc = pytest.mark.skipif(_libc() is None, reason="mallopt and malloc_trim are glibc's")
 
 
-def _groups(rng: random.Random, vocab: int, scale: float = 1.0) -> list[Group]:
-    """Two groups of 8, every batch of other lengths (the micro-batches' shapes change each step);
-    ``scale`` stretches the prompts (up to 700 tokens)."""
+def _groups(rng: random.Random, vocab: int) -> list[Group]:
+    """Two groups of 8, every batch of other lengths (the micro-batches' shapes change each step)."""
     groups = []
     task = Task(prompt=[Message("user", "q")])
     for _ in range(2):
-        prompt = [rng.randrange(10, vocab) for _ in range(min(700, int(rng.randint(100, 400) * scale)))]
+        prompt = [rng.randrange(10, vocab) for _ in range(rng.randint(100, 400))]
         trajs = []
         for _ in range(8):
             s = TokenSequence()
@@ -74,7 +74,6 @@ def test_an_engine_process_reuses_freed_memory_instead_of_faulting_it_in_every_s
     median = {mode: f[len(f) // 2] for mode, f in faults.items()}
     assert median["default"] > 10_000, faults  # 48 MiB a step at least: the cost this removes
     assert median["keep"] < median["default"] / 100, faults
-
 
 
 @pytest.mark.parametrize("glibc_max", [None, 32 << 20, 0])
@@ -153,17 +152,63 @@ def test_freed_memory_piling_up_between_steps_is_returned_at_the_next_step(tmp_p
 def test_heap_budget_trims_past_live_plus_twice_the_first_working_set(monkeypatch):
     """The bound's arithmetic on a scripted resident size (MiB): live 100 after a trim, the next
     step leaves 150 (working set 50), so the limit is 200; 190 and 200 keep, 201 trims."""
-    readings = iter([100, 150, 190, 200, 201, 120, 130, 141, 125])
+    readings = iter([r << 20 for r in (100, 150, 190, 200, 201, 120, 130, 185, 125)])
     trims = []
-    monkeypatch.setattr(heap, "keep_freed_memory", lambda: True)
+    monkeypatch.setattr(heap, "keep_freed_memory", lambda **_: True)
     monkeypatch.setattr(heap, "resident_bytes", lambda: next(readings))
     monkeypatch.setattr(heap, "release_free_memory", lambda: trims.append(len(trims)) or True)
     budget = HeapBudget()
     assert budget.after_step() is True  # nothing measured yet: trim, and the live set is what remains
-    assert budget.live == 100 and budget.limit is None
+    assert budget.live == 100 << 20 and budget.limit is None
     assert [budget.after_step() for _ in range(3)] == [False, False, False]  # 150 sets the limit; 190, 200 keep
-    assert budget.limit == 200
-    assert budget.after_step() is True and budget.live == 120  # 201 > 200: trimmed down to 120
-    assert budget.after_step() is False and budget.limit == 140  # 130: working set 10
-    assert budget.after_step() is True and budget.live == 125  # 141 > 140
+    assert budget.limit == 200 << 20
+    assert budget.after_step() is True and budget.live == 120 << 20  # 201 > 200: trimmed down to 120
+    # 130: a working set of 10 MiB, so the floor keeps 64 MiB (a limit of 121 would trim on noise)
+    assert budget.after_step() is False and budget.limit == (120 << 20) + heap.MIN_KEPT
+    assert budget.after_step() is True and budget.live == 125 << 20  # 185 > 184
     assert len(trims) == 3
+
+
+_THREADED_STEPS = """
+import asyncio, random, resource, sys, torch
+from pathlib import Path
+from agentrl import heap
+if sys.argv[1] == "cli":
+    assert heap.keep_freed_memory(single_arena=True)  # what `agentrl run` and `agentrl sft` do first
+sys.path.insert(0, sys.argv[3])
+from test_heap import _groups, _trainer
+
+async def main():
+    torch.set_num_threads(1)
+    # the worker threads allocate before the trainer exists (engines start, tasks load)
+    await asyncio.gather(*(asyncio.to_thread(lambda: torch.ones(1 << 22).sum()) for _ in range(4)))
+    trainer = _trainer(Path(sys.argv[2]))
+    batch = _groups(random.Random(0), trainer.vocab_size)
+    faults = []
+    for _ in range(9):
+        await asyncio.gather(*(asyncio.to_thread(lambda: torch.ones(1 << 16).sum()) for _ in range(3)))
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        await asyncio.to_thread(trainer.step, batch)  # as the run loop steps (recipes/rl_steps.py)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    print(*faults)
+
+asyncio.run(main())
+"""
+
+
+@glibc
+def test_steps_in_worker_threads_share_one_arena_when_set_first(tmp_path):
+    """The run loop steps in ``asyncio.to_thread`` workers, a different one each time: with an
+    arena per thread the next step's thread finds none of the freed buffers (and a chunk over
+    64 MiB is always a fresh mapping there).  Set before the threads allocate, as the CLI does,
+    one shared arena lets every step reuse them; set only when the trainer is built, it is too late."""
+    here = str(Path(__file__).parent)
+    faults = {}
+    for mode in ("cli", "late"):
+        out = subprocess.run([sys.executable, "-c", _THREADED_STEPS, mode, str(tmp_path / mode), here],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        f = list(map(int, out.stdout.split()))
+        faults[mode] = sorted(f[3:])[len(f[3:]) // 2], f
+    assert faults["late"][0] > 5_000, faults  # the cost, or the test shows nothing
+    assert faults["cli"][0] < faults["late"][0] / 10, faults

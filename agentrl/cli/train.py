@@ -22,6 +22,9 @@ def run(
     Extra arguments are dotted overrides: --trainer.lr=1e-5 --env.name calc
     """
     from agentrl.config import load_config, split_files_and_overrides
+    from agentrl.heap import keep_freed_memory
+
+    keep_freed_memory(single_arena=True)  # before any thread allocates: the trainer's steps share one arena
 
     files, overrides = split_files_and_overrides([*configs, *ctx.args])
     cfg = load_config(files, overrides)
@@ -37,7 +40,10 @@ def run(
 def sft(ctx: typer.Context, configs: Configs) -> None:
     """Supervised warm start on the environment's demonstrations (cached by config)."""
     from agentrl.config import load_config, split_files_and_overrides
+    from agentrl.heap import keep_freed_memory
     from agentrl.recipes.sft import sft_command
+
+    keep_freed_memory(single_arena=True)  # before any thread allocates (agentrl.heap)
 
     typer.echo(str(sft_command(load_config(*split_files_and_overrides([*configs, *ctx.args])))))
 

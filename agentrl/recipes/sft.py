@@ -293,6 +293,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
             loss = (nll * m).sum() / m.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            del logits, nll  # not alive through the optimizer step and the heap's measurement
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
