@@ -105,8 +105,7 @@ class HeapBudget:
 
     def after_step(self) -> bool:
         """Trim if the bound is passed (or nothing is measured yet); True if this call trimmed."""
-        rss = resident_bytes() if self.enabled and self.live is not None else None
-        if rss is not None and self.live is not None:
+        if self.enabled and self.live is not None and (rss := resident_bytes()) is not None:
             if self.limit is None:
                 self.limit = self.live + max(2 * (rss - self.live), MIN_KEPT)
                 return False
