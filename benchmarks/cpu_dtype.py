@@ -12,7 +12,10 @@ alike:
 Times are CPU seconds of this process (``time.process_time``), so a busy machine that lends
 this process less of a core stretches both sides less than wall time would.
 
-    python benchmarks/cpu_dtype.py [--model DIR] [--batch 8] [--tokens 192] [--reps 5]
+    python benchmarks/cpu_dtype.py [--model DIR] [--batch 8] [--tokens 192] [--reps 5] [--fp32-gemm torch]
+
+Float32 runs its linear layers through oneDNN, as the engine and the trainer do on a CPU
+(``agentrl.cpu_gemm``); ``--fp32-gemm torch`` measures torch's default (MKL) instead.
 
 Prints a table and, last, a JSON line with ``bf16_speedup_train`` and ``bf16_speedup_decode``
 (fp32 median / bf16 median: above 1 means bf16 is faster) and the CPU flags that matter.
@@ -52,6 +55,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--tokens", type=int, default=192)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--fp32-gemm", default="onednn", choices=["onednn", "torch"],
+                   help="float32 products: oneDNN, as agentrl runs them (agentrl.cpu_gemm), or torch's default (MKL)")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -61,6 +66,10 @@ def main() -> None:
 
     fp32 = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16).eval()
+    if args.fp32_gemm == "onednn":  # as the engine and the trainer run float32 on a CPU
+        from agentrl.cpu_gemm import route_linears
+
+        route_linears(fp32)
     vocab = fp32.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.tokens))
 
@@ -99,7 +108,7 @@ def main() -> None:
     for k, v in times.items():
         print(f"{k:<12} {med[k]:>12.3f}   {' '.join(f'{x:.3f}' for x in v)}")
     print(json.dumps({
-        "model": args.model, "batch": args.batch, "tokens": args.tokens, "reps": args.reps, "cpu_flags": cpu_flags(),
+        "model": args.model, "fp32_gemm": args.fp32_gemm, "batch": args.batch, "tokens": args.tokens, "reps": args.reps, "cpu_flags": cpu_flags(),
         "torch": torch.__version__, "median_cpu_s": {k: round(v, 4) for k, v in med.items()},
         "bf16_speedup_train": round(med["train fp32"] / med["train bf16"], 3),
         "bf16_speedup_decode": round(med["decode fp32"] / med["decode bf16"], 3),

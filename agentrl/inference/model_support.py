@@ -61,7 +61,12 @@ def load_model(model_dir: Path, dtype: str, device: torch.device) -> tuple[Any, 
 
         if use_bf16("auto", model.config.get_text_config().hidden_size, device.type):
             model = model.to(torch.bfloat16)
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    if device.type == "cpu":
+        from agentrl.cpu_gemm import route_linears
+
+        route_linears(model)  # float32 products through oneDNN: ~2x MKL's on AMD CPUs with AVX-512
+    return model, tokenizer
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -258,6 +258,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentrl.cpu_gemm import route_linears
     from agentrl.heap import HeapBudget
     from agentrl.metrics import StepProgress
     from agentrl.precision import use_bf16
@@ -270,6 +271,8 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
         data = demonstration_data(env, base, sft, seed)
     dev = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(dev)
+    if dev.type == "cpu":
+        route_linears(model)  # float32 products through oneDNN (agentrl.cpu_gemm)
     model.train()
     bf16 = use_bf16(dtype, model.config.get_text_config().hidden_size, dev.type)
     opt = adamw(list(model.parameters()), lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)  # fused where it can

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agentrl.cpu_gemm import route_linears
 from agentrl.heap import HeapBudget
 from agentrl.precision import use_bf16
 from agentrl.trainer.checkpoint import rng_state, set_rng_state
@@ -140,6 +141,8 @@ class Trainer:
                     if not p.is_meta and (value := adapter_start(name, p.shape, seed)) is not None:
                         p.copy_(value)  # on the meta device (a sharded rank) they are set per shard in _place
         self.model = self._place(model)
+        if self.device.type == "cpu":
+            route_linears(self.model)  # float32 products through oneDNN (agentrl.cpu_gemm)
         self.model.eval()  # dropout off everywhere: RL trains on the distribution that was sampled
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = adamw(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)

@@ -1,0 +1,111 @@
+"""agentrl.cpu_gemm: float32 CPU linear layers through oneDNN, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrl import cpu_gemm
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="this torch has no oneDNN linear op")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, g: torch.Tensor):
+    """y = x W^T + b and its gradients by hand, in float64: dx = g W, dW = g^T x, db = sum g."""
+    x64, w64, g64 = x.double(), w.double(), g.double()
+    y = x64 @ w64.T + (b.double() if b is not None else 0)
+    g2, x2 = g64.reshape(-1, g64.shape[-1]), x64.reshape(-1, x64.shape[-1])
+    return y, g64 @ w64, g2.T @ x2, g2.sum(0) if b is not None else None
+
+
+def _ops(fn) -> dict[str, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5, 24), (2, 7, 24), "transposed"])
+def test_linear_matches_the_formula_forward_and_backward(bias, shape):
+    gen = torch.Generator().manual_seed(0)
+    if shape == "transposed":  # a strided input (a view, as attention reshapes make)
+        x = torch.randn(24, 9, generator=gen).t()
+    else:
+        x = torch.randn(*shape, generator=gen)
+    x.requires_grad_(True)
+    w = torch.randn(40, 24, generator=gen, requires_grad=True)
+    b = torch.randn(40, generator=gen, requires_grad=True) if bias else None
+    y = cpu_gemm.linear(x, w, b)
+    g = torch.randn(y.shape, generator=gen)
+    y.backward(g)
+    ref_y, ref_dx, ref_dw, ref_db = _reference(x.detach(), w.detach(), b.detach() if bias else None, g)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), ref_dx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), ref_dw, rtol=1e-5, atol=1e-5)
+    if bias:
+        torch.testing.assert_close(b.grad.double(), ref_db, rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_only_for_what_needs_it():
+    x = torch.randn(3, 8)
+    w = torch.randn(4, 8, requires_grad=True)
+    cpu_gemm.linear(x, w).sum().backward()
+    assert x.grad is None
+    torch.testing.assert_close(w.grad, torch.ones(3, 4).T @ x)
+
+
+def test_not_covered_falls_back_to_f_linear():
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's rules apply: a bf16 product
+        assert cpu_gemm.linear(x, w).dtype == torch.bfloat16
+    assert cpu_gemm.linear(x.bfloat16(), w.bfloat16()).dtype == torch.bfloat16
+    assert cpu_gemm.linear(x[0], w).shape == (4,)  # a 1-D input
+    assert "mkldnn::_linear_pointwise" not in _ops(lambda: cpu_gemm.linear(x.double(), w.double()))
+
+
+def test_routed_model_runs_every_linear_through_onednn_and_keeps_its_parameters(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    routed = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    before = {k: v.data_ptr() for k, v in routed.state_dict().items()}
+    linears = sum(isinstance(m, torch.nn.Linear) for m in routed.modules())
+    assert cpu_gemm.route_linears(routed) == linears > 0
+    assert cpu_gemm.route_linears(routed) == 0  # already routed: nothing is wrapped twice
+    assert {k: v.data_ptr() for k, v in routed.state_dict().items()} == before
+
+    ids = torch.randint(0, routed.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    counts = _ops(lambda: routed(input_ids=ids))
+    assert counts.get("mkldnn::_linear_pointwise") == linears  # each layer once, the LM head included
+    assert counts.get("aten::addmm", 0) == counts.get("aten::mm", 0) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(routed(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+    # training: gradients agree with the plain model's
+    for m in (plain, routed):
+        m(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), q in zip(plain.named_parameters(), routed.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    # a weight update in place (as a weight push makes it) is what the next forward uses
+    with torch.no_grad():
+        for m in (plain, routed):
+            m.lm_head.weight.mul_(0.5)
+        torch.testing.assert_close(routed(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_engine_and_trainer_route_their_cpu_models(tiny_model):
+    from agentrl.config import TrainerConfig
+    from agentrl.inference.engine import Engine
+    from agentrl.trainer.trainer import Trainer
+
+    eng = Engine(tiny_model, max_batch_size=2, max_model_len=64, device="cpu", dtype="float32")
+    try:
+        assert cpu_gemm.route_linears(eng.model) == 0  # the engine routed them all at load
+    finally:
+        eng.close()
+    trainer = Trainer(tiny_model, TrainerConfig(device="cpu"))
+    assert cpu_gemm.route_linears(trainer.model) == 0
