@@ -95,6 +95,12 @@ class InferenceConfig(Section):
         _ENGINE.keep_prefix_cache_on_weight_update,
         description="Embedded engine: keep cached K/V across a weight push (faster, but older weights computed it).",
     )
+    cpu_linear: Literal["packed", "onednn", "torch"] = Field(
+        _ENGINE.cpu_linear,  # type: ignore[arg-type]
+        description="Embedded engine on a CPU: how float32 linear layers compute. packed: oneDNN with each weight "
+        "prepacked (fastest; one more copy of the linear weights in memory), onednn: oneDNN on the weights as they "
+        "are, torch: torch's default (MKL, which runs AVX2 kernels on AMD CPUs with AVX-512). agentrl/cpu_gemm.py.",
+    )
     server_process: Literal["same", "split"] = Field(
         _ENGINE.server_process,  # type: ignore[arg-type]
         description="Embedded engine: same (its HTTP server and its model loop in one process, sharing one GIL) | "

@@ -90,8 +90,35 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias)
 
 
-def route_linears(model: torch.nn.Module) -> int:
+_PACK = "_agentrl_packed"  # a prepacked layer's (weight's identity, its packed copy), or None: pack at next use
+
+
+def _weight_key(w: torch.Tensor) -> tuple[int, int, int]:
+    # an in-place write bumps _version; a new tensor or storage changes id or data_ptr.  Writes
+    # through .data bump nothing: whoever makes them calls invalidate_packs (the engine does)
+    return id(w), w.data_ptr(), w._version
+
+
+def _forward_packed(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    w, b = self.weight, self.bias
+    if torch.is_grad_enabled() or not _covered(x, w, b):
+        return linear(x, w, b)
+    packed = getattr(self, _PACK)
+    key = _weight_key(w)
+    if packed is None or packed[0] != key:
+        packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+        setattr(self, _PACK, packed)
+    return torch.ops.mkldnn._linear_pointwise(x, packed[1], b, "none", [], "")
+
+
+def route_linears(model: torch.nn.Module, prepack: bool = False) -> int:
     """Make each ``nn.Linear`` of ``model`` compute through :func:`linear`; returns how many.
+
+    ``prepack``: forwards without autograd (an inference engine's) use a copy of each weight in
+    oneDNN's blocked layout, made at first use and again whenever the weight changes: ~15 % less
+    time than the plain weight at 64 rows, ~30 % at 1-16 rows, for one more copy of the linear
+    weights in memory.  A weight written through ``.data`` goes unnoticed: call
+    :func:`invalidate_packs` after such writes.  Forwards with autograd use the plain weight.
 
     A no-op (0) where torch has no oneDNN.  Only the module instances' ``forward`` changes;
     their parameters, hooks and state dict stay as they were.
@@ -101,6 +128,15 @@ def route_linears(model: torch.nn.Module) -> int:
     n = 0
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear) and "forward" not in mod.__dict__:
-            mod.forward = types.MethodType(_forward, mod)
+            if prepack:
+                setattr(mod, _PACK, None)
+            mod.forward = types.MethodType(_forward_packed if prepack else _forward, mod)
             n += 1
     return n
+
+
+def invalidate_packs(model: torch.nn.Module) -> None:
+    """Drop every prepacked weight copy of ``model``; each is made again at its layer's next use."""
+    for mod in model.modules():
+        if getattr(mod, _PACK, None) is not None:
+            setattr(mod, _PACK, None)

@@ -109,3 +109,69 @@ def test_engine_and_trainer_route_their_cpu_models(tiny_model):
         eng.close()
     trainer = Trainer(tiny_model, TrainerConfig(device="cpu"))
     assert cpu_gemm.route_linears(trainer.model) == 0
+
+
+def test_prepacked_layer_follows_its_weight():
+    lin = torch.nn.Linear(24, 40)
+    plain = torch.nn.Linear(24, 40)
+    plain.load_state_dict(lin.state_dict())
+    assert cpu_gemm.route_linears(lin, prepack=True) == 1
+    x = torch.randn(6, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-5)
+        assert "mkldnn::_linear_pointwise" in _ops(lambda: lin(x))
+        for m in (lin, plain):  # an in-place write is seen by the weight's version
+            m.weight.mul_(-2)
+        torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-5)
+        new = torch.randn(40, 24)
+        for m in (lin, plain):  # a write through .data bumps no version: invalidate_packs says so
+            m.weight.data.copy_(new)
+        cpu_gemm.invalidate_packs(lin)
+        torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-5)
+        for m in (lin, plain):  # a new parameter
+            m.weight = torch.nn.Parameter(torch.randn(40, 24))
+        plain.weight = lin.weight
+        torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-5)
+    # with autograd the plain weight is used, and gradients flow to it
+    x.requires_grad_(True)
+    lin(x).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, torch.ones(6, 40).T @ x.detach())
+
+
+def test_engine_serves_the_pushed_weights_not_a_stale_pack(tiny_model):
+    """A push that writes through ``.data`` (as weight fitting does) must reach the next forward."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.inference.engine import Engine
+    from agentrl.inference.sampling import EngineSampling
+
+    def push(model):  # every MLP's output projection zeroed, through .data (no version bump)
+        for name, p in model.named_parameters():
+            if "down_proj" in name:
+                p.data.copy_(torch.zeros_like(p))
+
+    prompt = [5, 6, 7, 8]
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        old = ref(input_ids=torch.tensor([prompt])).logits[0, -1].log_softmax(-1).max().item()
+        push(ref)
+        new = ref(input_ids=torch.tensor([prompt])).logits[0, -1].log_softmax(-1).max().item()
+    assert abs(new - old) > 1e-2  # the push changes what the engine must report
+
+    eng = Engine(tiny_model, max_batch_size=2, max_model_len=64, device="cpu", dtype="float32", cpu_linear="packed",
+                 enable_prefix_caching=False)  # fmt: skip
+    try:
+        greedy = EngineSampling(max_tokens=1, temperature=0.0)
+        assert eng.submit(prompt, greedy).result(timeout=60)[0].logprobs[0] == pytest.approx(old, abs=1e-4)
+        eng.update_weights(push)
+        assert eng.submit(prompt, greedy).result(timeout=60)[0].logprobs[0] == pytest.approx(new, abs=1e-4)
+    finally:
+        eng.close()
+
+
+def test_engine_refuses_an_unknown_cpu_linear(tiny_model):
+    from agentrl.errors import EngineStartError
+    from agentrl.inference.engine import Engine
+
+    with pytest.raises(EngineStartError, match="cpu_linear must be packed | onednn | torch"):
+        Engine(tiny_model, max_batch_size=2, max_model_len=64, device="cpu", cpu_linear="fast")

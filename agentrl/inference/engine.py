@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from agentrl.cpu_gemm import invalidate_packs
 from agentrl.errors import EngineStartError, RequestError
 from agentrl.inference import model_support
 from agentrl.inference.engine_args import EngineArgs
@@ -157,7 +158,7 @@ class Engine:
         self.device = resolve_device(args.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # what a library puts on "the current GPU" lands here, not on GPU 0
-        self.model, self.tokenizer = model_support.load_model(self.model_dir, args.dtype, self.device)
+        self.model, self.tokenizer = model_support.load_model(self.model_dir, args.dtype, self.device, args.cpu_linear)
         cfg = self.model.config.get_text_config()
         self.max_batch_size = args.max_batch_size
         self.vocab_size: int = self.model.config.vocab_size
@@ -258,7 +259,10 @@ class Engine:
         ``EngineArgs.keep_prefix_cache_on_weight_update``; sequences in flight keep their K/V.
         """
         def swap() -> int:
-            apply(self.model)
+            try:
+                apply(self.model)
+            finally:  # prepacked weight copies (agentrl.cpu_gemm) are remade from whatever apply wrote
+                invalidate_packs(self.model)
             if not self.args.keep_prefix_cache_on_weight_update:
                 self._invalidate_prefix_cache()
             self.version = self.version + 1 if version is None else int(version)

@@ -22,6 +22,7 @@ class EngineArgs:
     prefix_cache_tokens: int = 0  # tokens of K/V the prefix cache keeps; 0 = max_batch_size * max_model_len
     prefix_block_size: int = 16  # tokens per cached block (a prefix is reused in whole blocks)
     keep_prefix_cache_on_weight_update: bool = False  # True reuses K/V computed by older weights (inexact)
+    cpu_linear: str = "packed"  # CPU float32 linear layers: packed (oneDNN, weights prepacked: one more copy of them) | onednn | torch (MKL)
     server_process: str = "same"  # same: HTTP server and model loop in one process | split: the engine core in its own
 
     def cli_args(self) -> list[str]:

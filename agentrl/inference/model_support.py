@@ -40,15 +40,21 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def load_model(model_dir: Path, dtype: str, device: torch.device) -> tuple[Any, Any]:
+CPU_LINEAR = ("packed", "onednn", "torch")
+
+
+def load_model(model_dir: Path, dtype: str, device: torch.device, cpu_linear: str = "packed") -> tuple[Any, Any]:
     """(model in eval mode on ``device``, tokenizer) from a local HF causal-LM directory.
 
     ``dtype`` auto: the checkpoint's, except that a float32 checkpoint runs in bf16 where
-    :func:`agentrl.precision.use_bf16` says bf16 is native and faster (a wide model on a bf16 CPU)."""
+    :func:`agentrl.precision.use_bf16` says bf16 is native and faster (a wide model on a bf16 CPU).
+    ``cpu_linear``: how float32 linear layers compute on a CPU (:mod:`agentrl.cpu_gemm`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype != "auto" and dtype not in DTYPES:
         raise EngineStartError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+    if cpu_linear not in CPU_LINEAR:
+        raise EngineStartError(f"cpu_linear must be {' | '.join(CPU_LINEAR)}; got {cpu_linear!r}")
     if not (model_dir / "config.json").is_file():
         raise EngineStartError(f"no model at {str(model_dir)!r} (expected a HF model dir with config.json)")
     try:
@@ -62,10 +68,11 @@ def load_model(model_dir: Path, dtype: str, device: torch.device) -> tuple[Any, 
         if use_bf16("auto", model.config.get_text_config().hidden_size, device.type):
             model = model.to(torch.bfloat16)
     model = model.to(device).eval()
-    if device.type == "cpu":
+    if device.type == "cpu" and cpu_linear != "torch":
         from agentrl.cpu_gemm import route_linears
 
-        route_linears(model)  # float32 products through oneDNN: ~2x MKL's on AMD CPUs with AVX-512
+        # float32 products through oneDNN: ~2x MKL's on AMD CPUs with AVX-512
+        route_linears(model, prepack=cpu_linear == "packed")
     return model, tokenizer
 
 
