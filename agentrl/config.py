@@ -288,6 +288,11 @@ class TrainerConfig(Section):
         "auto", description="Trainer and SFT compute: bfloat16 = autocast over float32 weights; auto = bfloat16 for a "
         "model with hidden size >= 512 on a CPU with native bf16 (agentrl/precision.py), else float32.",
     )
+    cpu_linear: Literal["onednn", "torch"] = Field(
+        "onednn", description="Trainer and SFT on a CPU: how float32 linear layers compute, forward and backward. "
+        "onednn (what torch ships for bf16; ~2x MKL's float32 rate on AMD CPUs with AVX-512) | torch (torch's "
+        "default, MKL). agentrl/cpu_gemm.py.",
+    )
     num_threads: int = Field(0, ge=0, description="Torch CPU threads for the trainer and the embedded engine each (0 = one each).")
     world_size: int = Field(
         1, ge=1, description="Trainer ranks (1 = one process). N > 1: N processes on torch.distributed, each decoder "

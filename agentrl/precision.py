@@ -8,7 +8,9 @@ was measured faster, float32 elsewhere (torch-free until asked).
 | SmolLM2-135M (hidden 576) | 1.58x faster | 1.18x faster |
 | tiny (hidden 128) | 1.20x faster | 0.76x (slower) |
 
-so ``auto`` picks bf16 for models at least :data:`BF16_MIN_HIDDEN` wide, for the trainer and
+(float32 through MKL).  With float32 through oneDNN (:mod:`agentrl.cpu_gemm`, Zen 5) SmolLM2's
+decode step is even in both (1.01x) and agentrl's trainer step still 1.25x faster in bf16
+(``benchmarks/trainer_step.py --dtype-compare``), so ``auto`` picks bf16 for models at least :data:`BF16_MIN_HIDDEN` wide, for the trainer and
 the engine alike (one rule, so the two sides' numerics match), and leaves the tiny model in
 float32.  Without native bf16 torch emulates it: on an AMD EPYC with AVX2 only, SmolLM2-135M's
 trainer step took 64.9 s in bf16 autocast against 6.9 s in float32 (``benchmarks/trainer_step.py

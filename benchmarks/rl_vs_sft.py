@@ -125,7 +125,7 @@ def run_sft(cfg: Config, warm: Path, seconds: float, out_dir: Path, threads: int
     env = load_environment(cfg.env.name, **cfg.env.args)
     t0 = time.perf_counter()
     train_sft(warm, env, sft, seed=cfg.run.seed, out_dir=out_dir, device=cfg.trainer.device, progress=False,
-              max_wall_s=seconds)
+              max_wall_s=seconds, cpu_linear=cfg.trainer.cpu_linear)
     done = read_jsonl(out_dir / "sft_metrics.jsonl")
     return {"wall_s": time.perf_counter() - t0, "steps": len(done), "final_model": out_dir,
             "loss_first": done[0]["loss"], "loss_last": statistics.fmean(r["loss"] for r in done[-20:])}

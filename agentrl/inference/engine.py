@@ -259,9 +259,10 @@ class Engine:
         ``EngineArgs.keep_prefix_cache_on_weight_update``; sequences in flight keep their K/V.
         """
         def swap() -> int:
+            invalidate_packs(self.model)  # packed weight copies (agentrl.cpu_gemm) go before apply stages new ones
             try:
                 apply(self.model)
-            finally:  # prepacked weight copies (agentrl.cpu_gemm) are remade from whatever apply wrote
+            finally:  # and whatever apply wrote is packed afresh (apply writes through .data: no version moves)
                 invalidate_packs(self.model)
             if not self.args.keep_prefix_cache_on_weight_update:
                 self._invalidate_prefix_cache()

@@ -186,7 +186,8 @@ def warm_start(cfg: Config, *, progress: bool = True) -> Path:
     evaluator = GreedyEvaluator(base, env, cfg) if cfg.sft.target_reward is not None else None
     try:
         train_sft(base, env, cfg.sft, seed=cfg.run.seed, out_dir=tmp, device=cfg.trainer.device,
-                  dtype=cfg.trainer.dtype, progress=progress, evaluator=evaluator, data=data)
+                  dtype=cfg.trainer.dtype, progress=progress, evaluator=evaluator, data=data,
+                  cpu_linear=cfg.trainer.cpu_linear)
     finally:
         if evaluator is not None:
             evaluator.close()
@@ -249,11 +250,12 @@ def demonstration_data(env: Any, base: Path, sft: SFTConfig, seed: int) -> list[
 
 def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path, device: str = "auto",
               dtype: str = "float32", progress: bool = True, evaluator: Any = None,
-              data: list[tuple[list[int], list[int]]] | None = None, max_wall_s: float | None = None) -> Path:
+              data: list[tuple[list[int], list[int]]] | None = None, max_wall_s: float | None = None,
+              cpu_linear: str = "onednn") -> Path:
     """SFT loop over ``data`` (default: :func:`demonstration_data`); with an ``evaluator`` it
     stops once greedy reward ≥ ``sft.target_reward``, with ``max_wall_s`` once that many
     seconds have passed (continued SFT on a time budget). ``dtype``: trainer.dtype (bf16 is
-    autocast over float32 weights)."""
+    autocast over float32 weights); ``cpu_linear``: trainer.cpu_linear."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -271,7 +273,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
         data = demonstration_data(env, base, sft, seed)
     dev = resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(dev)
-    if dev.type == "cpu":
+    if dev.type == "cpu" and cpu_linear == "onednn":
         route_linears(model)  # float32 products through oneDNN (agentrl.cpu_gemm)
     model.train()
     bf16 = use_bf16(dtype, model.config.get_text_config().hidden_size, dev.type)

@@ -141,7 +141,7 @@ class Trainer:
                     if not p.is_meta and (value := adapter_start(name, p.shape, seed)) is not None:
                         p.copy_(value)  # on the meta device (a sharded rank) they are set per shard in _place
         self.model = self._place(model)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and cfg.cpu_linear == "onednn":
             route_linears(self.model)  # float32 products through oneDNN (agentrl.cpu_gemm)
         self.model.eval()  # dropout off everywhere: RL trains on the distribution that was sampled
         params = [p for p in self.model.parameters() if p.requires_grad]

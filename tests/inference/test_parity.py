@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from agentrl.cpu_gemm import route_linears
 from agentrl.errors import EngineStartError
 from agentrl.inference import model_support
 from agentrl.inference.engine import Engine
@@ -70,7 +71,8 @@ def parity(model_dir, attn_implementation: str | None = None) -> tuple[dict[tupl
     finally:
         engine.close()
     kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()  # the trainer's forward
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()
+    route_linears(model)  # the trainer's forward: its CPU linear layers through oneDNN, as Trainer routes them
     return trainer_deltas(model, samples), engine
 
 
