@@ -260,6 +260,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentrl.cpu_attention import float32_attention
     from agentrl.cpu_gemm import route_linears
     from agentrl.heap import HeapBudget
     from agentrl.metrics import StepProgress
@@ -277,6 +278,8 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
         route_linears(model)  # float32 products through oneDNN (agentrl.cpu_gemm)
     model.train()
     bf16 = use_bf16(dtype, model.config.get_text_config().hidden_size, dev.type)
+    if bf16 and dev.type == "cpu":
+        float32_attention(model)  # CPU flash attention is faster in float32 (agentrl.cpu_attention)
     opt = adamw(list(model.parameters()), lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)  # fused where it can
     pad = model.config.pad_token_id or 0
     warmup = max(1, sft.steps // 20)

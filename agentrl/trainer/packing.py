@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from agentrl.cpu_attention import is_sdpa
+
 
 @dataclass
 class Packed:
@@ -49,7 +51,7 @@ class Packed:
 def packable(config: Any, forward: Any = None) -> bool:
     """Whether the model's attention is plain causal over ``position_ids`` (sdpa or eager, no
     window, no ALiBi); ``forward``: the decoder's forward, which must take ``position_ids``."""
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+    if not (is_sdpa(config) or getattr(config, "_attn_implementation", None) == "eager"):
         return False
     # ALiBi biases by key column (MPT) or by a cumsum of a 2-D mask (Bloom), not by position_ids
     if getattr(config, "model_type", "") in ("bloom", "mpt") or getattr(config, "alibi", False) \
@@ -168,7 +170,7 @@ def pack(rows: Sequence[tuple[Sequence[int], Sequence[int]]], packs: list[tuple[
 def attention_mask(packed: Packed, config: Any, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:
     """The 4-D mask in the form the model takes: boolean for sdpa, additive for eager; a dict
     keyed by layer kind for models that take one mask per kind."""
-    if getattr(config, "_attn_implementation", None) == "sdpa":
+    if is_sdpa(config):
         mask = packed.visible
     else:
         zero = torch.zeros((), dtype=dtype, device=packed.visible.device)

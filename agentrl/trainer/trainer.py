@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agentrl.cpu_attention import float32_attention
 from agentrl.cpu_gemm import route_linears
 from agentrl.heap import HeapBudget
 from agentrl.precision import use_bf16
@@ -126,6 +127,8 @@ class Trainer:
         self.model_config = model.config
         # bf16 autocast over float32 weights where agentrl.precision measured it faster (wide models, bf16 CPUs)
         self.bf16 = use_bf16(cfg.dtype, model.config.get_text_config().hidden_size, self.device.type)
+        if self.bf16 and self.device.type == "cpu":
+            float32_attention(model)  # CPU flash attention is faster in float32 (agentrl.cpu_attention)
         # a group's prompt runs once per micro-batch (agentrl.trainer.packing) where the attention allows it
         self.share_prompt = cfg.share_prompt and packable(model.config, head_of(model)[0].forward)
         self.lora = cfg.lora_rank > 0
