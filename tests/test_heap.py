@@ -209,6 +209,7 @@ def test_steps_in_worker_threads_share_one_arena_when_set_first(tmp_path):
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
         f = list(map(int, out.stdout.split()))
-        faults[mode] = sorted(f[3:])[len(f[3:]) // 2], f
+        faults[mode] = sum(f[3:]) / len(f[3:]), f  # the mean: a late thread that finds an arena of freed
+        # buffers by luck steps without faults, and on a loaded host half the late steps did
     assert faults["late"][0] > 5_000, faults  # the cost, or the test shows nothing
     assert faults["cli"][0] < faults["late"][0] / 10, faults
