@@ -10,7 +10,10 @@ autocast, or on another device, it is the model's own sdpa attention unchanged.
 
 The model keeps its attention (transformers' sdpa function and mask builder) under a name of
 its own, :data:`NAME`; the name is the model's in-memory setting only (a saved config does not
-record it).
+record it).  The cost is memory: autograd keeps the attention's float32 queries, keys, values
+and output, twice the bytes of bf16's (by arithmetic, SmolLM2-135M: 9 query heads of 64, keys
+and values repeated to all 9 when a mask is given: 4.6 KB more per token per layer, 138 KB per
+token over its 30 layers).
 """
 
 from __future__ import annotations
@@ -20,36 +23,64 @@ from typing import Any
 import torch
 
 NAME = "agentrl_sdpa"  # transformers' sdpa, float32 under CPU autocast
+_sdpa: Any = None  # transformers' sdpa attention function, as registered when NAME was
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    sdpa = _sdpa or _register()
     if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
             if attention_mask is not None and attention_mask.is_floating_point():
                 attention_mask = attention_mask.float()  # additive: its -inf stays -inf in float32
-            return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            # a floating keyword (a model's position_bias) joins the mask: it must match the query's dtype
+            kwargs = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                      for k, v in kwargs.items()}  # fmt: skip
+            return sdpa(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    return sdpa(module, query, key, value, attention_mask, **kwargs)
 
 
-def _register() -> None:
+def _register() -> Any:
+    """Register :data:`NAME` (once per process); returns transformers' sdpa function."""
+    global _sdpa
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+    if _sdpa is None:
+        _sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if NAME not in ALL_ATTENTION_FUNCTIONS._global_mapping:
         AttentionInterface.register(NAME, _attention)
-        AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks sdpa takes
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:  # without a mask builder of its own, no masks
+        AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return _sdpa
+
+
+def _configs(config: Any) -> list[Any]:
+    """A config and every sub-config in it (a multimodal model's text and vision configs)."""
+    from transformers import PretrainedConfig
+
+    out = [config]
+    for value in vars(config).values():
+        if isinstance(value, PretrainedConfig):
+            out.extend(_configs(value))
+    return out
 
 
 def float32_attention(model: torch.nn.Module) -> bool:
-    """Switch a model whose attention is transformers' ``sdpa`` to :data:`NAME`; returns whether it did.
-    Models on another attention implementation (eager, flash, a custom one) are left as they are."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    """Switch a model whose attention is transformers' ``sdpa`` (every sub-model's) to :data:`NAME`;
+    returns whether it did.  Models on another implementation (eager, flash, a custom one, a
+    sub-model on eager) or that cannot switch at run time are left as they are."""
+    if not all(getattr(c, "_attn_implementation", None) == "sdpa" for c in _configs(model.config)):
+        return False
+    can_switch = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_switch is not None and not can_switch():
         return False
     _register()
-    model.set_attn_implementation(NAME)
+    try:
+        model.set_attn_implementation(NAME)
+    except ValueError:  # this transformers refuses the name for this model: it keeps its own sdpa
+        return False
     return model.config._attn_implementation == NAME
 
 
