@@ -37,6 +37,17 @@ class _AttentionDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _bf16_trainer(path, **fields):
+    """A trainer asked for bf16 (a CPU without native bf16 is warned about; it still switches)."""
+    from agentrl.config import TrainerConfig
+    from agentrl.precision import EmulatedBF16Warning
+    from agentrl.trainer.trainer import Trainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EmulatedBF16Warning)
+        return Trainer(path, TrainerConfig(dtype="bfloat16", device="cpu", **fields))
+
+
 def _reference(q, k, v, visible, groups):
     """softmax(q k^T / sqrt(d) masked) v in float64, keys and values repeated per query group."""
     q, k, v = q.double(), k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
@@ -115,14 +126,11 @@ def test_other_attention_implementations_are_left_alone():
 
 def test_the_bf16_trainer_switches_keeps_packing_and_saves_a_plain_config(tmp_path):
     from agentrl.config import TrainerConfig
-    from agentrl.precision import EmulatedBF16Warning
     from agentrl.tiny_model import build_tiny_model
     from agentrl.trainer.trainer import Trainer
 
     path = build_tiny_model(tmp_path / "m", layers=1, hidden=64, heads=2, vocab_size=320)
-    with warnings.catch_warnings():  # a CPU without native bf16 is warned about; it still switches
-        warnings.simplefilter("ignore", EmulatedBF16Warning)
-        bf16 = Trainer(path, TrainerConfig(dtype="bfloat16", device="cpu"))
+    bf16 = _bf16_trainer(path)
     assert bf16.model.config._attn_implementation == cpu_attention.NAME
     assert bf16.share_prompt  # packing still sees sdpa attention (boolean masks)
     bf16.model.save_pretrained(tmp_path / "saved")
@@ -158,17 +166,12 @@ def test_a_model_with_a_sub_model_off_sdpa_is_left_alone():
 
 def test_a_bf16_trainer_step_runs_its_attention_in_float32(tmp_path):
     """The trainer's own step (packed rows, a group's shared prompt) through the switched model."""
-    from agentrl.config import LossConfig, TrainerConfig
-    from agentrl.precision import EmulatedBF16Warning
+    from agentrl.config import LossConfig
     from agentrl.tiny_model import build_tiny_model
-    from agentrl.trainer.trainer import Trainer
     from agentrl.types import Group, Message, Task, TokenSequence, Trajectory
 
     path = build_tiny_model(tmp_path / "m", layers=2, hidden=64, heads=2, vocab_size=320)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", EmulatedBF16Warning)
-        trainer = Trainer(path, TrainerConfig(dtype="bfloat16", device="cpu", lr=1e-3,
-                                              loss=LossConfig(trust_low=1e-30, trust_high=1e30)))  # fmt: skip
+    trainer = _bf16_trainer(path, lr=1e-3, loss=LossConfig(trust_low=1e-30, trust_high=1e30))
     assert trainer.share_prompt
     task = Task(prompt=[Message("user", "q")])
     group = Group(task=task)
