@@ -42,10 +42,10 @@ from typing import Any
 
 from agentrl.errors import EngineStartError, RequestError
 from agentrl.heap import keep_freed_memory
-from agentrl.inference.engine import SequenceResult, TokenCallback, TokenEvent, check_request
 from agentrl.inference.engine_args import EngineArgs
 from agentrl.inference.launcher import end_process, exit_with_parent
 from agentrl.inference.protocol import APIError
+from agentrl.inference.requests import SequenceResult, TokenCallback, TokenEvent, check_request
 from agentrl.inference.sampling import EngineSampling
 
 CORE_DIED = "the engine core process died"  # how every 503 after a core's death starts
