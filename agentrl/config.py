@@ -101,6 +101,19 @@ class InferenceConfig(Section):
         "prepacked (fastest; one more copy of the linear weights in memory), onednn: oneDNN on the weights as they "
         "are, torch: torch's default (MKL, which runs AVX2 kernels on AMD CPUs with AVX-512). agentrl/cpu_gemm.py.",
     )
+    ragged_batches: bool = Field(
+        _ENGINE.ragged_batches, description="Embedded engine: run each step's prefills and decodes (and draft "
+        "tokens) as one ragged forward; a model whose attention cannot (not sdpa or eager, or its self-check "
+        "fails) takes padded forwards, with a warning.",
+    )
+    num_speculative_tokens: int = Field(
+        _ENGINE.num_speculative_tokens, ge=0, description="Embedded engine: n-gram draft tokens per sequence and "
+        "step (0: off). Drafts come from what earlier completions wrote after the same tokens; a draft token is "
+        "kept only when it equals the token sampled at its position, so outputs and logprobs keep their law.",
+    )
+    speculative_ngram: int = Field(
+        _ENGINE.speculative_ngram, ge=1, description="Embedded engine: context tokens an n-gram draft is looked up by."
+    )
     server_process: Literal["same", "split"] = Field(
         _ENGINE.server_process,  # type: ignore[arg-type]
         description="Embedded engine: same (its HTTP server and its model loop in one process, sharing one GIL) | "

@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,7 @@ import torch
 
 from agentrl.cpu_gemm import invalidate_packs
 from agentrl.errors import EngineStartError
-from agentrl.inference import model_support
+from agentrl.inference import model_support, ragged
 from agentrl.inference.engine_args import EngineArgs
 from agentrl.inference.kv_cache import SlotCache, attention_masks
 from agentrl.inference.prefix_cache import Block, PrefixCache
@@ -62,7 +64,10 @@ from agentrl.inference.requests import (  # noqa: F401  (SequenceResult, TokenEv
     check_request,
     resolve_device,
 )
-from agentrl.inference.sampling import EngineSampling, sample
+from agentrl.inference.sampling import Draw, EngineSampling, sample
+from agentrl.inference.speculation import NgramDrafter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -137,7 +142,21 @@ class Engine:
             tokens = args.prefix_cache_tokens or self.max_batch_size * self.max_model_len
             self.prefix = PrefixCache(self._cache, max(1, tokens // args.prefix_block_size), args.prefix_block_size)
         self._epoch = 0  # bumped when cached K/V go stale (weights changed)
+        self.ragged = False  # one ragged forward per step (agentrl.inference.ragged), else padded forwards
         self.self_check_delta = model_support.self_check(self)
+        self._layer_kinds = model_support.layer_kinds(cfg)
+        self._masks = partial(attention_masks, kinds=self._mask_kinds, boolean=self._bool_mask, dtype=self.dtype)
+        self.ragged_check_delta: float | None = None
+        if args.ragged_batches:
+            self._use_ragged()
+        self._drafter: NgramDrafter | None = None
+        if args.num_speculative_tokens > 0:
+            if not self.ragged:
+                raise EngineStartError("num_speculative_tokens needs ragged batches, which this model cannot run "
+                                       "(see the warning above); set num_speculative_tokens = 0")  # fmt: skip
+            self._drafter = NgramDrafter(args.speculative_ngram, args.num_speculative_tokens)
+        self.draft_tokens = 0  # draft tokens run through a forward
+        self.accepted_draft_tokens = 0  # of those, kept (equal to the token sampled at their position)
 
         self.version = 0
         self._waiting: deque[_Request] = deque()
@@ -269,6 +288,10 @@ class Engine:
                 "prefix_cache_blocks": self.prefix.used_blocks if self.prefix is not None else 0,
                 "prefix_cache_capacity_blocks": self.prefix.num_blocks if self.prefix is not None else 0,
                 "prefix_cache_evicted_blocks": self.prefix.evicted_blocks if self.prefix is not None else 0,
+                "ragged_batches": self.ragged,
+                "num_speculative_tokens": self._drafter.k if self._drafter is not None else 0,
+                "draft_tokens": self.draft_tokens,
+                "accepted_draft_tokens": self.accepted_draft_tokens,
                 "version": self.version,
                 "paused": self._paused,
                 "max_batch_size": self.max_batch_size,
@@ -317,6 +340,23 @@ class Engine:
             if not req.future.done():
                 req.future.set_exception(RuntimeError(f"engine step failed: {exc!r}"))
 
+    def _use_ragged(self) -> None:
+        """Switch to ragged batches if the model's attention can, and a self-check through them passes."""
+        original = ragged.switch(self.model)
+        if original is None:
+            log.warning("engine: %s runs attention %r; ragged batches need sdpa or eager, so prefill and decode "
+                        "take separate padded forwards", type(self.model).__name__,
+                        getattr(self.model.config, "_attn_implementation", None))  # fmt: skip
+            return
+        self.ragged = True
+        try:
+            self.ragged_check_delta = model_support.self_check(self)
+        except EngineStartError as e:
+            ragged.unswitch(self.model, original)
+            self.ragged = False
+            log.warning("engine: ragged batches refused for this model (%s); prefill and decode take separate "
+                        "padded forwards", e)  # fmt: skip
+
     @torch.no_grad()
     def _step(self) -> None:
         gone = {id(s.request) for s in self._active if s.request.future.cancelled()}  # client went away
@@ -327,10 +367,14 @@ class Engine:
             self.requests_aborted += len(gone)
             self._retire()
         admitted = self._take_admissible()
-        if admitted:
-            self._prefill(admitted)
-        if self._active:
-            self._decode()
+        if self.ragged:
+            if admitted or self._active:
+                self._ragged_step(admitted)
+        else:
+            if admitted:
+                self._prefill(admitted)
+            if self._active:
+                self._decode()
         self.steps += 1
 
     def _take_admissible(self) -> list[tuple[_Request, list[Block]]]:
@@ -410,14 +454,16 @@ class Engine:
         tok = torch.tensor(ids, dtype=torch.long, device=self.device)
         return self._forward(r0, tok, pos, pos, max(positions) + 1, 1)
 
-    def _prefill(self, admitted: list[tuple[_Request, list[Block]]]) -> None:
-        r0 = len(self._active)
-        reqs = [r for r, _ in admitted]
-        hits = [self._hit(r, chain) for r, chain in admitted]
+    def _load_prefixes(self, admitted: list[tuple[_Request, list[Block]]], r0: int) -> list[int]:
+        """Copy each admitted request's cached prefix into slot ``r0 + i``; the prompt tokens each hit."""
         for i, (_, chain) in enumerate(admitted):
             if chain:
                 self.prefix.load(chain, r0 + i)
-        logits = self._prefill_logits(r0, [r.prompt_ids[h:] for r, h in zip(reqs, hits, strict=True)], hits)
+        return [self._hit(r, chain) for r, chain in admitted]
+
+    def _place(self, reqs: list[_Request], hits: list[int], r0: int) -> tuple[list[_Sequence], list[int]]:
+        """After the prefill forward: count, cache the prompts, and give every choice a slot (choice
+        0 its prefill row's, the others copies).  The new sequences in slot order, each one's prefill row."""
         lens = [len(r.prompt_ids) for r in reqs]
         self.prompt_tokens += sum(lens)
         self.prefix_hit_tokens += sum(hits)
@@ -425,8 +471,6 @@ class Engine:
         if self.prefix is not None:  # so the rest of a group (or the next turn) starts from here
             for i, r in enumerate(reqs):
                 self.prefix.store(r.prompt_ids, r0 + i, lens[i])
-
-        # place every choice in a slot: choice 0 uses the prefill row, others get copies
         row_of: dict[int, int] = {}
         new: list[_Sequence] = []
         extra = r0 + len(reqs)
@@ -442,9 +486,16 @@ class Engine:
                 row_of[id(seq)] = i
                 new.append(seq)
         new.sort(key=lambda s: s.slot)
+        return new, [row_of[id(s)] for s in new]
+
+    def _prefill(self, admitted: list[tuple[_Request, list[Block]]]) -> None:
+        r0 = len(self._active)
+        reqs = [r for r, _ in admitted]
+        hits = self._load_prefixes(admitted, r0)
+        logits = self._prefill_logits(r0, [r.prompt_ids[h:] for r, h in zip(reqs, hits, strict=True)], hits)
+        new, rows = self._place(reqs, hits, r0)
         self._active.extend(new)
-        rows = torch.tensor([row_of[id(s)] for s in new], device=self.device)
-        self._sample_and_record(new, logits[rows])
+        self._sample_and_record(new, logits[torch.tensor(rows, device=self.device)])
         self._retire()
 
     def _decode(self) -> None:
@@ -455,38 +506,94 @@ class Engine:
         self._sample_and_record(seqs, logits)
         self._retire()
 
+    # ------------------------------------------------------------------ ragged steps
+
+    def _ragged_logits(self, decode: list[tuple[int, int]], drafts: list[list[int]],
+                       segments: list[tuple[int, list[int], int]], keep: list[int]) -> torch.Tensor:  # fmt: skip
+        """One ragged forward (:mod:`agentrl.inference.ragged`): ``decode[i]`` = (token, position) of
+        slot ``i``, followed by the tokens ``drafts[i]``; each segment (slot, tokens, first position).
+        ``[len(keep), V]`` float32 logits of the flat tokens ``keep`` names: decode tokens first, then
+        the drafts, then the segments' tokens, each in order."""
+        dev, kinds = self.device, self._mask_kinds
+        plan, ids, positions, slots = ragged.layout(decode, drafts, segments, self._layer_kinds, self._masks, dev)
+        self._cache.bind_flat(slots, positions)
+        # the attention reads the plan's masks; the model only passes a 4-D mask on (it builds none)
+        dummy = torch.ones((1, 1, len(ids), 1), dtype=torch.bool, device=dev)
+        with ragged.bound(plan):
+            out = self.model(
+                input_ids=torch.tensor(ids, device=dev)[None],
+                attention_mask={kind: dummy for kind in kinds} if self._mask_dict else dummy,
+                position_ids=positions[None],
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, device=dev),
+                **{self._cache_kw: self._cache},
+            )
+        return out.logits[0].float()
+
+    def _draft(self, s: _Sequence) -> tuple[int, ...]:
+        """Draft tokens for ``s`` (none past its max_tokens or the context: every one it keeps must fit)."""
+        drafter = self._drafter
+        total = len(s.request.prompt_ids) + len(s.token_ids)
+        limit = min(drafter.k, s.request.sampling.max_tokens - len(s.token_ids) - 1, self.max_model_len - total - 1)
+        tail = s.token_ids[-drafter.n :]
+        if len(tail) < drafter.n:
+            tail = s.request.prompt_ids[len(tail) - drafter.n :] + tail
+        return drafter.propose(tail, limit)
+
+    def _ragged_step(self, admitted: list[tuple[_Request, list[Block]]]) -> None:
+        """Decode every running sequence (with its draft tokens) and prefill the admitted requests, in one forward."""
+        active = self._active
+        segments: list[tuple[int, list[int], int]] = []
+        keep: list[int] = []  # flat index of each logits row
+        drafts = [list(self._draft(s)) for s in active] if self._drafter is not None else [[] for _ in active]
+        flat = len(active)
+        for i, d in enumerate(drafts):
+            keep.append(i)
+            keep += range(flat, flat + len(d))
+            flat += len(d)
+        decoded = len(keep)
+        r0 = len(active)
+        reqs = [r for r, _ in admitted]
+        hits = self._load_prefixes(admitted, r0)
+        for i, r in enumerate(reqs):
+            segments.append((r0 + i, r.prompt_ids[hits[i] :], hits[i]))
+            flat += len(r.prompt_ids) - hits[i]
+            keep.append(flat - 1)
+        logits = self._ragged_logits([(s.token_ids[-1], s.cached) for s in active], drafts, segments, keep)
+        new, rows = self._place(reqs, hits, r0)
+        seqs = [s for s, d in zip(active, drafts, strict=True) for _ in range(1 + len(d))] + new
+        if new:
+            logits = torch.cat([logits[:decoded], logits[torch.tensor(rows, device=self.device) + decoded]])
+        draw = sample(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], self._rng)
+        rec = _Recorder(self, draw)
+        k = 0
+        for s, d in zip(active, drafts, strict=True):
+            valid = 1  # the decode token's K/V, then each kept draft token's
+            for j in range(len(d) + 1):
+                rec.add(s, k + j)
+                kept = j < len(d) and draw.tokens[k + j] == d[j]
+                valid += kept
+                if s.finish_reason is not None or not kept:
+                    break
+            s.cached += valid
+            k += len(d) + 1
+            self.draft_tokens += len(d)
+            self.accepted_draft_tokens += valid - 1
+        for s in new:
+            rec.add(s, k)
+            k += 1
+        self._active.extend(new)
+        rec.done()
+        self._retire()
+
     # ------------------------------------------------------------------ sampling
 
     def _sample_and_record(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         draw = sample(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], self._rng)
-        tokens, logps, tops = draw.tokens, draw.logprobs, draw.top_logprobs
-        version = self.version
-        now = time.monotonic()
-        streams: dict[int, tuple[_Request, list[TokenEvent]]] | None = None  # id(request) -> step's events
+        rec = _Recorder(self, draw)
         for k, s in enumerate(seqs):
-            tok = tokens[k]
-            s.token_ids.append(tok)
-            s.logprobs.append(logps[k])
-            s.versions.append(version)
-            s.support.append(draw.support[k])
-            if tops is not None:
-                s.top_logprobs.append(tops[k])
-            self._check_finished(s, tok)
-            if s.request.on_tokens is not None:
-                if streams is None:
-                    streams = {}
-                if s.finish_reason is not None and s.text is None:
-                    s.text = self._detokenize(s.token_ids)  # _result reuses it
-                ev = TokenEvent(s.index, tok, logps[k], version, tops[k] if tops is not None else None, s.finish_reason,
-                                s.text if s.finish_reason is not None else None, draw.support[k])  # fmt: skip
-                streams.setdefault(id(s.request), (s.request, []))[1].append(ev)
-        if streams is not None:
-            self._emit(streams)
-        with self._cv:
-            self.total_generated += len(seqs)
-            self._token_times.append((now, len(seqs)))
-            while self._token_times and now - self._token_times[0][0] > 10.0:
-                self._token_times.popleft()
+            rec.add(s, k)
+        rec.done()
 
     @staticmethod
     def _emit(streams: dict[int, tuple[_Request, list[TokenEvent]]]) -> None:
@@ -524,6 +631,10 @@ class Engine:
         done = [s for s in self._active if s.finish_reason is not None]
         if not done:
             return
+        if self._drafter is not None:  # what they wrote drafts the next ones
+            n = self._drafter.n
+            for s in done:
+                self._drafter.learn(s.request.prompt_ids[-n:] + s.token_ids, start=min(n, len(s.request.prompt_ids)))
         if self.prefix is not None:  # keep what they computed for the next turn, before slots are reused
             for s in done:
                 if s.epoch == self._epoch:
@@ -555,3 +666,43 @@ class Engine:
             finish_reason=s.finish_reason or "length",
             support=s.support,
         )
+
+
+class _Recorder:
+    """Appends one step's sampled tokens to their sequences, then streams and counts them once."""
+
+    def __init__(self, engine: Engine, draw: Draw):
+        self.engine, self.draw = engine, draw
+        self.version = engine.version
+        self.count = 0
+        self.streams: dict[int, tuple[_Request, list[TokenEvent]]] = {}  # id(request) -> step's events
+
+    def add(self, s: _Sequence, k: int) -> None:
+        """Row ``k`` of the draw is ``s``'s next token."""
+        draw = self.draw
+        tok, logp, top = draw.tokens[k], draw.logprobs[k], draw.top_logprobs[k] if draw.top_logprobs is not None else None
+        s.token_ids.append(tok)
+        s.logprobs.append(logp)
+        s.versions.append(self.version)
+        s.support.append(draw.support[k])
+        if top is not None:
+            s.top_logprobs.append(top)
+        self.engine._check_finished(s, tok)
+        self.count += 1
+        if s.request.on_tokens is not None:
+            if s.finish_reason is not None and s.text is None:
+                s.text = self.engine._detokenize(s.token_ids)  # _result reuses it
+            ev = TokenEvent(s.index, tok, logp, self.version, top, s.finish_reason,
+                            s.text if s.finish_reason is not None else None, draw.support[k])  # fmt: skip
+            self.streams.setdefault(id(s.request), (s.request, []))[1].append(ev)
+
+    def done(self) -> None:
+        engine = self.engine
+        if self.streams:
+            engine._emit(self.streams)
+        now = time.monotonic()
+        with engine._cv:
+            engine.total_generated += self.count
+            engine._token_times.append((now, self.count))
+            while engine._token_times and now - engine._token_times[0][0] > 10.0:
+                engine._token_times.popleft()

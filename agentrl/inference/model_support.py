@@ -155,13 +155,82 @@ def _delta(got: torch.Tensor, ref: torch.Tensor, top: int = 16) -> float:
     return float((got[idx] - ref[idx]).abs().max())
 
 
+def layer_kinds(cfg: Any) -> list[str]:
+    """Each layer's mask kind (a key of :func:`mask_kinds`)."""
+    layer_types = getattr(cfg, "layer_types", None)
+    return list(layer_types) if layer_types else [FULL] * cfg.num_hidden_layers
+
+
+def _padded_probe(engine: Engine, probe: torch.Tensor, length: int) -> dict[tuple[int, int], torch.Tensor]:
+    rows = probe.shape[0]
+    got: dict[tuple[int, int], torch.Tensor] = {}  # (row, position) -> logits
+    cuts = [length // 3, length // 4][:rows]
+    logits = engine._prefill_logits(0, [probe[r, : cuts[r]].tolist() for r in range(rows)], [0] * rows)
+    for r in range(rows):
+        got[(r, cuts[r] - 1)] = logits[r]
+    if rows == 2:  # row 1 continues on its cached prefix, alone in its batch
+        mid = length // 2
+        got[(1, mid - 1)] = engine._prefill_logits(1, [probe[1, cuts[1] : mid].tolist()], [cuts[1]])[0]
+        cuts[1] = mid
+    pos = list(cuts)
+    while min(pos) < length:
+        live = [r for r in range(rows) if pos[r] < length]
+        live = list(range(live[0], rows))  # decode rows are contiguous from the first live one
+        ids = [[int(probe[r, min(pos[r], length - 1)])] for r in live]
+        out = engine._decode_logits(live[0], ids, [min(pos[r], length - 1) for r in live])
+        for i, r in enumerate(live):
+            if pos[r] < length:
+                got[(r, pos[r])] = out[i]
+            pos[r] += 1
+    return got
+
+
+def _ragged_probe(engine: Engine, probe: torch.Tensor, length: int) -> dict[tuple[int, int], torch.Tensor]:
+    """The padded probe's schedule through ragged forwards, with 0-3 draft tokens after each decode
+    token (rows of unequal lengths); a step also continues row 1's prompt (a segment on a cached
+    prefix) beside row 0's decode, and the last steps run a row as a segment alone."""
+    rows = probe.shape[0]
+    cuts = [length // 3, length // 4][:rows]
+    first = [(r, probe[r, : cuts[r]].tolist(), 0) for r in range(rows)]
+    logits = engine._ragged_logits([], [], first, [cuts[0] - 1, cuts[0] + cuts[-1] - 1][:rows])
+    got = {(r, cuts[r] - 1): logits[r] for r in range(rows)}
+    pos, step = list(cuts), 0
+    while any(p < length for p in pos):
+        decode: list[tuple[int, int]] = []
+        drafts: list[list[int]] = []
+        segments: list[tuple[int, list[int], int]] = []
+        at_decode: list[tuple[int, int]] = []
+        at_drafts: list[tuple[int, int]] = []
+        at_segments: list[tuple[int, int]] = []
+        for r in range(rows):
+            if pos[r] >= length:
+                continue
+            n = length // 2 - pos[r] if (step == 0 and r == 1) else min(1 + (step + r) % 4, length - pos[r])
+            toks = probe[r, pos[r] : pos[r] + n].tolist()
+            if r == len(decode) and not (step == 0 and r == 1):  # decode rows: slots 0..B-1
+                decode.append((toks[0], pos[r]))
+                drafts.append(toks[1:])
+                at_decode.append((r, pos[r]))
+                at_drafts += [(r, pos[r] + j) for j in range(1, n)]
+            else:
+                segments.append((r, toks, pos[r]))
+                at_segments += [(r, pos[r] + j) for j in range(n)]
+            pos[r] += n
+        at = at_decode + at_drafts + at_segments
+        logits = engine._ragged_logits(decode, drafts, segments, list(range(len(at))))
+        got.update(zip(at, logits, strict=True))
+        step += 1
+    return got
+
+
 @torch.no_grad()
 def self_check(engine: Engine, length: int = 24) -> float:
     """Max |Δ logprob| between the engine's path and the plain forward on a probe; refuses above tolerance.
 
-    Two rows, ``a`` and ``b``: prefill ``a[:n0]`` and ``b[:n1]`` together (padding), then
-    ``b[n1:n2]`` on top of its cached K/V (the prefix-reuse path), then decode both a token
-    at a time to ``length``.  Runs before the engine's loop starts (slots 0 and 1).
+    Two rows, ``a`` and ``b``: prefill ``a[:n0]`` and ``b[:n1]`` together, then ``b[n1:n2]`` on
+    top of its cached K/V (the prefix-reuse path), then decode both to ``length``: a token
+    at a time through padded forwards, or, when ``engine.ragged``, through ragged forwards
+    with draft tokens (:func:`_ragged_probe`).  Runs before the engine's loop starts (slots 0 and 1).
     """
     model, dev = engine.model, engine.device
     length = min(length, engine.max_model_len - 1)
@@ -173,25 +242,7 @@ def self_check(engine: Engine, length: int = 24) -> float:
     name = getattr(model.config, "model_type", type(model).__name__)
     try:
         ref = model(input_ids=probe.to(dev)).logits.float().log_softmax(-1).cpu()  # [rows, length, V]
-        got: dict[tuple[int, int], torch.Tensor] = {}  # (row, position) -> log-probs
-        cuts = [length // 3, length // 4][:rows]
-        logits = engine._prefill_logits(0, [probe[r, : cuts[r]].tolist() for r in range(rows)], [0] * rows)
-        for r in range(rows):
-            got[(r, cuts[r] - 1)] = logits[r]
-        if rows == 2:  # row 1 continues on its cached prefix, alone in its batch
-            mid = length // 2
-            got[(1, mid - 1)] = engine._prefill_logits(1, [probe[1, cuts[1] : mid].tolist()], [cuts[1]])[0]
-            cuts[1] = mid
-        pos = list(cuts)
-        while min(pos) < length:
-            live = [r for r in range(rows) if pos[r] < length]
-            live = list(range(live[0], rows))  # decode rows are contiguous from the first live one
-            ids = [[int(probe[r, min(pos[r], length - 1)])] for r in live]
-            out = engine._decode_logits(live[0], ids, [min(pos[r], length - 1) for r in live])
-            for i, r in enumerate(live):
-                if pos[r] < length:
-                    got[(r, pos[r])] = out[i]
-                pos[r] += 1
+        got = (_ragged_probe if engine.ragged else _padded_probe)(engine, probe, length)
     except EngineStartError:
         raise
     except Exception as e:

@@ -86,6 +86,10 @@ class Engines:
                     stats = await ep.get("/metrics")
                     row[f"engine/{i}/running"] = stats["running"]
                     row[f"engine/{i}/generated_tokens"] = stats["total_generated_tokens"]
+                    row[f"engine/{i}/steps"] = stats.get("steps", 0)
+                    if stats.get("draft_tokens"):  # n-gram speculation on: how many drafts it kept
+                        row[f"engine/{i}/draft_tokens"] = stats["draft_tokens"]
+                        row[f"engine/{i}/draft_acceptance"] = stats["accepted_draft_tokens"] / stats["draft_tokens"]
             except Exception:  # down, restarting, or another engine: the row says nothing rather than fail
                 row[f"engine/{i}/down"] = 1
         return row

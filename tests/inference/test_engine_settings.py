@@ -22,7 +22,7 @@ def test_the_inference_section_has_every_engine_setting_with_its_default():
 async def test_inference_settings_reach_the_engine(tiny_model):
     cfg = load_config([], ["--inference.dtype=bfloat16", "--inference.max_batch_size=4",
                            "--inference.prefix_cache_tokens=512", "--inference.prefix_block_size=8",
-                           "--inference.device=cpu"])
+                           "--inference.num_speculative_tokens=3", "--inference.device=cpu"])
     engines = await asyncio.to_thread(open_engines, cfg, tiny_model, 1)
     try:
         stats = await engines.client.endpoints[0].get("/metrics")
@@ -30,11 +30,14 @@ async def test_inference_settings_reach_the_engine(tiny_model):
         await engines.close()
     assert stats["dtype"] == "bfloat16" and stats["max_batch_size"] == 4
     assert stats["prefix_cache_capacity_blocks"] == 512 // 8
+    assert stats["ragged_batches"] is True and stats["num_speculative_tokens"] == 3
 
-    off = load_config([], ["--inference.enable_prefix_caching=false", "--inference.device=cpu"])
+    off = load_config([], ["--inference.enable_prefix_caching=false", "--inference.ragged_batches=false",
+                           "--inference.device=cpu"])
     engines = await asyncio.to_thread(open_engines, off, tiny_model, 1)
     try:
         stats = await engines.client.endpoints[0].get("/metrics")
     finally:
         await engines.close()
     assert stats["prefix_cache_capacity_blocks"] == 0 and stats["dtype"] == "float32"
+    assert stats["ragged_batches"] is False and stats["num_speculative_tokens"] == 0

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.cpu_gemm import route_linears
 from agentrl.errors import EngineStartError
-from agentrl.inference import model_support
+from agentrl.inference import model_support, ragged
 from agentrl.inference.engine import Engine
 from agentrl.inference.sampling import EngineSampling
 from agentrl.tiny_model import FAMILIES, FAMILY_WINDOW, build_family_model
@@ -64,10 +64,11 @@ def trainer_deltas(model, samples) -> dict[tuple, float]:
     return worst
 
 
-def parity(model_dir, attn_implementation: str | None = None) -> tuple[dict[tuple, float], Engine]:
-    engine = Engine(model_dir, device="cpu", max_batch_size=32, max_model_len=160, dtype="float32")
+def parity(model_dir, attn_implementation: str | None = None, rounds: int = 1,
+           **engine_kw) -> tuple[dict[tuple, float], Engine]:  # fmt: skip
+    engine = Engine(model_dir, device="cpu", max_batch_size=32, max_model_len=160, dtype="float32", **engine_kw)
     try:
-        samples = engine_samples(engine, engine.model.config.vocab_size)
+        samples = [s for _ in range(rounds) for s in engine_samples(engine, engine.model.config.vocab_size)]
     finally:
         engine.close()
     kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -84,6 +85,16 @@ def test_engine_logprobs_equal_the_trainers(family, tmp_path):
     assert max(deltas.values()) <= TOL, f"{family}: max |Δ| per (T, top-k, top-p) {deltas}"
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
+def test_engine_logprobs_equal_the_trainers_with_draft_tokens(family, tmp_path):
+    # the second round's prompts and seeds are the first's: the n-gram drafter has seen their
+    # continuations, so drafts run (and are kept or not) at every setting, on every architecture
+    deltas, engine = parity(build_family_model(tmp_path / family, family), rounds=2, num_speculative_tokens=3)
+    assert engine.ragged and engine.accepted_draft_tokens > 0
+    assert max(deltas.values()) <= TOL, f"{family}: max |Δ| per (T, top-k, top-p) {deltas}"
+
+
 @pytest.mark.slow
 def test_eager_attention_with_the_additive_mask_does_not_see_the_future(tmp_path, monkeypatch):
     # eager attention *adds* the mask to the scores: a boolean mask there (+1/+0) leaks the future
@@ -96,7 +107,7 @@ def test_eager_attention_with_the_additive_mask_does_not_see_the_future(tmp_path
 
     monkeypatch.setattr(model_support, "load_model", load_eager)
     deltas, engine = parity(build_family_model(tmp_path / "m", "llama"), attn_implementation="eager")
-    assert engine.model.config._attn_implementation == "eager"
+    assert engine.ragged and engine.model.config._attn_implementation == ragged.PREFIX + "eager"
     assert max(deltas.values()) <= TOL
 
 
