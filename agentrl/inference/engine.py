@@ -83,6 +83,7 @@ class _Sequence:
     support: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
+    draft_limit: int = 1 << 30  # draft tokens this sequence may run next step (speculation adapts it)
     finish_reason: str | None = None
     text: str | None = None
 
@@ -534,7 +535,8 @@ class Engine:
         """Draft tokens for ``s`` (none past its max_tokens or the context: every one it keeps must fit)."""
         drafter = self._drafter
         total = len(s.request.prompt_ids) + len(s.token_ids)
-        limit = min(drafter.k, s.request.sampling.max_tokens - len(s.token_ids) - 1, self.max_model_len - total - 1)
+        limit = min(drafter.k, s.draft_limit, s.request.sampling.max_tokens - len(s.token_ids) - 1,
+                    self.max_model_len - total - 1)  # fmt: skip
         tail = s.token_ids[-drafter.n :]
         if len(tail) < drafter.n:
             tail = s.request.prompt_ids[len(tail) - drafter.n :] + tail
@@ -576,6 +578,8 @@ class Engine:
                 if s.finish_reason is not None or not kept:
                     break
             s.cached += valid
+            if d:  # one more draft token after a run that kept all its drafts, else as many as it kept plus one
+                s.draft_limit = len(d) + 1 if valid > len(d) else valid
             k += len(d) + 1
             self.draft_tokens += len(d)
             self.accepted_draft_tokens += valid - 1

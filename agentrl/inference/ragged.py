@@ -13,14 +13,16 @@ and rotary embedding see one row of ``N`` tokens; only attention needs the rows,
 model runs under an attention implementation of ours (:func:`switch`).  While a
 :class:`Plan` is bound (:func:`bound`) it calls the model's own attention function
 (transformers' ``sdpa``, or the modeling file's ``eager``, with the model's own scaling and
-keywords) once for the *decode group* and once per segment, each with the mask
-:func:`~agentrl.inference.kv_cache.attention_masks` builds for its positions:
+keywords) once per *group* of consecutive slots, each with the masks
+:func:`~agentrl.inference.kv_cache.attention_masks` builds for its queries' positions:
 
-- the decode group is the running sequences over slots ``0..B-1``, each row's queries its
-  decode token and its drafts, padded to the longest row's (a padding query repeats its
-  row's last position; its output is dropped).  One call per sequence instead cost ~0.1 ms
-  of fixed overhead per layer: 64 rows with 4 drafts each took 3× a decode step;
-- a segment attends to its own slot, up to its last position.
+- the running sequences (slots ``0..B-1``), each row's queries its decode token and its
+  drafts;
+- each run of segments on consecutive slots (a step's new prompts).
+
+A group's rows are padded to its longest (a padding query repeats its row's last position;
+its output is dropped).  One call per sequence instead cost ~0.1 ms of fixed overhead per
+layer: 64 rows with 4 drafts each took 3× a decode step.
 
 Unbound (a plain forward, the padded path) it is the model's own function unchanged.  K/V
 reach the slot cache (:meth:`~agentrl.inference.kv_cache.SlotCache.bind_flat`) before
@@ -47,13 +49,17 @@ _state = threading.local()  # .plan: the Plan of the forward running on this thr
 
 
 @dataclass
-class Segment:
-    """Positions ``first..first+n-1`` of slot ``slot``, at flat indices ``start..start+n-1``."""
+class Group:
+    """Consecutive slots ``slot..slot+R-1`` whose queries take one attention call: row ``r``'s
+    queries are the flat tokens ``index[r]`` (padded with its last one), at positions in order."""
 
     slot: int
-    start: int
-    n: int
-    masks: dict[str, torch.Tensor]  # layer kind -> [1, 1, n, first + n]
+    rows: int
+    kv: int  # keys the group reads
+    masks: dict[str, torch.Tensor]  # layer kind -> [R, 1, T, kv]
+    index: torch.Tensor | None = None  # [R, T]; None: row r's one query is flat token r
+    src: torch.Tensor | None = None  # flat token dst[j] takes the group's output src[j] (of R * T)
+    dst: torch.Tensor | None = None
 
 
 @dataclass
@@ -61,15 +67,36 @@ class Plan:
     """Where each flat token's attention looks (see the module docstring)."""
 
     layer_kinds: list[str]  # layer index -> mask kind
-    decode_rows: int = 0  # slots 0..B-1: the decode group
-    decode_kv: int = 0  # keys the decode group reads
-    decode_masks: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> [B, 1, T, decode_kv]
-    # T > 1 (draft tokens): row i's queries are the flat tokens rows[i] (its decode token, its drafts, then
-    # its last token again as padding); flat index dst[j] takes the group's output src[j] (of B * T)
-    rows: torch.Tensor | None = None  # [B, T]
-    src: torch.Tensor | None = None
-    dst: torch.Tensor | None = None
-    segments: list[Segment] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
+
+
+class _Row:
+    """The flat row being laid out: token ids, positions, slots."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.pos: list[int] = []
+        self.slots: list[int] = []
+
+    def add(self, slot: int, tokens: list[int], first: int) -> list[int]:
+        """Append ``tokens`` at positions ``first..`` of ``slot``; their flat indices."""
+        start = len(self.ids)
+        self.ids += tokens
+        self.pos += range(first, first + len(tokens))
+        self.slots += [slot] * len(tokens)
+        return list(range(start, start + len(tokens)))
+
+
+def _group(slot: int, rows: list[list[int]], row: _Row, masks: Callable[[torch.Tensor, int], dict[str, torch.Tensor]],
+           device: torch.device) -> Group:  # fmt: skip
+    width = max(len(r) for r in rows)
+    src = [i * width + j for i, r in enumerate(rows) for j in range(len(r))]
+    dst = [t for r in rows for t in r]
+    index = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=device)
+    query_pos = torch.tensor(row.pos, device=device)[index]
+    kv = int(query_pos.max()) + 1
+    return Group(slot, len(rows), kv, masks(query_pos, kv), index, torch.tensor(src, device=device),
+                 torch.tensor(dst, device=device))  # fmt: skip
 
 
 def layout(decode: list[tuple[int, int]], drafts: list[list[int]], segments: list[tuple[int, list[int], int]],
@@ -79,41 +106,26 @@ def layout(decode: list[tuple[int, int]], drafts: list[list[int]], segments: lis
 
     ``decode[i]`` = (token, position) of slot ``i``, followed by the tokens ``drafts[i]``
     (``[]`` for none); each segment is (slot, tokens, first position).  Flat order: the decode
-    tokens, then the drafts, then the segments' tokens.  ``masks(positions, kv_len)``: one mask
-    per layer kind for queries at ``positions`` (``[R, T]``) over ``kv_len`` keys."""
-    b = len(decode)
-    ids = [t for t, _ in decode]
-    pos = [p for _, p in decode]
-    slots = list(range(b))
-    plan = Plan(layer_kinds, decode_rows=b)
-    width = 1 + max((len(d) for d in drafts), default=0)
-    if width == 1:
-        if b:
-            plan.decode_kv = max(pos) + 1
-            plan.decode_masks = masks(torch.tensor(pos, device=device)[:, None], plan.decode_kv)
-    else:
-        rows, src, dst = [], [], []
-        for i, d in enumerate(drafts):
-            idx = [i, *range(len(ids), len(ids) + len(d))]
-            ids += d
-            pos += range(pos[i] + 1, pos[i] + 1 + len(d))
-            slots += [i] * len(d)
-            src += range(i * width, i * width + len(idx))
-            dst += idx
-            rows.append(idx + [idx[-1]] * (width - len(idx)))
-        plan.rows = torch.tensor(rows, device=device)
-        plan.src, plan.dst = torch.tensor(src, device=device), torch.tensor(dst, device=device)
-        query_pos = torch.tensor(pos, device=device)[plan.rows]
-        plan.decode_kv = int(query_pos.max()) + 1
-        plan.decode_masks = masks(query_pos, plan.decode_kv)
-    for slot, toks, first in segments:
-        n = len(toks)
-        seg_pos = torch.arange(first, first + n, device=device)[None]
-        plan.segments.append(Segment(slot, len(ids), n, masks(seg_pos, first + n)))
-        ids += toks
-        pos += range(first, first + n)
-        slots += [slot] * n
-    return plan, ids, torch.tensor(pos, device=device), torch.tensor(slots, device=device)
+    tokens, then the drafts, then the segments' tokens.  Segments on consecutive slots (a step's
+    new prompts) share one attention call, their queries padded to the longest's.
+    ``masks(positions, kv_len)``: one mask per layer kind for queries at ``positions``
+    (``[R, T]``) over ``kv_len`` keys."""
+    row, plan = _Row(), Plan(layer_kinds)
+    for i, (token, position) in enumerate(decode):
+        row.add(i, [token], position)
+    if decode and not any(drafts):
+        kv = max(row.pos) + 1
+        plan.groups.append(Group(0, len(decode), kv, masks(torch.tensor(row.pos, device=device)[:, None], kv)))
+    elif decode:
+        rows = [[i, *row.add(i, d, decode[i][1] + 1)] for i, d in enumerate(drafts)]
+        plan.groups.append(_group(0, rows, row, masks, device))
+    run: list[list[int]] = []
+    for k, (slot, toks, first) in enumerate(segments):
+        run.append(row.add(slot, toks, first))
+        if k + 1 == len(segments) or segments[k + 1][0] != slot + 1:  # the run of consecutive slots ends
+            plan.groups.append(_group(slot + 1 - len(run), run, row, masks, device))
+            run = []
+    return plan, row.ids, torch.tensor(row.pos, device=device), torch.tensor(row.slots, device=device)
 
 
 @contextmanager
@@ -149,30 +161,19 @@ def _attention(original: str):
         kind = plan.layer_kinds[module.layer_idx]
         _, heads, n, dim = query.shape
         q = query[0]  # [heads, N, dim]
-        b = plan.decode_rows
         out = None
-        if b:
-            kv = plan.decode_kv
-            if plan.rows is None:  # one token per row: [B, heads, 1, dim]
-                qd = q[:, :b].transpose(0, 1).unsqueeze(2)
+        for g in plan.groups:
+            keys, values = key[g.slot : g.slot + g.rows, :, : g.kv], value[g.slot : g.slot + g.rows, :, : g.kv]
+            if g.index is None:  # one query per row, flat tokens 0..R-1: [R, heads, 1, dim]
+                o, _ = fn(module, q[:, : g.rows].transpose(0, 1).unsqueeze(2), keys, values, g.masks[kind], **kwargs)
+                if len(plan.groups) == 1:  # decode only: [R, 1, heads, dim] is already the flat row's layout
+                    return o.reshape(1, n, heads, dim), None
+                out = query.new_empty((1, n, heads, dim)) if out is None else out
+                out[0, : g.rows] = o[:, 0]
             else:
-                qd = q[:, plan.rows].transpose(0, 1)  # [B, heads, T, dim]
-            o, _ = fn(module, qd, key[:b, :, :kv], value[:b, :, :kv], plan.decode_masks[kind], **kwargs)
-            if plan.rows is None and not plan.segments:  # [B, 1, heads, dim] is already the flat row's layout
-                return o.reshape(1, b, heads, dim), None
-            out = query.new_empty((1, n, heads, dim))
-            if plan.rows is None:
-                out[0, :b] = o[:, 0]
-            else:
-                out[0].index_copy_(0, plan.dst, o.reshape(-1, heads, dim).index_select(0, plan.src))
-        if out is None:
-            out = query.new_empty((1, n, heads, dim))
-        for s in plan.segments:
-            kv = s.masks[kind].shape[-1]
-            qs = q[None, :, s.start : s.start + s.n]
-            o, _ = fn(module, qs, key[s.slot : s.slot + 1, :, :kv], value[s.slot : s.slot + 1, :, :kv],
-                      s.masks[kind], **kwargs)  # fmt: skip
-            out[0, s.start : s.start + s.n] = o[0]
+                o, _ = fn(module, q[:, g.index].transpose(0, 1), keys, values, g.masks[kind], **kwargs)
+                out = query.new_empty((1, n, heads, dim)) if out is None else out
+                out[0].index_copy_(0, g.dst, o.reshape(-1, heads, dim).index_select(0, g.src))
         return out, None
 
     return attention

@@ -111,11 +111,14 @@ def test_ragged_steps_give_the_padded_steps_tokens_and_logprobs(llama):
 
 
 def test_a_ragged_path_that_differs_is_refused_and_the_engine_keeps_padded_batches(llama, monkeypatch, caplog):
-    def leaky(slot, start, n, masks):  # a prompt segment's queries see the future
-        return segment(slot, start, n, {k: torch.ones_like(m) for k, m in masks.items()})
+    def leaky(decode, drafts, segments, *args):  # the new prompts' queries see the future
+        plan, *rest = layout(decode, drafts, segments, *args)
+        for g in plan.groups[1 if decode else 0 :]:
+            g.masks = {k: torch.ones_like(m) for k, m in g.masks.items()}
+        return (plan, *rest)
 
-    segment = ragged.Segment
-    monkeypatch.setattr(ragged, "Segment", leaky)
+    layout = ragged.layout
+    monkeypatch.setattr(ragged, "layout", leaky)
     with caplog.at_level(logging.WARNING, logger="agentrl.inference.engine"):
         engine = make(llama)
     try:
