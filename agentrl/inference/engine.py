@@ -2,10 +2,14 @@
 
 One background thread owns the model.  Each loop iteration ("step"):
 
-1. admits waiting requests into free slots, copies each prompt's cached prefix
-   (:mod:`agentrl.inference.prefix_cache`) into its slot and prefills only the rest, all
-   rows in one padded forward (a request with ``n`` choices is prefilled once; its slot is copied);
-2. decodes one token for every running sequence in one batched forward pass;
+1. admits waiting requests into free slots and copies each prompt's cached prefix
+   (:mod:`agentrl.inference.prefix_cache`) into its slot (a request with ``n`` choices is
+   prefilled once; its slot is copied after the forward);
+2. runs one forward (:mod:`agentrl.inference.ragged`) over every running sequence's next
+   token, its n-gram draft tokens if speculation is on (:mod:`agentrl.inference.speculation`),
+   and the uncached rest of each new prompt, then samples every position: a sequence keeps its
+   drafts while each equals the token sampled at its position.  A model that cannot run ragged
+   forwards takes two padded ones instead (the prompts, then one token per sequence);
 3. retires finished sequences at once (their K/V go to the prefix cache, their slots are
    refilled by compaction), so a long request never holds short ones back.
 
@@ -23,8 +27,8 @@ mirrors).  Every sampled token is returned with its μ, its support size and the
 version that sampled it.
 
 Streaming: ``submit(..., on_tokens=cb)`` makes the engine thread call ``cb(events)`` once per
-step for that request, with one :class:`TokenEvent` per choice that sampled a token in the
-step (the last event of a choice carries its ``finish_reason`` and final ``text``), always
+step for that request, with one :class:`TokenEvent` per token a choice sampled in the step
+(several with kept drafts, in order; the last event of a choice carries its ``finish_reason`` and final ``text``), always
 before the request's future resolves.  ``cb`` runs on the engine thread, so it must only
 hand the batch off (e.g. ``loop.call_soon_threadsafe``).  Requests without a callback do
 no per-token streaming work.
@@ -151,10 +155,15 @@ class Engine:
         if args.ragged_batches:
             self._use_ragged()
         self._drafter: NgramDrafter | None = None
-        if args.num_speculative_tokens > 0:
-            if not self.ragged:
-                raise EngineStartError("num_speculative_tokens needs ragged batches, which this model cannot run "
-                                       "(see the warning above); set num_speculative_tokens = 0")  # fmt: skip
+        if args.num_speculative_tokens > 0 and args.speculative_ngram < 1:
+            raise EngineStartError(f"speculative_ngram must be >= 1, got {args.speculative_ngram}")
+        if args.num_speculative_tokens > 0 and not args.ragged_batches:
+            raise EngineStartError("num_speculative_tokens needs ragged batches (draft tokens ride in their "
+                                   "forwards): set ragged_batches = true or num_speculative_tokens = 0")  # fmt: skip
+        if args.num_speculative_tokens > 0 and not self.ragged:  # refused for this model: it still serves
+            log.warning("engine: num_speculative_tokens = %d is ignored: draft tokens need ragged batches, which "
+                        "this model cannot run (see above)", args.num_speculative_tokens)  # fmt: skip
+        elif args.num_speculative_tokens > 0:
             self._drafter = NgramDrafter(args.speculative_ngram, args.num_speculative_tokens)
         self.draft_tokens = 0  # draft tokens run through a forward
         self.accepted_draft_tokens = 0  # of those, kept (equal to the token sampled at their position)
@@ -343,6 +352,7 @@ class Engine:
 
     def _use_ragged(self) -> None:
         """Switch to ragged batches if the model's attention can, and a self-check through them passes."""
+        ref = model_support.reference(self)  # the model's own attention, before the switch
         original = ragged.switch(self.model)
         if original is None:
             log.warning("engine: %s runs attention %r; ragged batches need sdpa or eager, so prefill and decode "
@@ -351,7 +361,7 @@ class Engine:
             return
         self.ragged = True
         try:
-            self.ragged_check_delta = model_support.self_check(self)
+            self.ragged_check_delta = model_support.self_check(self, ref=ref)
         except EngineStartError as e:
             ragged.unswitch(self.model, original)
             self.ragged = False
@@ -566,6 +576,10 @@ class Engine:
         seqs = [s for s, d in zip(active, drafts, strict=True) for _ in range(1 + len(d))] + new
         if new:
             logits = torch.cat([logits[:decoded], logits[torch.tensor(rows, device=self.device) + decoded]])
+        # a seeded sequence draws one uniform per row, drafts after a mismatch too: rewind it below to one per
+        # kept token, so a seed gives the same tokens with or without drafts (whatever the drafter has seen)
+        rewind = {id(s): s.generator.get_state() for s, d in zip(active, drafts, strict=True)
+                  if d and s.generator is not None and s.request.sampling.temperature > 0}  # fmt: skip
         draw = sample(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], self._rng)
         rec = _Recorder(self, draw)
         k = 0
@@ -578,6 +592,10 @@ class Engine:
                 if s.finish_reason is not None or not kept:
                     break
             s.cached += valid
+            if id(s) in rewind:
+                s.generator.set_state(rewind[id(s)])
+                for _ in range(j + 1):  # one draw per token kept, as sampling takes them (rand(n) differs on CUDA)
+                    torch.rand(1, generator=s.generator, device=self.device, dtype=torch.float64)
             if d:  # one more draft token after a run that kept all its drafts, else as many as it kept plus one
                 s.draft_limit = len(d) + 1 if valid > len(d) else valid
             k += len(d) + 1

@@ -186,9 +186,10 @@ def _padded_probe(engine: Engine, probe: torch.Tensor, length: int) -> dict[tupl
 
 
 def _ragged_probe(engine: Engine, probe: torch.Tensor, length: int) -> dict[tuple[int, int], torch.Tensor]:
-    """The padded probe's schedule through ragged forwards, with 0-3 draft tokens after each decode
-    token (rows of unequal lengths); a step also continues row 1's prompt (a segment on a cached
-    prefix) beside row 0's decode, and the last steps run a row as a segment alone."""
+    """The padded probe's schedule through ragged forwards: both prompts as one group of two
+    segments; then row 1's prompt continues (a segment on a cached prefix) beside row 0's decode;
+    one step of plain decoding (one token per row); then 0-3 draft tokens after each decode token
+    (rows of unequal lengths), with row 1 once more as a segment of its own beside row 0."""
     rows = probe.shape[0]
     cuts = [length // 3, length // 4][:rows]
     first = [(r, probe[r, : cuts[r]].tolist(), 0) for r in range(rows)]
@@ -205,9 +206,13 @@ def _ragged_probe(engine: Engine, probe: torch.Tensor, length: int) -> dict[tupl
         for r in range(rows):
             if pos[r] >= length:
                 continue
-            n = length // 2 - pos[r] if (step == 0 and r == 1) else min(1 + (step + r) % 4, length - pos[r])
+            alone = r == 1 and step in (0, 2)  # a segment, not a decode row
+            if step == 0 and r == 1:
+                n = length // 2 - pos[r]
+            else:
+                n = min(1 if step == 1 else 1 + (step + r) % 4, length - pos[r])
             toks = probe[r, pos[r] : pos[r] + n].tolist()
-            if r == len(decode) and not (step == 0 and r == 1):  # decode rows: slots 0..B-1
+            if r == len(decode) and not alone:  # decode rows: slots 0..B-1
                 decode.append((toks[0], pos[r]))
                 drafts.append(toks[1:])
                 at_decode.append((r, pos[r]))
@@ -223,31 +228,46 @@ def _ragged_probe(engine: Engine, probe: torch.Tensor, length: int) -> dict[tupl
     return got
 
 
+def _probe(engine: Engine, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probe token ids ``[rows, length]``, the model's plain-forward log-probs ``[rows, length, V]``)."""
+    model = engine.model
+    rows = 2 if engine.max_batch_size >= 2 else 1
+    gen = torch.Generator().manual_seed(1234)
+    probe = torch.randint(model.config.vocab_size, (rows, length), generator=gen)
+    return probe, model(input_ids=probe.to(engine.device)).logits.float().log_softmax(-1).cpu()
+
+
 @torch.no_grad()
-def self_check(engine: Engine, length: int = 24) -> float:
+def reference(engine: Engine, length: int = 24) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`self_check`'s probe and reference, computed now (before the engine changes the
+    model's attention, so the reference is the model's own)."""
+    length = min(length, engine.max_model_len - 1)
+    return _probe(engine, length) if length >= 8 else None
+
+
+@torch.no_grad()
+def self_check(engine: Engine, length: int = 24, ref: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
     """Max |Δ logprob| between the engine's path and the plain forward on a probe; refuses above tolerance.
 
     Two rows, ``a`` and ``b``: prefill ``a[:n0]`` and ``b[:n1]`` together, then ``b[n1:n2]`` on
     top of its cached K/V (the prefix-reuse path), then decode both to ``length``: a token
     at a time through padded forwards, or, when ``engine.ragged``, through ragged forwards
     with draft tokens (:func:`_ragged_probe`).  Runs before the engine's loop starts (slots 0 and 1).
+    ``ref``: :func:`reference`'s, taken before the model's attention changed (default: computed here).
     """
-    model, dev = engine.model, engine.device
+    model = engine.model
     length = min(length, engine.max_model_len - 1)
     if length < 8:  # too short a context to probe (and to serve anything useful)
         return 0.0
-    rows = 2 if engine.max_batch_size >= 2 else 1
-    gen = torch.Generator().manual_seed(1234)
-    probe = torch.randint(model.config.vocab_size, (rows, length), generator=gen)
     name = getattr(model.config, "model_type", type(model).__name__)
     try:
-        ref = model(input_ids=probe.to(dev)).logits.float().log_softmax(-1).cpu()  # [rows, length, V]
+        probe, logprobs = ref if ref is not None else _probe(engine, length)
         got = (_ragged_probe if engine.ragged else _padded_probe)(engine, probe, length)
     except EngineStartError:
         raise
     except Exception as e:
         raise EngineStartError(f"the engine cannot serve {name!r}: its self-check failed ({_one_line(e)})") from e
-    delta = max(_delta(lp.float().log_softmax(-1).cpu(), ref[r, p]) for (r, p), lp in got.items())
+    delta = max(_delta(lp.float().log_softmax(-1).cpu(), logprobs[r, p]) for (r, p), lp in got.items())
     tol = SELF_CHECK_TOL.get(next(model.parameters()).dtype, 1e-3)
     if not delta <= tol:  # also catches NaN
         raise EngineStartError(

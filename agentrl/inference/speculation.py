@@ -19,10 +19,12 @@ drawn from ``p`` without ``d``).  A draft only changes how many forwards the tok
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 
 
 class NgramDrafter:
-    """A bounded table: ``n`` tokens -> the up to ``k`` tokens that followed them last."""
+    """A bounded table: ``n`` tokens -> the up to ``k`` tokens that followed them last.  Past
+    ``capacity`` entries it keeps the most recently written half."""
 
     def __init__(self, n: int, k: int, capacity: int = 1 << 17):
         if n < 1 or k < 1:
@@ -40,11 +42,12 @@ class NgramDrafter:
         for i in range(max(n, start), end):
             key = tuple(tokens[i - n : i])
             if i + k <= end:
+                table.pop(key, None)  # re-inserted: the table's order is last use
                 table[key] = tuple(tokens[i : i + k])
             elif key not in table:  # a sequence's short tail never replaces a full continuation
                 table[key] = tuple(tokens[i:end])
-        while len(table) > self.capacity:  # oldest first (dicts keep insertion order)
-            del table[next(iter(table))]
+        if len(table) > self.capacity:  # keep the newest half, in one pass (deleting one by one went quadratic)
+            self._table = dict(islice(table.items(), len(table) - self.capacity // 2, None))
 
     def propose(self, tail: Sequence[int], limit: int) -> tuple[int, ...]:
         """Up to ``limit`` draft tokens to follow ``tail`` (the context's last ``n`` tokens at least)."""

@@ -47,8 +47,15 @@ def test_learning_from_start_skips_earlier_continuations_and_the_table_is_bounde
     d = NgramDrafter(n=1, k=1, capacity=3)
     d.learn([1, 2, 3, 4], start=2)  # continuations starting at index 2 and 3 only
     assert d.propose([1], 1) == () and d.propose([2], 1) == (3,) and d.propose([3], 1) == (4,)
-    d.learn([10, 11, 12, 13])
-    assert len(d) == 3 and d.propose([2], 1) == ()  # the oldest went first
+    d.learn([10, 11, 12, 13])  # 5 entries: the newest capacity // 2 stay
+    assert len(d) == 1 and d.propose([12], 1) == (13,) and d.propose([2], 1) == ()
+    d = NgramDrafter(n=1, k=1, capacity=4)
+    d.learn([1, 2, 3, 4])  # 1, 2, 3
+    d.learn([1, 2])  # rewritten: now the newest
+    d.learn([7, 8, 9])  # 7, 8: five entries, the newest two stay
+    assert len(d) == 2 and d.propose([8], 1) == (9,) and d.propose([1], 1) == ()
+    d.learn([1, 2, 6])  # 4 entries: nothing goes
+    assert len(d) == 4 and d.propose([1], 1) == (2,) and d.propose([7], 1) == (8,)
     with pytest.raises(ValueError, match="n >= 1 and k >= 1"):
         NgramDrafter(n=0, k=2)
 
@@ -120,15 +127,19 @@ def test_a_ragged_path_that_differs_is_refused_and_the_engine_keeps_padded_batch
     layout = ragged.layout
     monkeypatch.setattr(ragged, "layout", leaky)
     with caplog.at_level(logging.WARNING, logger="agentrl.inference.engine"):
-        engine = make(llama)
+        engine = make(llama, num_speculative_tokens=2)
     try:
         assert not engine.ragged and "ragged batches refused" in caplog.text
+        assert "num_speculative_tokens = 2 is ignored" in caplog.text  # the run goes on without drafts
         r = engine.submit([5, 6, 7], EngineSampling(max_tokens=4, temperature=0, ignore_eos=True)).result(60)[0]
-        assert len(r.token_ids) == 4
+        assert len(r.token_ids) == 4 and engine.draft_tokens == 0
     finally:
         engine.close()
+    monkeypatch.undo()
     with pytest.raises(EngineStartError, match=r"^num_speculative_tokens needs ragged batches.*= 0$"):
-        make(llama, num_speculative_tokens=2)
+        make(llama, num_speculative_tokens=2, ragged_batches=False)
+    with pytest.raises(EngineStartError, match=r"^speculative_ngram must be >= 1, got 0$"):
+        make(llama, num_speculative_tokens=2, speculative_ngram=0)
 
 
 # ---------------------------------------------------------------------------- speculation
@@ -185,6 +196,27 @@ def test_drafts_stop_at_max_tokens_stop_strings_and_stream_every_token(llama):
         assert engine.draft_tokens > drafted
     finally:
         engine.close()
+
+
+def test_a_seed_gives_the_same_tokens_with_or_without_drafts(llama):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(8)] for _ in range(6)]
+    seeded = [EngineSampling(max_tokens=24, temperature=1.0, seed=40 + i, ignore_eos=True) for i in range(6)]
+    base = make(llama)
+    try:
+        want = [base.submit(p, sp).result(120)[0].token_ids for p, sp in zip(prompts, seeded, strict=True)]
+    finally:
+        base.close()
+    engine = make(llama, num_speculative_tokens=4, speculative_ngram=1)
+    try:  # other completions teach the drafter (n = 1: a draft almost every step, most rejected at T = 1)
+        for p in prompts:
+            engine.submit(p, EngineSampling(max_tokens=24, temperature=1.0, ignore_eos=True)).result(120)
+        drafted, kept = engine.draft_tokens, engine.accepted_draft_tokens
+        got = [engine.submit(p, sp).result(120)[0].token_ids for p, sp in zip(prompts, seeded, strict=True)]
+        assert engine.draft_tokens - drafted > engine.accepted_draft_tokens - kept  # drafts ran and some were rejected
+    finally:
+        engine.close()
+    assert got == want
 
 
 def _joint(engine: Engine, prompt: list[int], sp: EngineSampling, n: int) -> Counter:
