@@ -151,6 +151,29 @@ def _function(original: str, module: torch.nn.Module) -> Callable[..., tuple[tor
     return fn
 
 
+def _plain(kwargs: dict[str, Any]) -> bool:
+    """Nothing in the call that transformers' sdpa function would add to plain SDPA."""
+    return not kwargs.get("dropout") and all(kwargs.get(k) is None for k in ("softcap", "s_aux", "position_bias"))
+
+
+def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                  scaling: float | None) -> torch.Tensor:  # fmt: skip
+    """SDPA with grouped-query heads for ``T > 1`` queries per row, without repeating K/V.
+
+    transformers' sdpa function repeats each K/V head for its query heads when a row has
+    several queries and a mask is given (a copy of the group's whole K/V per layer, the heads'
+    group size times over); here a K/V head's query heads and their queries become one axis,
+    ``[R, kv_heads, group * T, dim]``, as it already packs a single query.  Returns ``[R, T, heads, dim]``.
+    """
+    r, heads, t, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    packed = query.reshape(r, kv_heads, group * t, dim)  # query head h reads K/V head h // group
+    mask = mask.unsqueeze(2).expand(r, mask.shape[1], group, t, mask.shape[-1]).reshape(r, mask.shape[1], group * t, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(r, heads, t, dim).transpose(1, 2)
+
+
 def _attention(original: str):
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
@@ -171,7 +194,11 @@ def _attention(original: str):
                 out = query.new_empty((1, n, heads, dim)) if out is None else out
                 out[0, : g.rows] = o[:, 0]
             else:
-                o, _ = fn(module, q[:, g.index].transpose(0, 1), keys, values, g.masks[kind], **kwargs)
+                qg = q[:, g.index].transpose(0, 1)  # [R, heads, T, dim]
+                if original == "sdpa" and keys.shape[1] < heads and _plain(kwargs):
+                    o = _grouped_sdpa(qg, keys, values, g.masks[kind], kwargs.get("scaling"))
+                else:
+                    o, _ = fn(module, qg, keys, values, g.masks[kind], **kwargs)
                 out = query.new_empty((1, n, heads, dim)) if out is None else out
                 out[0].index_copy_(0, g.dst, o.reshape(-1, heads, dim).index_select(0, g.src))
         return out, None
