@@ -94,7 +94,7 @@ def _group(slot: int, rows: list[list[int]], row: _Row, masks: Callable[[torch.T
     dst = [t for r in rows for t in r]
     index = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], device=device)
     query_pos = torch.tensor(row.pos, device=device)[index]
-    kv = int(query_pos.max()) + 1
+    kv = max(row.pos[t] for r in rows for t in r) + 1  # from the list: no device sync
     return Group(slot, len(rows), kv, masks(query_pos, kv), index, torch.tensor(src, device=device),
                  torch.tensor(dst, device=device))  # fmt: skip
 
