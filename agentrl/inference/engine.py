@@ -14,10 +14,8 @@ One background thread owns the model.  Each loop iteration ("step"):
    refilled by compaction), so a long request never holds short ones back.
 
 Running sequences occupy slots ``0..B-1`` of the slot cache (:mod:`agentrl.inference.kv_cache`).
-Each forward is the model's own ``*ForCausalLM`` forward, unchanged: the slot cache is its
-``Cache``, the engine passes per-row masks (causal, sliding window per layer kind) and
-position ids, and ``logits_to_keep`` picks each row's last token, so the model's own logit
-processing applies.  A model whose path the engine cannot reproduce is refused at load
+Each forward is the model's own, unchanged (:mod:`agentrl.inference.forwards`).  A model
+whose path the engine cannot reproduce is refused at load
 (:mod:`agentrl.inference.model_support`).  (transformers' own continuous batching was
 considered; it has no per-request sampling parameters, sampling-distribution logprobs, or
 pause-and-swap weight updates with per-token version tags, which training needs.)
@@ -42,14 +40,11 @@ records the version that produced it.
 from __future__ import annotations
 
 import concurrent.futures
-import inspect
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,48 +54,23 @@ from agentrl.cpu_gemm import invalidate_packs
 from agentrl.errors import EngineStartError
 from agentrl.inference import model_support, ragged
 from agentrl.inference.engine_args import EngineArgs
-from agentrl.inference.kv_cache import SlotCache, attention_masks
+from agentrl.inference.forwards import Forwards
+from agentrl.inference.kv_cache import SlotCache
 from agentrl.inference.prefix_cache import Block, PrefixCache
-from agentrl.inference.requests import (  # noqa: F401  (SequenceResult, TokenEvent: re-exported)
+from agentrl.inference.requests import (  # noqa: F401  (TokenEvent, TokenCallback: re-exported)
+    Recorder,
     SequenceResult,
     TokenCallback,
     TokenEvent,
+    _Request,
+    _Sequence,
     check_request,
     resolve_device,
 )
-from agentrl.inference.sampling import Draw, EngineSampling, sample
+from agentrl.inference.sampling import EngineSampling, sample
 from agentrl.inference.speculation import NgramDrafter
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Sequence:
-    request: _Request
-    index: int
-    slot: int = -1
-    cached: int = 0  # tokens whose K/V are in the cache
-    epoch: int = 0  # the prefix-cache epoch its K/V started in (stale once the weights change)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    support: list[int] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    draft_limit: int = 1 << 30  # draft tokens this sequence may run next step (speculation adapts it)
-    finish_reason: str | None = None
-    text: str | None = None
-
-
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    sampling: EngineSampling
-    n: int
-    future: concurrent.futures.Future
-    seqs: list[_Sequence] = field(default_factory=list)
-    arrived: float = field(default_factory=time.monotonic)
-    on_tokens: TokenCallback | None = None
 
 
 class Engine:
@@ -136,10 +106,10 @@ class Engine:
         self.dtype = next(self.model.parameters()).dtype
         self._cache = SlotCache(cfg.num_hidden_layers, self.max_batch_size, kv_heads, self.max_model_len, head_dim,
                                 self.dtype, self.device)  # fmt: skip
-        self._mask_kinds, self._mask_dict = model_support.mask_kinds(cfg)
-        self._bool_mask = cfg._attn_implementation == "sdpa"  # eager adds the mask: it must be 0 / -inf
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        forwards = Forwards(self.model, self._cache, self.dtype, self.device)
+        # instance attributes: the self-check runs them, a test wraps one
+        self._prefill_logits, self._decode_logits = forwards.prefill, forwards.decode
+        self._ragged_logits = forwards.ragged
         self.prefix: PrefixCache | None = None
         if args.prefix_block_size < 1:
             raise EngineStartError(f"prefix_block_size must be >= 1, got {args.prefix_block_size}")
@@ -149,8 +119,6 @@ class Engine:
         self._epoch = 0  # bumped when cached K/V go stale (weights changed)
         self.ragged = False  # one ragged forward per step (agentrl.inference.ragged), else padded forwards
         self.self_check_delta = model_support.self_check(self)
-        self._layer_kinds = model_support.layer_kinds(cfg)
-        self._masks = partial(attention_masks, kinds=self._mask_kinds, boolean=self._bool_mask, dtype=self.dtype)
         self.ragged_check_delta: float | None = None
         if args.ragged_batches:
             self._use_ragged()
@@ -424,47 +392,6 @@ class Engine:
         """Prompt tokens served from the cache: at least the last one is prefilled (its logits start decoding)."""
         return min(len(chain) * self.prefix.block_size, len(req.prompt_ids) - 1) if chain else 0
 
-    def _forward(self, r0: int, ids: torch.Tensor, positions: torch.Tensor, write_idx: torch.Tensor,
-                 kv_len: int, keep: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """The model's own forward on slot rows ``r0..``: ``[R, V]`` float32 logits of the ``keep`` tokens.
-
-        Running the whole ``*ForCausalLM`` (not the base model + LM head) keeps the model's
-        own logit processing (softcapping, scaling); ``keep`` selects each row's last token.
-        """
-        masks = attention_masks(positions, kv_len, self._mask_kinds, self._bool_mask, self.dtype)
-        self._cache.bind(r0, write_idx, kv_len)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=masks if self._mask_dict else masks[next(iter(masks))],
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=keep,
-            **{self._cache_kw: self._cache},
-        )
-        return out.logits[:, -1].float()
-
-    def _prefill_logits(self, r0: int, chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Run ``chunks[i]`` at positions ``starts[i]..`` of slot ``r0 + i`` (K/V before ``starts[i]`` are
-        already there); right-padded, pads write the scratch column.  Logits of each last token."""
-        dev = self.device
-        n = torch.tensor([len(c) for c in chunks], device=dev)
-        start = torch.tensor(starts, device=dev)
-        t = int(n.max())
-        ids = torch.zeros((len(chunks), t), dtype=torch.long)
-        for i, c in enumerate(chunks):
-            ids[i, : len(c)] = torch.tensor(c)
-        cols = torch.arange(t, device=dev)[None, :]
-        # a pad repeats its row's last position (its rope and mask stay in range) but writes the scratch column
-        positions = start[:, None] + torch.minimum(cols, n[:, None] - 1)
-        write_idx = torch.where(cols < n[:, None], start[:, None] + cols, self._cache.scratch)
-        kv_len = int((start + n).max())
-        return self._forward(r0, ids.to(dev), positions, write_idx, kv_len, (n - 1)[:, None])
-
-    def _decode_logits(self, r0: int, ids: list[list[int]], positions: list[int]) -> torch.Tensor:
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
-        tok = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self._forward(r0, tok, pos, pos, max(positions) + 1, 1)
-
     def _load_prefixes(self, admitted: list[tuple[_Request, list[Block]]], r0: int) -> list[int]:
         """Copy each admitted request's cached prefix into slot ``r0 + i``; the prompt tokens each hit."""
         for i, (_, chain) in enumerate(admitted):
@@ -519,28 +446,6 @@ class Engine:
 
     # ------------------------------------------------------------------ ragged steps
 
-    def _ragged_logits(self, decode: list[tuple[int, int]], drafts: list[list[int]],
-                       segments: list[tuple[int, list[int], int]], keep: list[int]) -> torch.Tensor:  # fmt: skip
-        """One ragged forward (:mod:`agentrl.inference.ragged`): ``decode[i]`` = (token, position) of
-        slot ``i``, followed by the tokens ``drafts[i]``; each segment (slot, tokens, first position).
-        ``[len(keep), V]`` float32 logits of the flat tokens ``keep`` names: decode tokens first, then
-        the drafts, then the segments' tokens, each in order."""
-        dev, kinds = self.device, self._mask_kinds
-        plan, ids, positions, slots = ragged.layout(decode, drafts, segments, self._layer_kinds, self._masks, dev)
-        self._cache.bind_flat(slots, positions)
-        # the attention reads the plan's masks; the model only passes a 4-D mask on (it builds none)
-        dummy = torch.ones((1, 1, len(ids), 1), dtype=torch.bool, device=dev)
-        with ragged.bound(plan):
-            out = self.model(
-                input_ids=torch.tensor(ids, device=dev)[None],
-                attention_mask={kind: dummy for kind in kinds} if self._mask_dict else dummy,
-                position_ids=positions[None],
-                use_cache=True,
-                logits_to_keep=torch.tensor(keep, device=dev),
-                **{self._cache_kw: self._cache},
-            )
-        return out.logits[0].float()
-
     def _draft(self, s: _Sequence) -> tuple[int, ...]:
         """Draft tokens for ``s`` (none past its max_tokens or the context: every one it keeps must fit)."""
         drafter = self._drafter
@@ -581,7 +486,7 @@ class Engine:
         rewind = {id(s): s.generator.get_state() for s, d in zip(active, drafts, strict=True)
                   if d and s.generator is not None and s.request.sampling.temperature > 0}  # fmt: skip
         draw = sample(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], self._rng)
-        rec = _Recorder(self, draw)
+        rec = Recorder(draw, self.version, self._check_finished, self._detokenize)
         k = 0
         for s, d in zip(active, drafts, strict=True):
             valid = 1  # the decode token's K/V, then each kept draft token's
@@ -605,26 +510,31 @@ class Engine:
             rec.add(s, k)
             k += 1
         self._active.extend(new)
-        rec.done()
+        self._recorded(rec)
         self._retire()
 
     # ------------------------------------------------------------------ sampling
 
     def _sample_and_record(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         draw = sample(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], self._rng)
-        rec = _Recorder(self, draw)
+        rec = Recorder(draw, self.version, self._check_finished, self._detokenize)
         for k, s in enumerate(seqs):
             rec.add(s, k)
-        rec.done()
+        self._recorded(rec)
 
-    @staticmethod
-    def _emit(streams: dict[int, tuple[_Request, list[TokenEvent]]]) -> None:
-        """Hand each streaming request its step's events (one callback per request)."""
-        for req, events in streams.values():
+    def _recorded(self, rec: Recorder) -> None:
+        """Hand each streaming request its step's events (one callback each), then count the tokens."""
+        for req, events in rec.streams.values():
             try:
                 req.on_tokens(events)
             except Exception:  # the consumer is gone (e.g. its event loop closed): abort
                 req.future.cancel()
+        now = time.monotonic()
+        with self._cv:
+            self.total_generated += rec.count
+            self._token_times.append((now, rec.count))
+            while self._token_times and now - self._token_times[0][0] > 10.0:
+                self._token_times.popleft()
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -688,43 +598,3 @@ class Engine:
             finish_reason=s.finish_reason or "length",
             support=s.support,
         )
-
-
-class _Recorder:
-    """Appends one step's sampled tokens to their sequences, then streams and counts them once."""
-
-    def __init__(self, engine: Engine, draw: Draw):
-        self.engine, self.draw = engine, draw
-        self.version = engine.version
-        self.count = 0
-        self.streams: dict[int, tuple[_Request, list[TokenEvent]]] = {}  # id(request) -> step's events
-
-    def add(self, s: _Sequence, k: int) -> None:
-        """Row ``k`` of the draw is ``s``'s next token."""
-        draw = self.draw
-        tok, logp, top = draw.tokens[k], draw.logprobs[k], draw.top_logprobs[k] if draw.top_logprobs is not None else None
-        s.token_ids.append(tok)
-        s.logprobs.append(logp)
-        s.versions.append(self.version)
-        s.support.append(draw.support[k])
-        if top is not None:
-            s.top_logprobs.append(top)
-        self.engine._check_finished(s, tok)
-        self.count += 1
-        if s.request.on_tokens is not None:
-            if s.finish_reason is not None and s.text is None:
-                s.text = self.engine._detokenize(s.token_ids)  # _result reuses it
-            ev = TokenEvent(s.index, tok, logp, self.version, top, s.finish_reason,
-                            s.text if s.finish_reason is not None else None, draw.support[k])  # fmt: skip
-            self.streams.setdefault(id(s.request), (s.request, []))[1].append(ev)
-
-    def done(self) -> None:
-        engine = self.engine
-        if self.streams:
-            engine._emit(self.streams)
-        now = time.monotonic()
-        with engine._cv:
-            engine.total_generated += self.count
-            engine._token_times.append((now, self.count))
-            while engine._token_times and now - engine._token_times[0][0] > 10.0:
-                engine._token_times.popleft()
