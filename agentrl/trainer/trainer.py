@@ -323,10 +323,10 @@ class Trainer:
                 hidden = hidden.reshape(-1, hidden.shape[-1])[pk.hidden_at]
             else:
                 hidden = self._decode(decoder, input_ids=x["ids"], attention_mask=x["attn"])[:, :-1][sel]
-        hidden = hidden.float()  # the LM head and the softmax stay in float32
+        hidden = hidden.float()  # the softmax stays float32; a bf16 head recomputes its top logits in float32
         return token_logprobs_from_hidden(
             hidden, logits_fn, x["ids"][:, 1:][sel], x["support"][sel], self.sampling.temperature,
-            vocab=self.vocab_size,
+            vocab=self.vocab_size, head_dtype=torch.bfloat16 if self.bf16 else None,
         )
 
     @torch.no_grad()

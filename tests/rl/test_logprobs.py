@@ -139,3 +139,82 @@ def test_min_p_acts_before_top_p_as_in_vllm_v1():
     assert k.tolist() == [2]
     _, k = filtered_logits(logits, [EngineSampling(temperature=1.0, top_p=0.75, min_p=0.0)])
     assert k.tolist() == [3]
+
+
+def _bf16_head(bias: bool, cap: float | None, seed: int = 5):
+    from agentrl.trainer.logprobs import Head
+
+    gen = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(48, 600, bias=bias)
+    with torch.no_grad():  # peaked rows with logits of ~±20, where bf16's 8-bit rounding costs ~0.06
+        lin.weight.copy_(torch.randn(600, 48, generator=gen) * 0.9)
+        if bias:
+            lin.bias.copy_(torch.randn(600, generator=gen))
+    hidden = torch.randn(40, 48, generator=gen)
+    tokens = torch.randint(0, 600, (40,), generator=gen)
+    tokens[:20] = (hidden[:20] @ lin.weight.detach().t()).argmax(-1)  # half the rows sample their top token
+    return lin, Head(lin, None, None, cap), hidden, tokens
+
+
+@pytest.mark.parametrize(("bias", "cap"), [(False, None), (True, None), (False, 30.0)])
+def test_a_bf16_lm_head_recomputes_the_sampled_and_largest_logits_in_float32(bias, cap):
+    """Golden: log π = z_y − logsumexp(z) where z is the bf16 product except, per row, the sampled
+    token and the 16 largest, which are float32 (here float64) products; the cap applies to all."""
+    from agentrl.trainer.logprobs import EXACT_TOP, token_logprobs_from_hidden
+
+    lin, head, hidden, tokens = _bf16_head(bias, cap)
+    support = torch.zeros(40, dtype=torch.long)
+    got, _, _ = token_logprobs_from_hidden(hidden, head, tokens, support, 1.0, chunk_tokens=16,
+                                           head_dtype=torch.bfloat16)  # fmt: skip
+    w, b = lin.weight.detach(), lin.bias.detach() if bias else torch.zeros(600)
+
+    def post(z):
+        return torch.tanh(z / cap) * cap if cap else z
+
+    exact = post(hidden.double() @ w.double().t() + b.double())
+    # a bf16 product accumulates in float32 (here float64), adds the bf16 bias, and rounds once to bf16
+    rounded = post((hidden.bfloat16().double() @ w.bfloat16().double().t() + b.bfloat16().double()).bfloat16().double())
+    want = []
+    for i in range(40):
+        mixed = rounded[i].clone()
+        keep = set(torch.topk(rounded[i], EXACT_TOP).indices.tolist()) | {int(tokens[i])}
+        for j in keep:
+            mixed[j] = exact[i, j]
+        want.append(float(exact[i, tokens[i]] - torch.logsumexp(mixed, 0)))
+    want = torch.tensor(want)
+    true = exact.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(exact, 1)
+    plain_bf16 = rounded.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(rounded, 1)
+    assert torch.allclose(got.double(), want.double(), atol=2e-4), (got - want).abs().max()
+    # and it is what makes the bf16 head as exact as a float32 one: the plain bf16 product is not
+    assert (got.double() - true).abs().mean() < 0.2 * (plain_bf16 - true).abs().mean()
+
+
+def test_a_bf16_lm_heads_gradient_is_the_products_own():
+    """The float32 values replace entries, not the gradient: it flows through the bf16 product to
+    the hidden states and the float32 weight, within bf16's precision of the float32 gradient."""
+    from agentrl.trainer.logprobs import token_logprobs_from_hidden
+
+    grads = {}
+    for dtype in (None, torch.bfloat16):
+        lin, head, hidden, tokens = _bf16_head(False, None)
+        hidden.requires_grad_(True)
+        logp, _, _ = token_logprobs_from_hidden(hidden, head, tokens, torch.zeros(40, dtype=torch.long), 1.0,
+                                                chunk_tokens=16, head_dtype=dtype)  # fmt: skip
+        logp.sum().backward()
+        grads[dtype] = (hidden.grad, lin.weight.grad)
+    for ref, got in zip(grads[None], grads[torch.bfloat16], strict=True):
+        assert got is not None and got.dtype == torch.float32
+        assert torch.linalg.norm(got - ref) < 0.03 * torch.linalg.norm(ref)
+
+
+def test_a_head_that_is_not_a_plain_linear_stays_float32():
+    """An adapter, a sharded weight, a bare function: no float32 rows to recompute from, so the
+    head runs as it is, whatever ``head_dtype`` says."""
+    from agentrl.trainer.logprobs import token_logprobs_from_hidden
+
+    lin, head, hidden, tokens = _bf16_head(False, None)
+    support = torch.zeros(40, dtype=torch.long)
+    want, _, _ = token_logprobs_from_hidden(hidden, head, tokens, support, 1.0)
+    got, _, _ = token_logprobs_from_hidden(hidden, lambda h: lin(h), tokens, support, 1.0,
+                                           head_dtype=torch.bfloat16)  # fmt: skip
+    assert torch.equal(got, want)
