@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from agentrl.attention_switch import register, switch_to
+
 NAME = "agentrl_sdpa"  # transformers' sdpa, float32 under CPU autocast
 _sdpa: Any = None  # transformers' sdpa attention function, as registered when NAME was
 
@@ -43,16 +45,11 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
 def _register() -> Any:
     """Register :data:`NAME` (once per process); returns transformers' sdpa function."""
     global _sdpa
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if _sdpa is None:
         _sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if NAME not in ALL_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionInterface.register(NAME, _attention)
-    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:  # without a mask builder of its own, no masks
-        AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    register(NAME, _attention, masks_of="sdpa")
     return _sdpa
 
 
@@ -73,15 +70,8 @@ def float32_attention(model: torch.nn.Module) -> bool:
     sub-model on eager) or that cannot switch at run time are left as they are."""
     if not all(getattr(c, "_attn_implementation", None) == "sdpa" for c in _configs(model.config)):
         return False
-    can_switch = getattr(type(model), "_can_set_attn_implementation", None)
-    if can_switch is not None and not can_switch():
-        return False
     _register()
-    try:
-        model.set_attn_implementation(NAME)
-    except ValueError:  # this transformers refuses the name for this model: it keeps its own sdpa
-        return False
-    return model.config._attn_implementation == NAME
+    return switch_to(model, NAME)  # refused: the model keeps its own sdpa
 
 
 def is_sdpa(config: Any) -> bool:

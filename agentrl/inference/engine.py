@@ -117,22 +117,23 @@ class Engine:
             tokens = args.prefix_cache_tokens or self.max_batch_size * self.max_model_len
             self.prefix = PrefixCache(self._cache, max(1, tokens // args.prefix_block_size), args.prefix_block_size)
         self._epoch = 0  # bumped when cached K/V go stale (weights changed)
+        drafts = args.num_speculative_tokens > 0
+        if drafts and args.speculative_ngram < 1:
+            raise EngineStartError(f"speculative_ngram must be >= 1, got {args.speculative_ngram}")
+        if drafts and not args.ragged_batches:
+            raise EngineStartError("num_speculative_tokens needs ragged batches (draft tokens ride in their "
+                                   "forwards): set ragged_batches = true or num_speculative_tokens = 0")  # fmt: skip
         self.ragged = False  # one ragged forward per step (agentrl.inference.ragged), else padded forwards
         self.self_check_delta = model_support.self_check(self)
         self.ragged_check_delta: float | None = None
         if args.ragged_batches:
             self._use_ragged()
         self._drafter: NgramDrafter | None = None
-        if args.num_speculative_tokens > 0 and args.speculative_ngram < 1:
-            raise EngineStartError(f"speculative_ngram must be >= 1, got {args.speculative_ngram}")
-        if args.num_speculative_tokens > 0 and not args.ragged_batches:
-            raise EngineStartError("num_speculative_tokens needs ragged batches (draft tokens ride in their "
-                                   "forwards): set ragged_batches = true or num_speculative_tokens = 0")  # fmt: skip
-        if args.num_speculative_tokens > 0 and not self.ragged:  # refused for this model: it still serves
+        if drafts and self.ragged:
+            self._drafter = NgramDrafter(args.speculative_ngram, args.num_speculative_tokens)
+        elif drafts:  # ragged batches refused for this model: it still serves
             log.warning("engine: num_speculative_tokens = %d is ignored: draft tokens need ragged batches, which "
                         "this model cannot run (see above)", args.num_speculative_tokens)  # fmt: skip
-        elif args.num_speculative_tokens > 0:
-            self._drafter = NgramDrafter(args.speculative_ngram, args.num_speculative_tokens)
         self.draft_tokens = 0  # draft tokens run through a forward
         self.accepted_draft_tokens = 0  # of those, kept (equal to the token sampled at their position)
 
@@ -320,8 +321,10 @@ class Engine:
 
     def _use_ragged(self) -> None:
         """Switch to ragged batches if the model's attention can, and a self-check through them passes."""
-        ref = model_support.reference(self)  # the model's own attention, before the switch
-        original = ragged.switch(self.model)
+        original = None
+        if ragged.switchable(self.model):
+            ref = model_support.reference(self)  # the model's own attention, before the switch
+            original = ragged.switch(self.model)
         if original is None:
             log.warning("engine: %s runs attention %r; ragged batches need sdpa or eager, so prefill and decode "
                         "take separate padded forwards", type(self.model).__name__,

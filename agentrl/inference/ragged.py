@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from agentrl.attention_switch import can_switch, register, switch_to
+
 PREFIX = "agentrl_ragged_"  # + the model's own implementation: sdpa | eager
 ORIGINALS = ("sdpa", "eager")
 _state = threading.local()  # .plan: the Plan of the forward running on this thread
@@ -206,17 +208,9 @@ def _attention(original: str):
     return attention
 
 
-def _register(original: str) -> str:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    name = PREFIX + original
-    if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionInterface.register(name, _attention(original))
-    if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:  # a plain forward builds the original's masks
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
-    return name
+def switchable(model: Any) -> bool:
+    """Does ``model`` run an attention ragged batches wrap (sdpa or eager), and can it switch at run time?"""
+    return getattr(model.config, "_attn_implementation", None) in ORIGINALS and can_switch(model)
 
 
 def switch(model: Any) -> str | None:
@@ -225,16 +219,8 @@ def switch(model: Any) -> str | None:
     original = getattr(model.config, "_attn_implementation", None)
     if original not in ORIGINALS:
         return None
-    can_switch = getattr(type(model), "_can_set_attn_implementation", None)
-    if can_switch is not None and not can_switch():
-        return None
-    try:
-        model.set_attn_implementation(_register(original))
-    except ValueError:  # this transformers refuses the name for this model
-        return None
-    if model.config._attn_implementation != PREFIX + original:
-        return None
-    return original
+    register(PREFIX + original, _attention(original), masks_of=original)  # a plain forward: the original's masks
+    return original if switch_to(model, PREFIX + original) else None
 
 
 def unswitch(model: Any, original: str) -> None:
