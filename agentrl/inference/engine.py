@@ -321,7 +321,7 @@ class Engine:
 
     def _use_ragged(self) -> None:
         """Switch to ragged batches if the model's attention can, and a self-check through them passes."""
-        original = None
+        original, ref = None, None
         if ragged.switchable(self.model):
             ref = model_support.reference(self)  # the model's own attention, before the switch
             original = ragged.switch(self.model)

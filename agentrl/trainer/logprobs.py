@@ -40,19 +40,23 @@ from torch.utils.checkpoint import checkpoint
 from agentrl import support as support_rule
 
 
-def _chunk(logits: Tensor, tokens: Tensor, support: Tensor, inv_t: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(log π_θ of ``tokens``, entropy over the support, token outside the support) for one chunk."""
+def _chunk(logits: Tensor, tokens: Tensor, support: Tensor, inv_t: float,
+           rank: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(log π_θ of ``tokens``, entropy over the support, token outside the support) for one chunk.
+
+    ``rank``: logits of one precision to decide a truncated support on, where ``logits`` mixes
+    two (:func:`low_precision_logits`: a bf16-rounded neighbour must not outrank a float32 value)."""
     z = logits.float() * inv_t  # [n, V]
     v = z.shape[-1]
     chosen = z.gather(-1, tokens[:, None]).squeeze(-1)
     truncated = bool((~support_rule.full(support, v)).any())
     if truncated:
         # the top-K set's logsumexp, the set as the engine built it (agentrl.support: ties at the boundary kept)
-        z_sorted = z.detach().sort(dim=-1, descending=True).values
-        kth = support_rule.boundary(z_sorted, support)
-        kept = z >= kth
+        r = z.detach() if rank is None else rank.detach().float() * inv_t
+        kth = support_rule.boundary(r.sort(dim=-1, descending=True).values, support)
+        kept = r >= kth
         lse = torch.logsumexp(z.masked_fill(~kept, float("-inf")), dim=-1)
-        outside = chosen.detach() < kth.squeeze(-1)
+        outside = r.gather(-1, tokens[:, None]).squeeze(-1) < kth.squeeze(-1)
     else:
         kept = None
         lse = torch.logsumexp(z, dim=-1)
@@ -67,6 +71,9 @@ def _chunk(logits: Tensor, tokens: Tensor, support: Tensor, inv_t: float) -> tup
 
 
 EXACT_TOP = 16  # largest logits per row recomputed in float32 by low_precision_logits
+# fewer positions than this in a chunk and casting the head's weight to bf16 (and its gradient back)
+# costs more than the bf16 product saves (SmolLM2: ~60 ms of casts against ~0.6 ms saved per position)
+LOW_PRECISION_MIN_ROWS = 128
 
 
 def _recompute(start: int, rows: int, chunk_tokens: int) -> bool:
@@ -133,8 +140,9 @@ class Head:
         return z
 
     def plain_weight(self) -> Tensor | None:
-        """The ``[V, H]`` weight of a plain linear head with plain tensors (not an adapter, not a
-        sharded DTensor): what :meth:`exact` needs; None otherwise."""
+        """The ``[V, H]`` weight of a plain linear head with plain tensors (not an adapter, a
+        quantized weight or a DTensor shard; FSDP's unsharded weight is plain): what :meth:`exact`
+        needs; None otherwise."""
         w, b = getattr(self.linear, "weight", None), getattr(self.linear, "bias", None)
         plain = isinstance(self.linear, torch.nn.Linear) and all(t is None or type(t) in (Tensor, torch.nn.Parameter)
                                                                  for t in (w, b))  # fmt: skip
@@ -143,11 +151,11 @@ class Head:
     @torch.no_grad()
     def exact(self, h: Tensor, idx: Tensor) -> Tensor:
         """Logits ``[n, k]`` of the vocabulary entries ``idx`` ``[n, k]`` in float32, row by row."""
-        w = self.linear.weight
-        z = torch.einsum("nh,nkh->nk", h.float(), w[idx].float())
-        if self.linear.bias is not None:
-            z = z + self.linear.bias[idx].float()
-        return self.post(z)
+        with torch.autocast(h.device.type, enabled=False):  # float32 even inside a caller's autocast
+            z = torch.einsum("nh,nkh->nk", h.float(), self.linear.weight[idx].float())
+            if self.linear.bias is not None:
+                z = z + self.linear.bias[idx].float()
+            return self.post(z)
 
 
 def head_of(model: torch.nn.Module) -> tuple[torch.nn.Module, Head]:
@@ -165,21 +173,25 @@ class _Replace(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z: Tensor, idx: Tensor, values: Tensor) -> Tensor:  # noqa: ANN001
-        return z.scatter(-1, idx, values.to(z.dtype))
+        # column 0 last: where it repeats a later column its value wins, on any device
+        out = z.scatter(-1, idx[:, 1:], values[:, 1:].to(z.dtype))
+        return out.scatter_(-1, idx[:, :1], values[:, :1].to(z.dtype))
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
         return grad, None, None
 
 
-def low_precision_logits(head: Head, h: Tensor, tokens: Tensor, dtype: torch.dtype) -> Tensor:
-    """Logits ``[n, V]`` from the LM head run in ``dtype`` (bf16 autocast), float32 where it counts.
+def low_precision_logits(head: Head, h: Tensor, tokens: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Logits ``[n, V]`` from the LM head run in ``dtype`` (bf16 autocast), float32 where it counts,
+    and the bf16 logits alone (detached: a truncated support is ranked on them).
 
     A bf16 product rounds every logit to 8 significant bits, which about doubles the error of
     log π_θ against a float32 head (module docstring).  The entries that carry it are the sampled
     token's logit and the largest ones, which make up the logsumexp: those
     (``tokens`` and the top :data:`EXACT_TOP` per row) are recomputed in float32 from the
-    float32 weight, rows of ``[k, H]``.  The gradient is the bf16 product's.
+    float32 weight, rows of ``[k, H]``.  The gradient is the bf16 product's.  ``tokens`` is
+    column 0 of the recomputed entries (:class:`_Replace` lets it win a repeat).
     """
     with torch.autocast(h.device.type, dtype=dtype):
         z = head.linear(h)
@@ -187,7 +199,7 @@ def low_precision_logits(head: Head, h: Tensor, tokens: Tensor, dtype: torch.dty
     with torch.no_grad():
         idx = torch.cat([tokens[:, None], z.topk(min(EXACT_TOP, z.shape[-1]), dim=-1).indices], dim=-1)
         values = head.exact(h, idx)
-    return _Replace.apply(z, idx, values)
+    return _Replace.apply(z, idx, values), z.detach()
 
 
 def token_logprobs_from_hidden(
@@ -197,7 +209,8 @@ def token_logprobs_from_hidden(
     """:func:`token_logprobs` from hidden states ``[N, H]``: the LM head runs inside each chunk.
 
     ``head_dtype`` (bf16): a :class:`Head` with a plain weight runs its product in that type, its
-    largest logits and the sampled token's recomputed in float32 (:func:`low_precision_logits`)."""
+    largest logits and the sampled token's recomputed in float32 (:func:`low_precision_logits`),
+    in chunks of at least :data:`LOW_PRECISION_MIN_ROWS` positions (smaller ones stay float32)."""
     low = head_dtype if isinstance(logits_fn, Head) and logits_fn.plain_weight() is not None else None
     chunk_tokens = chunk_tokens or _rows_per_chunk(vocab or 32_000)
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
@@ -205,8 +218,10 @@ def token_logprobs_from_hidden(
         support = torch.zeros_like(support)
 
     def chunk(h: Tensor, tok: Tensor, sup: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        logits = low_precision_logits(logits_fn, h, tok, low) if low is not None else logits_fn(h)
-        return _chunk(logits, tok, sup, inv_t)
+        if low is not None and h.shape[0] >= LOW_PRECISION_MIN_ROWS:
+            logits, rank = low_precision_logits(logits_fn, h, tok, low)
+            return _chunk(logits, tok, sup, inv_t, rank=rank)
+        return _chunk(logits_fn(h), tok, sup, inv_t)
 
     outs = []
     n = hidden.shape[0]

@@ -141,19 +141,37 @@ def test_min_p_acts_before_top_p_as_in_vllm_v1():
     assert k.tolist() == [3]
 
 
-def _bf16_head(bias: bool, cap: float | None, seed: int = 5):
+ROWS = 300  # two chunks of 150 positions: at least LOW_PRECISION_MIN_ROWS each, the first checkpointed
+
+
+def _bf16_head(bias: bool, cap: float | None, seed: int = 5, head=None):
     from agentrl.trainer.logprobs import Head
 
     gen = torch.Generator().manual_seed(seed)
-    lin = torch.nn.Linear(48, 600, bias=bias)
+    lin = torch.nn.Linear(48, 600, bias=bias) if head is None else head
     with torch.no_grad():  # peaked rows with logits of ~±20, where bf16's 8-bit rounding costs ~0.06
         lin.weight.copy_(torch.randn(600, 48, generator=gen) * 0.9)
         if bias:
             lin.bias.copy_(torch.randn(600, generator=gen))
-    hidden = torch.randn(40, 48, generator=gen)
-    tokens = torch.randint(0, 600, (40,), generator=gen)
-    tokens[:20] = (hidden[:20] @ lin.weight.detach().t()).argmax(-1)  # half the rows sample their top token
+    hidden = torch.randn(ROWS, 48, generator=gen)
+    tokens = torch.randint(0, 600, (ROWS,), generator=gen)
+    tokens[: ROWS // 2] = (hidden[: ROWS // 2] @ lin.weight.detach().t()).argmax(-1)  # half sample their top token
     return lin, Head(lin, None, None, cap), hidden, tokens
+
+
+def _rounded(hidden, lin, cap=None):
+    """The bf16 product as a bf16 GEMM makes it: accumulated in float32 (here float64), plus the bf16
+    bias, rounded once to bf16; then the cap."""
+    b = lin.bias.detach() if lin.bias is not None else torch.zeros(lin.out_features)
+    z = (hidden.bfloat16().double() @ lin.weight.detach().bfloat16().double().t() + b.bfloat16().double())
+    z = z.bfloat16().double()
+    return torch.tanh(z / cap) * cap if cap else z
+
+
+def _exact(hidden, lin, cap=None):
+    b = lin.bias.detach() if lin.bias is not None else torch.zeros(lin.out_features)
+    z = hidden.double() @ lin.weight.detach().double().t() + b.double()
+    return torch.tanh(z / cap) * cap if cap else z
 
 
 @pytest.mark.parametrize(("bias", "cap"), [(False, None), (True, None), (False, 30.0)])
@@ -163,19 +181,12 @@ def test_a_bf16_lm_head_recomputes_the_sampled_and_largest_logits_in_float32(bia
     from agentrl.trainer.logprobs import EXACT_TOP, token_logprobs_from_hidden
 
     lin, head, hidden, tokens = _bf16_head(bias, cap)
-    support = torch.zeros(40, dtype=torch.long)
-    got, _, _ = token_logprobs_from_hidden(hidden, head, tokens, support, 1.0, chunk_tokens=16,
+    support = torch.zeros(ROWS, dtype=torch.long)
+    got, _, _ = token_logprobs_from_hidden(hidden, head, tokens, support, 1.0, chunk_tokens=150,
                                            head_dtype=torch.bfloat16)  # fmt: skip
-    w, b = lin.weight.detach(), lin.bias.detach() if bias else torch.zeros(600)
-
-    def post(z):
-        return torch.tanh(z / cap) * cap if cap else z
-
-    exact = post(hidden.double() @ w.double().t() + b.double())
-    # a bf16 product accumulates in float32 (here float64), adds the bf16 bias, and rounds once to bf16
-    rounded = post((hidden.bfloat16().double() @ w.bfloat16().double().t() + b.bfloat16().double()).bfloat16().double())
+    exact, rounded = _exact(hidden, lin, cap), _rounded(hidden, lin, cap)
     want = []
-    for i in range(40):
+    for i in range(ROWS):
         mixed = rounded[i].clone()
         keep = set(torch.topk(rounded[i], EXACT_TOP).indices.tolist()) | {int(tokens[i])}
         for j in keep:
@@ -189,6 +200,33 @@ def test_a_bf16_lm_head_recomputes_the_sampled_and_largest_logits_in_float32(bia
     assert (got.double() - true).abs().mean() < 0.2 * (plain_bf16 - true).abs().mean()
 
 
+@pytest.mark.parametrize("top_k", [20, 50])
+def test_a_bf16_heads_truncated_support_is_ranked_on_its_bf16_logits(top_k):
+    """A bf16 engine draws from the top K of its bf16 logits.  The token at rank K must stay inside
+    the trainer's support: ranked on the bf16 logits (ties kept whole, as the engine keeps them),
+    not on a mix where the float32 values sit among bf16-rounded neighbours.  Golden, at T = 0.7:
+    log π = z_y/T − logsumexp over that set of the mixed values / T."""
+    from agentrl.trainer.logprobs import EXACT_TOP, token_logprobs_from_hidden
+
+    lin, head, hidden, _ = _bf16_head(False, None, seed=11)
+    exact, rounded = _exact(hidden, lin), _rounded(hidden, lin)
+    order = rounded.sort(dim=-1, descending=True)
+    tokens = order.indices[:, top_k - 1]  # the boundary token of each row's kept set
+    support = torch.full((ROWS,), top_k, dtype=torch.long)
+    got, _, outside = token_logprobs_from_hidden(hidden, head, tokens, support, 0.7, chunk_tokens=150,
+                                                 head_dtype=torch.bfloat16)  # fmt: skip
+    assert not outside.any(), int(outside.sum())
+    want = []
+    for i in range(ROWS):
+        mixed = rounded[i].clone()
+        for j in set(torch.topk(rounded[i], EXACT_TOP).indices.tolist()) | {int(tokens[i])}:
+            mixed[j] = exact[i, j]
+        kept = rounded[i] >= order.values[i, top_k - 1]
+        want.append(float(mixed[tokens[i]] / 0.7 - torch.logsumexp(mixed[kept] / 0.7, 0)))
+    want = torch.tensor(want)
+    assert torch.allclose(got.double(), want.double(), atol=3e-4), (got - want).abs().max()
+
+
 def test_a_bf16_lm_heads_gradient_is_the_products_own():
     """The float32 values replace entries, not the gradient: it flows through the bf16 product to
     the hidden states and the float32 weight, within bf16's precision of the float32 gradient."""
@@ -198,8 +236,8 @@ def test_a_bf16_lm_heads_gradient_is_the_products_own():
     for dtype in (None, torch.bfloat16):
         lin, head, hidden, tokens = _bf16_head(False, None)
         hidden.requires_grad_(True)
-        logp, _, _ = token_logprobs_from_hidden(hidden, head, tokens, torch.zeros(40, dtype=torch.long), 1.0,
-                                                chunk_tokens=16, head_dtype=dtype)  # fmt: skip
+        logp, _, _ = token_logprobs_from_hidden(hidden, head, tokens, torch.zeros(ROWS, dtype=torch.long), 1.0,
+                                                chunk_tokens=150, head_dtype=dtype)  # fmt: skip
         logp.sum().backward()
         grads[dtype] = (hidden.grad, lin.weight.grad)
     for ref, got in zip(grads[None], grads[torch.bfloat16], strict=True):
@@ -207,14 +245,62 @@ def test_a_bf16_lm_heads_gradient_is_the_products_own():
         assert torch.linalg.norm(got - ref) < 0.03 * torch.linalg.norm(ref)
 
 
-def test_a_head_that_is_not_a_plain_linear_stays_float32():
-    """An adapter, a sharded weight, a bare function: no float32 rows to recompute from, so the
-    head runs as it is, whatever ``head_dtype`` says."""
-    from agentrl.trainer.logprobs import token_logprobs_from_hidden
+class _Wrapped(torch.nn.Parameter):
+    """A weight of another tensor type (as a quantized or sharded one is)."""
 
-    lin, head, hidden, tokens = _bf16_head(False, None)
-    support = torch.zeros(40, dtype=torch.long)
-    want, _, _ = token_logprobs_from_hidden(hidden, head, tokens, support, 1.0)
-    got, _, _ = token_logprobs_from_hidden(hidden, lambda h: lin(h), tokens, support, 1.0,
+
+class _OtherLinear(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(48, 600, bias=False)
+        self.weight = _Wrapped(self.weight.detach().clone())
+
+
+@pytest.mark.parametrize("case", ["function", "wrapped weight", "short chunk"])
+def test_a_bf16_head_stays_float32_without_a_plain_weight_or_enough_positions(case):
+    """A bare function, a weight of another tensor type (an adapter, a quantized or sharded weight):
+    no float32 rows to recompute from; a chunk under LOW_PRECISION_MIN_ROWS: the casts cost more
+    than bf16 saves.  Each runs the head in float32, whatever ``head_dtype`` says."""
+    from agentrl.trainer.logprobs import Head, token_logprobs_from_hidden
+
+    lin, head, hidden, tokens = _bf16_head(False, None, head=_OtherLinear() if case == "wrapped weight" else None)
+    support = torch.zeros(ROWS, dtype=torch.long)
+    chunk = 100 if case == "short chunk" else 150
+    plain = Head(lin, None, None, None) if case != "function" else (lambda h: lin(h))
+    with torch.no_grad():
+        want = torch.log_softmax(lin(hidden), -1).gather(-1, tokens[:, None])[:, 0]
+    got, _, _ = token_logprobs_from_hidden(hidden, plain, tokens, support, 1.0, chunk_tokens=chunk,
                                            head_dtype=torch.bfloat16)  # fmt: skip
-    assert torch.equal(got, want)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_bf16_trainer_runs_its_lm_head_in_bf16(tiny_model, monkeypatch):
+    """The trainer asks for the bf16 head exactly when its autocast is on."""
+    import warnings
+
+    from agentrl.config import TrainerConfig
+    from agentrl.trainer import trainer as trainer_module
+    from agentrl.trainer.trainer import Trainer
+    from agentrl.types import Group, Message, Task, TokenSequence, Trajectory
+
+    seen = []
+    real = trainer_module.token_logprobs_from_hidden
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("head_dtype"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "token_logprobs_from_hidden", spy)
+    task = Task(prompt=[Message("user", "q")])
+    group = Group(task=task)
+    for reward in (0.0, 1.0):
+        s = TokenSequence()
+        s.extend_forced([5, 6, 7])
+        s.extend_sampled([8, 9, 10], [-1.0] * 3, [0] * 3)
+        group.trajectories.append(Trajectory(task=task, sequences=[s], reward=reward))
+    group.assign_advantages()
+    for dtype, want in (("float32", None), ("bfloat16", torch.bfloat16)):
+        seen.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # bf16 on a CPU that emulates it
+            Trainer(tiny_model, TrainerConfig(dtype=dtype)).step([group])
+        assert seen and set(seen) == {want}
