@@ -451,14 +451,10 @@ class Engine:
 
     def _draft(self, s: _Sequence) -> tuple[int, ...]:
         """Draft tokens for ``s`` (none past its max_tokens or the context: every one it keeps must fit)."""
-        drafter = self._drafter
-        total = len(s.request.prompt_ids) + len(s.token_ids)
-        limit = min(drafter.k, s.draft_limit, s.request.sampling.max_tokens - len(s.token_ids) - 1,
-                    self.max_model_len - total - 1)  # fmt: skip
-        tail = s.token_ids[-drafter.n :]
-        if len(tail) < drafter.n:
-            tail = s.request.prompt_ids[len(tail) - drafter.n :] + tail
-        return drafter.propose(tail, limit)
+        drafter, prompt, done = self._drafter, s.request.prompt_ids, s.token_ids
+        limit = min(drafter.k, s.draft_limit, s.request.sampling.max_tokens - len(done) - 1,
+                    self.max_model_len - len(prompt) - len(done) - 1)  # fmt: skip
+        return drafter.propose(prompt[-drafter.n :] + done[-drafter.n :], limit)  # it reads the last n
 
     def _ragged_step(self, admitted: list[tuple[_Request, list[Block]]]) -> None:
         """Decode every running sequence (with its draft tokens) and prefill the admitted requests, in one forward."""

@@ -39,7 +39,7 @@ class Forwards:
         Running the whole ``*ForCausalLM`` (not the base model + LM head) keeps the model's
         own logit processing (softcapping, scaling); ``keep`` selects each row's last token.
         """
-        masks = attention_masks(positions, kv_len, self.mask_kinds, self.bool_mask, self.dtype)
+        masks = self.masks(positions, kv_len)
         self.cache.bind(r0, write_idx, kv_len)
         out = self.model(
             input_ids=ids,
