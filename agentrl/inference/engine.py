@@ -68,7 +68,7 @@ from agentrl.inference.requests import (  # noqa: F401  (TokenEvent, TokenCallba
     resolve_device,
 )
 from agentrl.inference.sampling import EngineSampling, sample
-from agentrl.inference.speculation import NgramDrafter
+from agentrl.inference.speculation import NgramDrafter, Speculation
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +128,13 @@ class Engine:
         self.ragged_check_delta: float | None = None
         if args.ragged_batches:
             self._use_ragged()
-        self._drafter: NgramDrafter | None = None
+        drafter = None
         if drafts and self.ragged:
-            self._drafter = NgramDrafter(args.speculative_ngram, args.num_speculative_tokens)
+            drafter = NgramDrafter(args.speculative_ngram, args.num_speculative_tokens)
         elif drafts:  # ragged batches refused for this model: it still serves
             log.warning("engine: num_speculative_tokens = %d is ignored: draft tokens need ragged batches, which "
                         "this model cannot run (see above)", args.num_speculative_tokens)  # fmt: skip
-        self.draft_tokens = 0  # draft tokens run through a forward
-        self.accepted_draft_tokens = 0  # of those, kept (equal to the token sampled at their position)
+        self.speculation = Speculation(drafter, self.max_model_len)
 
         self.version = 0
         self._waiting: deque[_Request] = deque()
@@ -268,9 +267,9 @@ class Engine:
                 "prefix_cache_capacity_blocks": self.prefix.num_blocks if self.prefix is not None else 0,
                 "prefix_cache_evicted_blocks": self.prefix.evicted_blocks if self.prefix is not None else 0,
                 "ragged_batches": self.ragged,
-                "num_speculative_tokens": self._drafter.k if self._drafter is not None else 0,
-                "draft_tokens": self.draft_tokens,
-                "accepted_draft_tokens": self.accepted_draft_tokens,
+                "num_speculative_tokens": self.speculation.k,
+                "draft_tokens": self.speculation.draft_tokens,
+                "accepted_draft_tokens": self.speculation.accepted_draft_tokens,
                 "version": self.version,
                 "paused": self._paused,
                 "max_batch_size": self.max_batch_size,
@@ -449,19 +448,12 @@ class Engine:
 
     # ------------------------------------------------------------------ ragged steps
 
-    def _draft(self, s: _Sequence) -> tuple[int, ...]:
-        """Draft tokens for ``s`` (none past its max_tokens or the context: every one it keeps must fit)."""
-        drafter, prompt, done = self._drafter, s.request.prompt_ids, s.token_ids
-        limit = min(drafter.k, s.draft_limit, s.request.sampling.max_tokens - len(done) - 1,
-                    self.max_model_len - len(prompt) - len(done) - 1)  # fmt: skip
-        return drafter.propose(prompt[-drafter.n :] + done[-drafter.n :], limit)  # it reads the last n
-
     def _ragged_step(self, admitted: list[tuple[_Request, list[Block]]]) -> None:
         """Decode every running sequence (with its draft tokens) and prefill the admitted requests, in one forward."""
         active = self._active
         segments: list[tuple[int, list[int], int]] = []
         keep: list[int] = []  # flat index of each logits row
-        drafts = [list(self._draft(s)) for s in active] if self._drafter is not None else [[] for _ in active]
+        drafts = self.speculation.drafts(active)
         flat = len(active)
         for i, d in enumerate(drafts):
             keep.append(i)
@@ -480,31 +472,10 @@ class Engine:
         seqs = [s for s, d in zip(active, drafts, strict=True) for _ in range(1 + len(d))] + new
         if new:
             logits = torch.cat([logits[:decoded], logits[torch.tensor(rows, device=self.device) + decoded]])
-        # a seeded sequence draws one uniform per row, drafts after a mismatch too: rewind it below to one per
-        # kept token, so a seed gives the same tokens with or without drafts (whatever the drafter has seen)
-        rewind = {id(s): s.generator.get_state() for s, d in zip(active, drafts, strict=True)
-                  if d and s.generator is not None and s.request.sampling.temperature > 0}  # fmt: skip
+        states = self.speculation.generator_states(active, drafts)
         draw = sample(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], self._rng)
         rec = Recorder(draw, self.version, self._check_finished, self._detokenize)
-        k = 0
-        for s, d in zip(active, drafts, strict=True):
-            valid = 1  # the decode token's K/V, then each kept draft token's
-            for j in range(len(d) + 1):
-                rec.add(s, k + j)
-                kept = j < len(d) and draw.tokens[k + j] == d[j]
-                valid += kept
-                if s.finish_reason is not None or not kept:
-                    break
-            s.cached += valid
-            if id(s) in rewind:
-                s.generator.set_state(rewind[id(s)])
-                for _ in range(j + 1):  # one draw per token kept, as sampling takes them (rand(n) differs on CUDA)
-                    torch.rand(1, generator=s.generator, device=self.device, dtype=torch.float64)
-            if d:  # one more draft token after a run that kept all its drafts, else as many as it kept plus one
-                s.draft_limit = len(d) + 1 if valid > len(d) else valid
-            k += len(d) + 1
-            self.draft_tokens += len(d)
-            self.accepted_draft_tokens += valid - 1
+        k = self.speculation.keep(active, drafts, rec, states)
         for s in new:
             rec.add(s, k)
             k += 1
@@ -562,10 +533,7 @@ class Engine:
         done = [s for s in self._active if s.finish_reason is not None]
         if not done:
             return
-        if self._drafter is not None:  # what they wrote drafts the next ones
-            n = self._drafter.n
-            for s in done:
-                self._drafter.learn(s.request.prompt_ids[-n:] + s.token_ids, start=min(n, len(s.request.prompt_ids)))
+        self.speculation.learn(done)
         if self.prefix is not None:  # keep what they computed for the next turn, before slots are reused
             for s in done:
                 if s.epoch == self._epoch:

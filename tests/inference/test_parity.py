@@ -93,7 +93,7 @@ def test_engine_logprobs_equal_the_trainers_with_draft_tokens(family, tmp_path):
     # its continuations: drafts are kept), the third has others (drafts are rejected), on every architecture
     path = build_family_model(tmp_path / family, family)
     deltas, engine = parity(path, seeds=(0, 0, 1000), num_speculative_tokens=3)
-    assert engine.ragged and 0 < engine.accepted_draft_tokens < engine.draft_tokens
+    assert engine.ragged and 0 < engine.speculation.accepted_draft_tokens < engine.speculation.draft_tokens
     assert max(deltas.values()) <= TOL, f"{family}: max |Δ| per (T, top-k, top-p) {deltas}"
 
 

@@ -132,7 +132,7 @@ def test_a_ragged_path_that_differs_is_refused_and_the_engine_keeps_padded_batch
         assert not engine.ragged and "ragged batches refused" in caplog.text
         assert "num_speculative_tokens = 2 is ignored" in caplog.text  # the run goes on without drafts
         r = engine.submit([5, 6, 7], EngineSampling(max_tokens=4, temperature=0, ignore_eos=True)).result(60)[0]
-        assert len(r.token_ids) == 4 and engine.draft_tokens == 0
+        assert len(r.token_ids) == 4 and engine.speculation.draft_tokens == 0
     finally:
         engine.close()
     monkeypatch.undo()
@@ -167,7 +167,7 @@ def test_greedy_speculation_gives_the_same_tokens_in_fewer_steps(llama):
     for w, a, b in zip(want, first, again, strict=True):
         assert w.token_ids == a.token_ids == b.token_ids and len(b.token_ids) == 40
         assert max(abs(x - y) for x, y in zip(w.logprobs, b.logprobs, strict=True)) < 1e-4
-    assert engine.accepted_draft_tokens > 0.8 * engine.draft_tokens
+    assert engine.speculation.accepted_draft_tokens > 0.8 * engine.speculation.draft_tokens
 
 
 def test_drafts_stop_at_max_tokens_stop_strings_and_stream_every_token(llama):
@@ -185,7 +185,7 @@ def test_drafts_stop_at_max_tokens_stop_strings_and_stream_every_token(llama):
     engine = make(llama, num_speculative_tokens=6)
     try:
         engine.submit(prompt, greedy).result(120)  # teach the drafter this completion
-        drafted = engine.draft_tokens
+        drafted = engine.speculation.draft_tokens
         events = []
         r = engine.submit(prompt, EngineSampling(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]),
                           on_tokens=events.extend).result(120)[0]  # fmt: skip
@@ -193,7 +193,7 @@ def test_drafts_stop_at_max_tokens_stop_strings_and_stream_every_token(llama):
         assert [e.token_id for e in events] == r.token_ids and events[-1].finish_reason == "stop"
         short = engine.submit(prompt, EngineSampling(max_tokens=7, temperature=0, ignore_eos=True)).result(120)[0]
         assert short.token_ids == full.token_ids[:7] and short.finish_reason == "length"
-        assert engine.draft_tokens > drafted
+        assert engine.speculation.draft_tokens > drafted
     finally:
         engine.close()
 
@@ -211,9 +211,9 @@ def test_a_seed_gives_the_same_tokens_with_or_without_drafts(llama):
     try:  # other completions teach the drafter (n = 1: a draft almost every step, most rejected at T = 1)
         for p in prompts:
             engine.submit(p, EngineSampling(max_tokens=24, temperature=1.0, ignore_eos=True)).result(120)
-        drafted, kept = engine.draft_tokens, engine.accepted_draft_tokens
+        drafted, kept = engine.speculation.draft_tokens, engine.speculation.accepted_draft_tokens
         got = [engine.submit(p, sp).result(120)[0].token_ids for p, sp in zip(prompts, seeded, strict=True)]
-        assert engine.draft_tokens - drafted > engine.accepted_draft_tokens - kept  # drafts ran and some were rejected
+        assert engine.speculation.draft_tokens - drafted > engine.speculation.accepted_draft_tokens - kept  # drafts ran and some were rejected
     finally:
         engine.close()
     assert got == want
@@ -249,10 +249,10 @@ def test_sampled_tokens_keep_the_models_joint_law_under_speculation(llama):
     engine = make(llama, num_speculative_tokens=2, speculative_ngram=1, max_batch_size=64)
     try:
         _joint(engine, prompt, sp, 512)  # the drafter learns what follows each token
-        drafted, kept = engine.draft_tokens, engine.accepted_draft_tokens
+        drafted, kept = engine.speculation.draft_tokens, engine.speculation.accepted_draft_tokens
         n = 4096
         seen = _joint(engine, prompt, sp, n)
-        drafted, kept = engine.draft_tokens - drafted, engine.accepted_draft_tokens - kept
+        drafted, kept = engine.speculation.draft_tokens - drafted, engine.speculation.accepted_draft_tokens - kept
     finally:
         engine.close()
     assert drafted > 0.9 * n and 0.1 * drafted < kept < 0.9 * drafted  # drafts ran, some kept and some not
