@@ -66,7 +66,8 @@ def main() -> None:
     del base
     prompt = [1, 20, 30]
 
-    with start_embedded_engine(model_dir, max_batch_size=2, max_model_len=64, device="cpu") as eng:
+    # float32, as the reference the greedy check compares with (auto may serve bf16 on a CPU with native bf16)
+    with start_embedded_engine(model_dir, max_batch_size=2, max_model_len=64, device="cpu", dtype="float32") as eng:
 
         async def run():
             shm = make_weight_sync(eng.base_url, "shm")
