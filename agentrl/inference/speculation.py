@@ -101,7 +101,8 @@ class Speculation:
              states: dict[int, torch.Tensor]) -> int:  # fmt: skip
         """Record each sequence's tokens from its rows of ``rec``'s draw (its decode row, then one per
         draft, sequence after sequence): each row's sampled token, up to and including the first that
-        differs from the draft it follows.  Returns the number of rows read."""
+        differs from the draft at its position or finishes the sequence.  Returns the number of rows
+        these sequences occupy (the first admitted prompt's row)."""
         tokens, k = rec.draw.tokens, 0
         for s, d in zip(seqs, drafts, strict=True):
             valid = 1  # the decode token's K/V, then each kept draft token's
