@@ -33,11 +33,11 @@ class Forwards:
         self.masks = partial(attention_masks, kinds=self.mask_kinds, boolean=self.bool_mask, dtype=dtype)
 
     def padded(self, r0: int, ids: torch.Tensor, positions: torch.Tensor, write_idx: torch.Tensor,
-                 kv_len: int, keep: int | torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """The model's own forward on slot rows ``r0..``: ``[R, V]`` float32 logits of the ``keep`` tokens.
+                 kv_len: int) -> torch.Tensor:  # fmt: skip
+        """The model's own forward on slot rows ``r0..``: ``[R, V]`` float32 logits of each row's last token.
 
         Running the whole ``*ForCausalLM`` (not the base model + LM head) keeps the model's
-        own logit processing (softcapping, scaling); ``keep`` selects each row's last token.
+        own logit processing (softcapping, scaling); only the last column's logits are computed.
         """
         masks = self.masks(positions, kv_len)
         self.cache.bind(r0, write_idx, kv_len)
@@ -46,32 +46,37 @@ class Forwards:
             attention_mask=masks if self.mask_dict else masks[next(iter(masks))],
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=keep,
+            logits_to_keep=1,
             **{self.cache_kw: self.cache},
         )
         return out.logits[:, -1].float()
 
     def prefill(self, r0: int, chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Run ``chunks[i]`` at positions ``starts[i]..`` of slot ``r0 + i`` (K/V before ``starts[i]`` are
-        already there); right-padded, pads write the scratch column.  Logits of each last token."""
+        already there); left-padded, pads write the scratch column.  Logits of each last token."""
         dev = self.device
         n = torch.tensor([len(c) for c in chunks], device=dev)
         start = torch.tensor(starts, device=dev)
         t = int(n.max())
         ids = torch.zeros((len(chunks), t), dtype=torch.long)
         for i, c in enumerate(chunks):
-            ids[i, : len(c)] = torch.tensor(c)
+            ids[i, t - len(c) :] = torch.tensor(c)
+        # left padding puts every row's last token in the last column, so an int ``logits_to_keep``
+        # picks them on every transformers version (a per-row index tensor means different things
+        # across versions).  A pad takes its row's first position (its rope and mask stay in
+        # range) but writes the scratch column, which no query sees.
+        pad = (t - n)[:, None]
         cols = torch.arange(t, device=dev)[None, :]
-        # a pad repeats its row's last position (its rope and mask stay in range) but writes the scratch column
-        positions = start[:, None] + torch.minimum(cols, n[:, None] - 1)
-        write_idx = torch.where(cols < n[:, None], start[:, None] + cols, self.cache.scratch)
+        offset = (cols - pad).clamp(min=0)
+        positions = start[:, None] + offset
+        write_idx = torch.where(cols >= pad, start[:, None] + offset, self.cache.scratch)
         kv_len = int((start + n).max())
-        return self.padded(r0, ids.to(dev), positions, write_idx, kv_len, (n - 1)[:, None])
+        return self.padded(r0, ids.to(dev), positions, write_idx, kv_len)
 
     def decode(self, r0: int, ids: list[list[int]], positions: list[int]) -> torch.Tensor:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
         tok = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self.padded(r0, tok, pos, pos, max(positions) + 1, 1)
+        return self.padded(r0, tok, pos, pos, max(positions) + 1)
 
     def ragged(self, decode: list[tuple[int, int]], drafts: list[list[int]],
                        segments: list[tuple[int, list[int], int]], keep: list[int]) -> torch.Tensor:  # fmt: skip
