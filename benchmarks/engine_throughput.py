@@ -75,14 +75,15 @@ async def run_engine(base_url: str, model: str, prompts, max_tokens) -> tuple[fl
 
 def run_hf(model, tok, prompts, max_tokens, batch: int) -> tuple[float, int, int]:
     pad = tok.pad_token_id
-    model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=True, pad_token_id=pad)  # warm-up
+    dev = model.device  # inputs where the model is (on CUDA, CPU inputs make generate slower and warn)
+    model.generate(torch.tensor([prompts[0]], device=dev), max_new_tokens=4, do_sample=True, pad_token_id=pad)
     useful = generated = 0
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch):
         ps, ms = prompts[s : s + batch], max_tokens[s : s + batch]
         width = max(len(p) for p in ps)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=dev)
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max(ms), min_new_tokens=max(ms),
             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=None,

@@ -12,7 +12,7 @@ from agentrl.errors import EngineStartError
 from agentrl.inference import start_embedded_engine
 from agentrl.inference.engine import Engine
 from agentrl.inference.sampling import EngineSampling
-from agentrl.tiny_model import IM_END, build_family_model
+from agentrl.tiny_model import IM_END, build_family_model, build_tiny_model
 
 PROMPT = [5, 77, 300, 41, 9, 120]
 
@@ -90,3 +90,30 @@ def test_the_launcher_reports_a_refusal_in_one_line(tmp_path):
         start_embedded_engine(path, max_model_len=128, max_batch_size=2, device="cpu", startup_timeout=120)
     assert str(e.value).startswith("the engine cannot serve 'phi3' exactly: no support for rope_type 'longrope'")
     assert "\n" not in str(e.value)
+
+
+def _slice_before_5_2x(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
+    """transformers' ``logits_to_keep`` before per-row index tensors (5.17, say): an int keeps the
+    last ``keep`` positions, any tensor indexes the sequence axis of every row alike."""
+    if isinstance(keep, int):
+        return hidden[:, -keep:, :] if keep else hidden
+    return hidden[:, keep, :]
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_engine_serves_exactly_under_the_older_logits_to_keep(tmp_path, monkeypatch, ragged):
+    # the engine's forwards must mean the same on every supported transformers: a per-row index
+    # tensor once read as [R, 1] positions shared by all rows, and every model was refused
+    import transformers.models.llama.modeling_llama as llama
+
+    monkeypatch.setattr(llama, "slice_logits_to_keep", _slice_before_5_2x)
+    path = build_tiny_model(tmp_path / "tiny", layers=2, hidden=64, heads=2)
+    engine = make_engine(path, ragged_batches=ragged, num_speculative_tokens=0, dtype="float32")
+    assert engine.ragged == ragged
+    assert engine.self_check_delta < 1e-4
+    prompts = [PROMPT, PROMPT[:3], PROMPT[:5] + [17, 18, 19]]  # unequal lengths: a padded prefill
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    logits = engine._prefill_logits(0, prompts, [0] * len(prompts))
+    for row, p in zip(logits, prompts, strict=True):
+        want = model(input_ids=torch.tensor([p])).logits[0, -1].float()
+        assert torch.allclose(row, want, atol=1e-4)
