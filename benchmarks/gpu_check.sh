@@ -15,17 +15,21 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 LOG="$WORK/log"
 declare -A RESULT
+if [ -n "${GPU_CHECK_TIMEOUT:-}" ] && ! [[ "$GPU_CHECK_TIMEOUT" =~ ^[1-9][0-9]*$ ]]; then
+  echo "gpu_check: GPU_CHECK_TIMEOUT must be a whole number of seconds >= 1, got '$GPU_CHECK_TIMEOUT'" >&2; exit 2
+fi
 
 check() {  # check NAME TIMEOUT_S COMMAND...  (GPU_CHECK_TIMEOUT=S caps every check's limit)
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$2 rc=0; shift 2
   [ -n "${GPU_CHECK_TIMEOUT:-}" ] && [ "$GPU_CHECK_TIMEOUT" -lt "$limit" ] && limit=$GPU_CHECK_TIMEOUT
   echo "== $name" >>"$LOG"
-  if timeout "$limit" "$@" >"$WORK/$name.out" 2>&1; then
+  timeout "$limit" "$@" >"$WORK/$name.out" 2>&1 || rc=$?
+  if [ "$rc" = 0 ]; then
     RESULT[$name]=ok; echo "ok       $name"
-  else
-    RESULT[$name]=failed; echo "FAILED   $name (exit $?): $(tail -n 3 "$WORK/$name.out" | tr '\n' ' ' | cut -c1-300)"
+  else  # 124: stopped at its time limit
+    RESULT[$name]=failed; echo "FAILED   $name (exit $rc): $(tail -n 3 "$WORK/$name.out" | tr '\n' ' ' | cut -c1-300)"
   fi
-  [ -n "${GPU_CHECK_LOG:-}" ] && { echo "== $name: ${RESULT[$name]}"; cat "$WORK/$name.out"; } >>"$GPU_CHECK_LOG"
+  if [ -n "${GPU_CHECK_LOG:-}" ]; then { echo "== $name: ${RESULT[$name]} (exit $rc)"; cat "$WORK/$name.out"; } >>"$GPU_CHECK_LOG"; fi
 }
 
 skip() { RESULT[$1]="skipped"; echo "skipped  $1: $2"; }

@@ -55,9 +55,10 @@ class Forwards:
         """Run ``chunks[i]`` at positions ``starts[i]..`` of slot ``r0 + i`` (K/V before ``starts[i]`` are
         already there); left-padded, pads write the scratch column.  Logits of each last token."""
         dev = self.device
-        n = torch.tensor([len(c) for c in chunks], device=dev)
+        lens = [len(c) for c in chunks]
+        n = torch.tensor(lens, device=dev)
         start = torch.tensor(starts, device=dev)
-        t = int(n.max())
+        t = max(lens)  # from the host lists: no device sync on CUDA
         ids = torch.zeros((len(chunks), t), dtype=torch.long)
         for i, c in enumerate(chunks):
             ids[i, t - len(c) :] = torch.tensor(c)
@@ -70,7 +71,7 @@ class Forwards:
         offset = (cols - pad).clamp(min=0)
         positions = start[:, None] + offset
         write_idx = torch.where(cols >= pad, start[:, None] + offset, self.cache.scratch)
-        kv_len = int((start + n).max())
+        kv_len = max(s + k for s, k in zip(starts, lens, strict=True))
         return self.padded(r0, ids.to(dev), positions, write_idx, kv_len)
 
     def decode(self, r0: int, ids: list[list[int]], positions: list[int]) -> torch.Tensor:

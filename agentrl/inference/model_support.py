@@ -11,7 +11,7 @@ one-line :class:`~agentrl.errors.EngineStartError` naming what is missing, never
 2. a self-check (:func:`self_check`): a short probe prefilled in two chunks over two padded
    rows, then decoded, through the engine's own path, compared with the model's plain forward
    of the same tokens.  It catches what no config field says (a model that ignores position
-   ids, keeps K/V elsewhere, or cannot slice its logits per row).
+   ids, keeps K/V elsewhere, or slices its logits otherwise than the engine reads them).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def unsupported_features(model: Any, max_model_len: int) -> list[str]:
         missing.append(problem)
     params = inspect.signature(model.forward).parameters
     if "logits_to_keep" not in params:
-        missing.append("per-row logits (the model's forward has no logits_to_keep)")
+        missing.append("logits of chosen positions (the model's forward has no logits_to_keep)")
     if not ({"cache", "past_key_values"} & set(params)):
         missing.append("an external KV cache (the model's forward takes no cache)")
     return missing
@@ -263,11 +263,12 @@ def self_check(engine: Engine, length: int = 24, ref: tuple[torch.Tensor, torch.
     try:
         probe, logprobs = ref if ref is not None else _probe(engine, length)
         got = (_ragged_probe if engine.ragged else _padded_probe)(engine, probe, length)
+        # a forward that returned another shape (a transformers that reads logits_to_keep otherwise) fails here
+        delta = max(_delta(lp.float().log_softmax(-1).cpu(), logprobs[r, p]) for (r, p), lp in got.items())
     except EngineStartError:
         raise
     except Exception as e:
         raise EngineStartError(f"the engine cannot serve {name!r}: its self-check failed ({_one_line(e)})") from e
-    delta = max(_delta(lp.float().log_softmax(-1).cpu(), logprobs[r, p]) for (r, p), lp in got.items())
     tol = SELF_CHECK_TOL.get(next(model.parameters()).dtype, 1e-3)
     if not delta <= tol:  # also catches NaN
         raise EngineStartError(

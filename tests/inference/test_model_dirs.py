@@ -92,9 +92,11 @@ def test_the_launcher_reports_a_refusal_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
+
 def _slice_before_5_2x(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
     """transformers' ``logits_to_keep`` before per-row index tensors (5.17, say): an int keeps the
     last ``keep`` positions, any tensor indexes the sequence axis of every row alike."""
+    _slice_before_5_2x.calls.append("tensor" if isinstance(keep, torch.Tensor) else "int")
     if isinstance(keep, int):
         return hidden[:, -keep:, :] if keep else hidden
     return hidden[:, keep, :]
@@ -107,13 +109,24 @@ def test_the_engine_serves_exactly_under_the_older_logits_to_keep(tmp_path, monk
     import transformers.models.llama.modeling_llama as llama
 
     monkeypatch.setattr(llama, "slice_logits_to_keep", _slice_before_5_2x)
+    monkeypatch.setattr(_slice_before_5_2x, "calls", [], raising=False)
     path = build_tiny_model(tmp_path / "tiny", layers=2, hidden=64, heads=2)
     engine = make_engine(path, ragged_batches=ragged, num_speculative_tokens=0, dtype="float32")
-    assert engine.ragged == ragged
-    assert engine.self_check_delta < 1e-4
-    prompts = [PROMPT, PROMPT[:3], PROMPT[:5] + [17, 18, 19]]  # unequal lengths: a padded prefill
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    logits = engine._prefill_logits(0, prompts, [0] * len(prompts))
-    for row, p in zip(logits, prompts, strict=True):
-        want = model(input_ids=torch.tensor([p])).logits[0, -1].float()
-        assert torch.allclose(row, want, atol=1e-4)
+    try:
+        assert engine.ragged == ragged
+        assert engine.self_check_delta < 1e-4
+        # the engine's forwards went through the older reading (else this test proves nothing)
+        assert "int" in _slice_before_5_2x.calls and (not ragged or "tensor" in _slice_before_5_2x.calls)
+        engine.pause()  # this thread drives the forwards
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        prompts = [PROMPT, PROMPT[:3], PROMPT[:5] + [17, 18, 19]]  # unequal lengths: a padded prefill
+        logits = engine._prefill_logits(0, prompts, [0] * len(prompts))
+        # then rows continued on their cached K/V from unequal starts (the prefix-cache path)
+        more = [[30, 31], [32, 33, 34, 35, 36], [37]]
+        later = engine._prefill_logits(0, more, [len(p) for p in prompts])
+        for first, second, p, m in zip(logits, later, prompts, more, strict=True):
+            for got, ids in ((first, p), (second, p + m)):
+                want = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                assert torch.allclose(got, want, atol=1e-4)
+    finally:
+        engine.close()
