@@ -56,7 +56,6 @@ class Forwards:
         already there); left-padded, pads write the scratch column.  Logits of each last token."""
         dev = self.device
         lens = [len(c) for c in chunks]
-        n = torch.tensor(lens, device=dev)
         start = torch.tensor(starts, device=dev)
         t = max(lens)  # from the host lists: no device sync on CUDA
         ids = torch.zeros((len(chunks), t), dtype=torch.long)
@@ -66,11 +65,10 @@ class Forwards:
         # picks them on every transformers version (a per-row index tensor means different things
         # across versions).  A pad takes its row's first position (its rope and mask stay in
         # range) but writes the scratch column, which no query sees.
-        pad = (t - n)[:, None]
+        pad = torch.tensor([t - k for k in lens], device=dev)[:, None]
         cols = torch.arange(t, device=dev)[None, :]
-        offset = (cols - pad).clamp(min=0)
-        positions = start[:, None] + offset
-        write_idx = torch.where(cols >= pad, start[:, None] + offset, self.cache.scratch)
+        positions = start[:, None] + (cols - pad).clamp(min=0)
+        write_idx = torch.where(cols >= pad, positions, self.cache.scratch)
         kv_len = max(s + k for s, k in zip(starts, lens, strict=True))
         return self.padded(r0, ids.to(dev), positions, write_idx, kv_len)
 

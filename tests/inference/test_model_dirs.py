@@ -92,11 +92,9 @@ def test_the_launcher_reports_a_refusal_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-
 def _slice_before_5_2x(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
     """transformers' ``logits_to_keep`` before per-row index tensors (5.17, say): an int keeps the
     last ``keep`` positions, any tensor indexes the sequence axis of every row alike."""
-    _slice_before_5_2x.calls.append("tensor" if isinstance(keep, torch.Tensor) else "int")
     if isinstance(keep, int):
         return hidden[:, -keep:, :] if keep else hidden
     return hidden[:, keep, :]
@@ -108,15 +106,20 @@ def test_the_engine_serves_exactly_under_the_older_logits_to_keep(tmp_path, monk
     # tensor once read as [R, 1] positions shared by all rows, and every model was refused
     import transformers.models.llama.modeling_llama as llama
 
-    monkeypatch.setattr(llama, "slice_logits_to_keep", _slice_before_5_2x)
-    monkeypatch.setattr(_slice_before_5_2x, "calls", [], raising=False)
+    calls: list[str] = []
+
+    def older(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
+        calls.append("tensor" if isinstance(keep, torch.Tensor) else "int")
+        return _slice_before_5_2x(hidden, keep)
+
+    monkeypatch.setattr(llama, "slice_logits_to_keep", older)
     path = build_tiny_model(tmp_path / "tiny", layers=2, hidden=64, heads=2)
     engine = make_engine(path, ragged_batches=ragged, num_speculative_tokens=0, dtype="float32")
     try:
         assert engine.ragged == ragged
         assert engine.self_check_delta < 1e-4
         # the engine's forwards went through the older reading (else this test proves nothing)
-        assert "int" in _slice_before_5_2x.calls and (not ragged or "tensor" in _slice_before_5_2x.calls)
+        assert "int" in calls and (not ragged or "tensor" in calls)
         engine.pause()  # this thread drives the forwards
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         prompts = [PROMPT, PROMPT[:3], PROMPT[:5] + [17, 18, 19]]  # unequal lengths: a padded prefill
