@@ -101,6 +101,12 @@ class InferenceConfig(Section):
         "prepacked (fastest; one more copy of the linear weights in memory), onednn: oneDNN on the weights as they "
         "are, torch: torch's default (MKL, which runs AVX2 kernels on AMD CPUs with AVX-512). agentrl/cpu_gemm.py.",
     )
+    cpu_attention: Literal["kernel", "sdpa"] = Field(
+        _ENGINE.cpu_attention,  # type: ignore[arg-type]
+        description="Embedded engine on a CPU, float32, ragged batches: the decode rows' attention. kernel: a small "
+        "C kernel built on first use with the system's C compiler (cached in ~/.cache/agentrl/kernels; where it "
+        "cannot be built, sdpa with a warning), sdpa: torch's. agentrl/inference/cpu_decode_attention.py.",
+    )
     ragged_batches: bool = Field(
         _ENGINE.ragged_batches, description="Embedded engine: run each step's prefills and decodes (and draft "
         "tokens) as one ragged forward; a model whose attention cannot (not sdpa or eager, or its self-check "

@@ -52,7 +52,7 @@ import torch
 
 from agentrl.cpu_gemm import invalidate_packs
 from agentrl.errors import EngineStartError
-from agentrl.inference import model_support, ragged
+from agentrl.inference import cpu_decode_attention, model_support, ragged
 from agentrl.inference.engine_args import EngineArgs
 from agentrl.inference.forwards import Forwards
 from agentrl.inference.kv_cache import SlotCache
@@ -106,7 +106,7 @@ class Engine:
         self.dtype = next(self.model.parameters()).dtype
         self._cache = SlotCache(cfg.num_hidden_layers, self.max_batch_size, kv_heads, self.max_model_len, head_dim,
                                 self.dtype, self.device)  # fmt: skip
-        forwards = Forwards(self.model, self._cache, self.dtype, self.device)
+        forwards = Forwards(self.model, self._cache, self.dtype, self.device, self._decode_kernel(args.cpu_attention))
         # instance attributes: the self-check runs them, a test wraps one
         self._prefill_logits, self._decode_logits = forwards.prefill, forwards.decode
         self._ragged_logits = forwards.ragged
@@ -267,6 +267,7 @@ class Engine:
                 "prefix_cache_capacity_blocks": self.prefix.num_blocks if self.prefix is not None else 0,
                 "prefix_cache_evicted_blocks": self.prefix.evicted_blocks if self.prefix is not None else 0,
                 "ragged_batches": self.ragged,
+                "cpu_attention": self.cpu_attention if self.ragged else "sdpa",
                 "num_speculative_tokens": self.speculation.k,
                 "draft_tokens": self.speculation.draft_tokens,
                 "accepted_draft_tokens": self.speculation.accepted_draft_tokens,
@@ -317,6 +318,19 @@ class Engine:
         for req in reqs.values():
             if not req.future.done():
                 req.future.set_exception(RuntimeError(f"engine step failed: {exc!r}"))
+
+    def _decode_kernel(self, setting: str) -> bool:
+        """Does a ragged step's decode attention run the CPU kernel (agentrl.inference.cpu_decode_attention)?"""
+        if setting not in ("kernel", "sdpa"):
+            raise EngineStartError(f"cpu_attention must be kernel | sdpa; got {setting!r}")
+        self.cpu_attention = "sdpa"
+        if setting == "kernel" and self.device.type == "cpu" and self.dtype == torch.float32:
+            if cpu_decode_attention.kernel() is None:
+                log.warning("engine: cpu_attention = kernel unavailable (%s); decode attention runs torch's sdpa",
+                            cpu_decode_attention.unavailable_reason())  # fmt: skip
+            else:
+                self.cpu_attention = "kernel"
+        return self.cpu_attention == "kernel"
 
     def _use_ragged(self) -> None:
         """Switch to ragged batches if the model's attention can, and a self-check through them passes."""

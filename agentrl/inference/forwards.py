@@ -22,7 +22,10 @@ from agentrl.inference.kv_cache import SlotCache, attention_masks
 class Forwards:
     """A model and its slot cache, run padded or ragged."""
 
-    def __init__(self, model: Any, cache: SlotCache, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: Any, cache: SlotCache, dtype: torch.dtype, device: torch.device,
+                 decode_kernel: bool = False):  # fmt: skip
+        """``decode_kernel``: ragged forwards run their decode rows' attention in
+        :mod:`agentrl.inference.cpu_decode_attention` (the caller checked it is available)."""
         cfg = model.config.get_text_config()
         self.model, self.cache, self.dtype, self.device = model, cache, dtype, device
         self.mask_kinds, self.mask_dict = model_support.mask_kinds(cfg)
@@ -31,6 +34,7 @@ class Forwards:
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.layer_kinds = model_support.layer_kinds(cfg)
         self.masks = partial(attention_masks, kinds=self.mask_kinds, boolean=self.bool_mask, dtype=dtype)
+        self.decode_kernel = decode_kernel
 
     def padded(self, r0: int, ids: torch.Tensor, positions: torch.Tensor, write_idx: torch.Tensor,
                  kv_len: int) -> torch.Tensor:  # fmt: skip
@@ -85,6 +89,8 @@ class Forwards:
         the drafts, then the segments' tokens, each in order."""
         dev, kinds = self.device, self.mask_kinds
         plan, ids, positions, slots = ragged.layout(decode, drafts, segments, self.layer_kinds, self.masks, dev)
+        if self.decode_kernel:
+            plan.kernel_windows = self.mask_kinds
         self.cache.bind_flat(slots, positions)
         # the attention reads the plan's masks; the model only passes a 4-D mask on (it builds none)
         dummy = torch.ones((1, 1, len(ids), 1), dtype=torch.bool, device=dev)

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from agentrl.attention_switch import can_switch, register, switch_to
+from agentrl.inference import cpu_decode_attention
 
 PREFIX = "agentrl_ragged_"  # + the model's own implementation: sdpa | eager
 ORIGINALS = ("sdpa", "eager")
@@ -62,6 +63,8 @@ class Group:
     index: torch.Tensor | None = None  # [R, T]; None: row r's one query is flat token r
     src: torch.Tensor | None = None  # flat token dst[j] takes the group's output src[j] (of R * T)
     dst: torch.Tensor | None = None
+    query_pos: torch.Tensor | None = None  # [R, T] position of each query (the decode group's, for the kernel)
+    decode: bool = False  # the running sequences' group (decode tokens and drafts)
 
 
 @dataclass
@@ -70,6 +73,9 @@ class Plan:
 
     layer_kinds: list[str]  # layer index -> mask kind
     groups: list[Group] = field(default_factory=list)
+    # layer kind -> sliding window (None: full); set: the decode group runs the CPU kernel
+    # (agentrl.inference.cpu_decode_attention) where the call is one it covers
+    kernel_windows: dict[str, int | None] | None = None
 
 
 class _Row:
@@ -98,7 +104,7 @@ def _group(slot: int, rows: list[list[int]], row: _Row, masks: Callable[[torch.T
     query_pos = torch.tensor(row.pos, device=device)[index]
     kv = max(row.pos[t] for r in rows for t in r) + 1  # from the list: no device sync
     return Group(slot, len(rows), kv, masks(query_pos, kv), index, torch.tensor(src, device=device),
-                 torch.tensor(dst, device=device))  # fmt: skip
+                 torch.tensor(dst, device=device), query_pos)  # fmt: skip
 
 
 def layout(decode: list[tuple[int, int]], drafts: list[list[int]], segments: list[tuple[int, list[int], int]],
@@ -116,11 +122,12 @@ def layout(decode: list[tuple[int, int]], drafts: list[list[int]], segments: lis
     for i, (token, position) in enumerate(decode):
         row.add(i, [token], position)
     if decode and not any(drafts):
-        kv = max(row.pos) + 1
-        plan.groups.append(Group(0, len(decode), kv, masks(torch.tensor(row.pos, device=device)[:, None], kv)))
+        kv, query_pos = max(row.pos) + 1, torch.tensor(row.pos, device=device)[:, None]
+        plan.groups.append(Group(0, len(decode), kv, masks(query_pos, kv), query_pos=query_pos, decode=True))
     elif decode:
         rows = [[i, *row.add(i, d, decode[i][1] + 1)] for i, d in enumerate(drafts)]
         plan.groups.append(_group(0, rows, row, masks, device))
+        plan.groups[-1].decode = True
     run: list[list[int]] = []
     for k, (slot, toks, first) in enumerate(segments):
         run.append(row.add(slot, toks, first))
@@ -187,7 +194,16 @@ def _attention(original: str):
         _, heads, n, dim = query.shape
         q = query[0]  # [heads, N, dim]
         out = None
+        kernel = (plan.kernel_windows is not None and original == "sdpa" and _plain(kwargs)
+                  and cpu_decode_attention.supported(query, key, value))  # fmt: skip
         for g in plan.groups:
+            if kernel and g.decode:
+                out = query.new_empty((1, n, heads, dim)) if out is None else out
+                index = g.index if g.index is not None else torch.arange(g.rows)[:, None]
+                scale = kwargs.get("scaling") or dim**-0.5
+                cpu_decode_attention.attend(q.transpose(0, 1), key, value, out[0], index, g.query_pos, g.slot,
+                                            plan.kernel_windows[kind], scale)  # fmt: skip
+                continue
             keys, values = key[g.slot : g.slot + g.rows, :, : g.kv], value[g.slot : g.slot + g.rows, :, : g.kv]
             if g.index is None:  # one query per row, flat tokens 0..R-1: [R, heads, 1, dim]
                 o, _ = fn(module, q[:, : g.rows].transpose(0, 1).unsqueeze(2), keys, values, g.masks[kind], **kwargs)
