@@ -27,7 +27,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,7 @@ _SOURCE = r"""
 /* e^x for x <= 0 (0 below -87): Cody-Waite reduction and a degree-7 polynomial, ~1 ulp.
    Written out so the compiler vectorizes the softmax loop (libm's expf is a call per lane). */
 static inline float exp_nonpos(float x) {
+    x = fmaxf(x, -88.0f);  /* keeps n in int range (-inf included); the result is 0 there anyway */
     float n = floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
@@ -60,7 +63,7 @@ static inline float exp_nonpos(float x) {
     int32_t e = (int32_t)n + 127;
     union { int32_t i; float f; } s;
     s.i = (e > 0 ? e : 1) << 23;
-    return x < -87.0f ? 0.0f : p * s.f;
+    return x < -87.0f ? 0.0f : p * s.f;  /* NaN stays NaN, as in SDPA */
 }
 
 /* Rows r in [r_begin, r_end): slot slot0 + r; its queries are the flat tokens index[r, t] at
@@ -178,34 +181,67 @@ def _cpu_key() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
+def _safe_dirs(path: Path) -> None:
+    """Refuse ``path`` unless no other user can put a file into it or any directory above it: each
+    is owned by this user or root, and not writable by others unless sticky (``/tmp``) with the
+    entry below it ours.  A library loaded from a place another user can write to runs their code."""
+    uid, below_ours = os.getuid(), True
+    for d in [path, *path.parents]:
+        st = d.stat()
+        if st.st_uid not in (uid, 0):
+            raise PermissionError(f"{d} belongs to another user (uid {st.st_uid})")
+        if st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and below_ours):
+            raise PermissionError(f"{d} is writable by others (mode {oct(st.st_mode & 0o7777)})")
+        below_ours = st.st_uid == uid
+
+
 def _private_dir(path: Path) -> None:
-    """Create ``path`` (0700) and refuse it unless it is ours and nobody else can write to it:
-    a library loaded from a directory another user can write to runs their code."""
+    """Create ``path`` (0700); refuse it where another user could write to it (:func:`_safe_dirs`)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise PermissionError(f"{path} is not private to this user (owner {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
+    _safe_dirs(path)
 
 
-def _build() -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
+def _compiler() -> list[str]:
+    cc = shlex.split(os.environ.get("CC", "")) or [next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), "")]
+    if not cc[0]:
         raise FileNotFoundError("no C compiler (cc, gcc or clang; or set CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    return cc
+
+
+def _build(cc: list[str], lib: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        src, built = Path(tmp) / "decode_attention.c", Path(tmp) / "decode_attention.so"
+        src.write_text(_SOURCE)
+        done = subprocess.run([*cc, *_FLAGS, str(src), "-o", str(built), "-lm"], capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cc)} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        os.replace(built, lib)  # atomic: a concurrent build of the same key writes the same bytes
+
+
+def _load(lib: Path) -> Any:
+    """Load ``lib`` if it is a plain file of ours that nobody else can write (not a link).  Its
+    directory and every one above were checked (:func:`_safe_dirs`): nobody else can swap it."""
+    st = os.lstat(lib)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{lib} is not a file only this user can write")
+    return ctypes.CDLL(str(lib))
+
+
+def _open() -> Any:
+    cc = _compiler()
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), version, _cpu_key()]).encode()).hexdigest()[:20]
     root = _cache_root()
     _private_dir(root)
     lib = root / f"decode_attention-{key}.so"
-    if lib.exists():
-        return lib
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        src, built = Path(tmp) / "decode_attention.c", Path(tmp) / "decode_attention.so"
-        src.write_text(_SOURCE)
-        done = subprocess.run([cc, *_FLAGS, str(src), "-o", str(built), "-lm"], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
-        os.replace(built, lib)  # atomic: a concurrent build of the same key writes the same bytes
-    return lib
+    if not lib.exists():
+        _build(cc, lib)
+    try:
+        return _load(lib)
+    except OSError:  # a truncated or corrupt file from an interrupted copy: build it again, once
+        _build(cc, lib)
+        return _load(lib)
 
 
 def kernel() -> Any:
@@ -219,7 +255,7 @@ def kernel() -> Any:
             try:
                 if sys.platform == "win32":
                     raise OSError("not built on Windows")
-                fn = ctypes.CDLL(str(_build())).decode_attention
+                fn = _open().decode_attention
                 i64, ptr = ctypes.c_int64, ctypes.c_void_p
                 fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64,
                                i64, i64, i64, i64, i64, i64, ctypes.c_float]  # fmt: skip
@@ -236,8 +272,19 @@ def unavailable_reason() -> str | None:
 
 
 def supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Can :func:`attend` take these tensors (float32 on a CPU, last dimension contiguous)?"""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in (query, key, value))
+    """Can :func:`attend` take these tensors: float32 on a CPU, last dimension contiguous, one head
+    size, keys and values laid out alike?"""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in (query, key, value))
+            and query.shape[-1] == key.shape[-1] == value.shape[-1] and key.stride() == value.stride())  # fmt: skip
+
+
+def _forget_pool() -> None:
+    global _executor
+    _executor = None  # a forked child has none of its threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
@@ -258,8 +305,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: tor
     With more than one torch thread the rows are split across that many threads (ctypes drops
     the GIL; torch's own threads are idle meanwhile)."""
     fn = kernel()
-    if fn is None or key.stride() != value.stride() or index.dtype != torch.int64 or positions.dtype != torch.int64:
-        raise ValueError("decode_attention: kernel unavailable, or keys and values of different strides, or non-int64 indices")
+    if fn is None or not supported(query, key, value) or index.dtype != torch.int64 or positions.dtype != torch.int64:
+        raise ValueError("decode_attention: the kernel is unavailable or does not cover these tensors (see supported())")
     index, positions = index.contiguous(), positions.contiguous()
     rows, t_max = index.shape
     heads, dim = query.shape[1], query.shape[2]

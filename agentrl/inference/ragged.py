@@ -200,7 +200,8 @@ def _attention(original: str):
             if kernel and g.decode:
                 out = query.new_empty((1, n, heads, dim)) if out is None else out
                 index = g.index if g.index is not None else torch.arange(g.rows)[:, None]
-                scale = kwargs.get("scaling") or dim**-0.5
+                scale = kwargs.get("scaling")
+                scale = dim**-0.5 if scale is None else scale  # SDPA's default when the model passes none
                 cpu_decode_attention.attend(q.transpose(0, 1), key, value, out[0], index, g.query_pos, g.slot,
                                             plan.kernel_windows[kind], scale)  # fmt: skip
                 continue

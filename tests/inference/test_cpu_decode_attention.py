@@ -8,6 +8,8 @@ import logging
 import os
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,11 +105,56 @@ def test_rows_split_across_threads_give_the_same_bits():
     assert torch.equal(outs[0], outs[1])
 
 
-def test_keys_and_values_of_different_strides_are_refused():
+def test_a_long_row_keeps_its_precision():
+    """1,500 keys: the running max, the float32 sums and the score buffer over a long row."""
+    query, key, value, index, positions = case(rows=2, t_max=2, heads=4, kv_heads=2, dim=64, slot0=0, seed=9)
+    key, value = key.repeat(1, 1, 40, 1), value.repeat(1, 1, 40, 1)  # 1,600 columns
+    positions = torch.tensor([[1499, 1500], [1200, 1200]])
+    key[:, :, 700:900] *= 3  # a block of larger scores in the middle
+    out = torch.empty(query.shape[0], 4, 64)
+    cda.attend(query, key, value, out, index, positions, 0, None, 0.125)
+    for (tok, h), w in reference(query, key, value, index, positions, 0, None, 0.125).items():
+        assert torch.allclose(out[tok, h].double(), w, rtol=1e-5, atol=1e-5), (tok, h)
+
+
+def test_tensors_the_kernel_does_not_cover_stay_with_sdpa():
     query, key, value, index, positions = case(rows=2, t_max=1, heads=2, kv_heads=2, dim=32, slot0=0, seed=1)
-    with pytest.raises(ValueError, match="different strides"):
-        cda.attend(query, key, value.transpose(0, 1).contiguous().transpose(0, 1), torch.empty(query.shape[0], 2, 32),
-                   index, positions, 0, None, 1.0)  # fmt: skip
+    assert cda.supported(query, key, value)
+    other_layout = value.transpose(0, 1).contiguous().transpose(0, 1)
+    for args in ((query, key, other_layout), (query.double(), key, value), (query[..., :16], key, value),
+                 (query, key.transpose(-1, -2), value.transpose(-1, -2))):  # fmt: skip
+        assert not cda.supported(*args)
+    with pytest.raises(ValueError, match="does not cover these tensors"):
+        cda.attend(query, key, other_layout, torch.empty(query.shape[0], 2, 32), index, positions, 0, None, 1.0)
+
+
+def _threaded_attend_in_child(conn):
+    torch.set_num_threads(2)
+    query, key, value, index, positions = case(rows=40, t_max=1, heads=2, kv_heads=2, dim=32, slot0=0, seed=2)
+    out = torch.zeros(query.shape[0], 2, 32)
+    cda.attend(query, key, value, out, index, positions, 0, None, 0.2)
+    conn.send(float(out.abs().sum()))
+
+
+def test_a_forked_child_runs_the_threaded_split():
+    """The parent's thread pool does not exist in a forked child: the child builds its own."""
+    import multiprocessing
+
+    query, key, value, index, positions = case(rows=40, t_max=1, heads=2, kv_heads=2, dim=32, slot0=0, seed=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cda.attend(query, key, value, torch.zeros(query.shape[0], 2, 32), index, positions, 0, None, 0.2)
+        assert cda._executor is not None  # the parent's pool exists
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_threaded_attend_in_child, args=(child,))
+        proc.start()
+        assert parent.poll(60), "the forked child hung in the threaded split"
+        assert parent.recv() > 0
+        proc.join(10)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------- build and cache
@@ -135,8 +182,46 @@ def test_the_build_is_cached_privately_and_reused(fresh):
 def test_a_cache_directory_others_can_write_is_refused(fresh):
     fresh.mkdir(parents=True)
     fresh.chmod(0o777)
-    assert cda.kernel() is None and "not private" in cda.unavailable_reason()
+    assert cda.kernel() is None and "writable by others" in cda.unavailable_reason()
     assert not list(fresh.glob("*.so"))
+
+
+def test_a_directory_above_the_cache_that_others_can_write_is_refused(fresh):
+    """Another user who can rename entries above the cache could swap it between build and load."""
+    fresh.parent.mkdir(parents=True)
+    fresh.parent.chmod(0o777)  # agentrl/: not sticky
+    assert cda.kernel() is None and "writable by others" in cda.unavailable_reason()
+    fresh.parent.chmod(0o1777)  # sticky, as /tmp, with our own entry below it: fine
+    cda._tried = False
+    assert cda.kernel() is not None
+
+
+def test_a_cached_library_others_can_write_is_never_loaded(fresh, monkeypatch):
+    assert cda.kernel() is not None
+    (lib,) = fresh.glob("decode_attention-*.so")
+    lib.chmod(0o666)
+    with pytest.raises(PermissionError, match="not a file only this user can write"):
+        cda._load(lib)
+    cda._tried, cda._lib = False, None
+    assert cda.kernel() is not None and lib.stat().st_mode & 0o022 == 0  # built again, then loaded
+
+
+def _replace(path, data: bytes) -> None:
+    """New bytes under the same name, as a new file (the loader caches an inode it loaded once)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def test_a_corrupt_cached_library_is_built_again(fresh):
+    """In a fresh process: this one keeps the library it loaded under that name."""
+    assert cda.kernel() is not None
+    (lib,) = fresh.glob("decode_attention-*.so")
+    _replace(lib, b"\x7fELF truncated")
+    code = "from agentrl.inference import cpu_decode_attention as c; print(c.kernel() is not None, c.unavailable_reason())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    assert done.stdout.split() == ["True", "None"], done.stderr[-2000:]
+    assert lib.stat().st_size > 1000
 
 
 def test_without_a_compiler_the_engine_keeps_sdpa_and_says_why(fresh, monkeypatch, tmp_path, caplog):
@@ -183,9 +268,10 @@ def test_an_unknown_cpu_attention_is_refused(tmp_path):
         Engine(path, device="cpu", dtype="float32", max_batch_size=2, max_model_len=64, cpu_attention="fast")
 
 
-def test_a_bfloat16_engine_keeps_sdpa(tmp_path):
-    path = build_family_model(tmp_path / "m", "llama")
-    engine = Engine(path, device="cpu", dtype="bfloat16", max_batch_size=2, max_model_len=64)
+@pytest.mark.parametrize("family,dtype", [("llama", "bfloat16"), ("gemma2", "float32")])
+def test_a_bfloat16_or_eager_engine_keeps_its_own_attention(family, dtype, tmp_path):
+    path = build_family_model(tmp_path / "m", family)
+    engine = Engine(path, device="cpu", dtype=dtype, max_batch_size=2, max_model_len=64)
     try:
         assert engine.stats()["cpu_attention"] == "sdpa"
     finally:
