@@ -17,9 +17,10 @@ the GIL during the call.  No compiler, a failed build, or a cache directory that
 could write to: :func:`kernel` returns None with the reason in :func:`unavailable_reason`,
 and the engine keeps SDPA.
 
-Covered: float32 queries, keys and values with a contiguous last dimension, causal attention
-with an optional sliding window, the default or the model's own scaling.  Anything else
-(softcapping, attention sinks, dropout, another dtype) stays with the model's own attention.
+Covered: float32 or bf16 queries, keys and values (bf16 computed in float32, as SDPA's CPU
+kernel does, the output rounded once) with a contiguous last dimension, causal attention with
+an optional sliding window, the default or the model's own scaling.  Anything else
+(softcapping, attention sinks, dropout, float16) stays with the model's own attention.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch
 _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <math.h>
 
 /* e^x for x <= 0 (0 below -87): Cody-Waite reduction and a degree-7 polynomial, ~1 ulp.
@@ -66,53 +68,68 @@ static inline float exp_nonpos(float x) {
     return x < -87.0f ? 0.0f : p * s.f;  /* NaN stays NaN, as in SDPA */
 }
 
+/* bf16 is the top half of a float32: widening is a shift; narrowing rounds to nearest even */
+static inline float from_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays a quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+/* element i of a float32 (bf = 0) or bf16 (bf = 1) array */
+static inline float ld(const void *p, int64_t i, int bf) {
+    return bf ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
 /* Rows r in [r_begin, r_end): slot slot0 + r; its queries are the flat tokens index[r, t] at
    positions pos[r, t] (t < t_max; padding repeats a real query, which writes the same output).
    A query at position p sees its slot's keys j with lo <= j <= p, lo = p - window + 1 (window
    > 0) or 0.  q[token, head, d], out[token, head, d]; k and v [slot, kv_head, position, d];
-   strides in elements, the last dimension contiguous.  Returns 0, or 1 when out of memory. */
+   strides in elements, the last dimension contiguous; all float32, or all bf16 (computed in
+   float32, the output rounded once).  Returns 0, or 1 when out of memory. */
 static inline __attribute__((always_inline))
-int attend(const float *restrict q, int64_t q_tok, int64_t q_head,
-           const float *restrict k, const float *restrict v, int64_t c_slot, int64_t c_head, int64_t c_pos,
-           float *restrict out, int64_t o_tok, int64_t o_head,
+int attend(const void *restrict q, int64_t q_tok, int64_t q_head,
+           const void *restrict k, const void *restrict v, int64_t c_slot, int64_t c_head, int64_t c_pos,
+           void *restrict out, int64_t o_tok, int64_t o_head,
            const int64_t *index, const int64_t *pos, int64_t t_max, int64_t slot0,
            int64_t r_begin, int64_t r_end, int64_t heads, int64_t kv_heads, const int64_t dim,
-           int64_t window, float scale) {
+           int64_t window, float scale, const int bf) {
+    const int64_t size = bf ? 2 : 4;
     int64_t group = heads / kv_heads, span = 1;
     for (int64_t r = r_begin; r < r_end; r++)
         for (int64_t t = 0; t < t_max; t++)
             if (pos[r * t_max + t] + 1 > span) span = pos[r * t_max + t] + 1;
-    float *restrict row = (float *)malloc(sizeof(float) * (size_t)(span + dim));
+    float *restrict row = (float *)malloc(sizeof(float) * (size_t)(span + 2 * dim));
     if (!row) return 1;
-    float *restrict acc = row + span;
+    float *restrict acc = row + span, *restrict qv = acc + dim;
     for (int64_t r = r_begin; r < r_end; r++)
         for (int64_t kh = 0; kh < kv_heads; kh++) {
-            const float *restrict kb = k + (slot0 + r) * c_slot + kh * c_head;
-            const float *restrict vb = v + (slot0 + r) * c_slot + kh * c_head;
+            int64_t kv0 = (slot0 + r) * c_slot + kh * c_head;  /* this (row, head)'s first element */
             /* the next (row, head)'s keys and values are fetched while this one computes: each
                block is a few KB, too short for the hardware prefetcher to reach full speed */
             int64_t nr = kh + 1 < kv_heads ? r : r + 1, nh = kh + 1 < kv_heads ? kh + 1 : 0;
-            const char *nk = (const char *)(k + (slot0 + nr) * c_slot + nh * c_head);
-            const char *nv = (const char *)(v + (slot0 + nr) * c_slot + nh * c_head);
+            const char *nk = (const char *)k + ((slot0 + nr) * c_slot + nh * c_head) * size;
+            const char *nv = (const char *)v + ((slot0 + nr) * c_slot + nh * c_head) * size;
             int fetch = nr < r_end;
             /* one query at a time: its keys stay in L1/L2 for the next query of the same K/V head */
             for (int64_t t = 0; t < t_max; t++) {
                 int64_t p = pos[r * t_max + t];
                 int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
                 for (int64_t g = 0; g < group; g++) {
-                    const float *restrict qv = q + index[r * t_max + t] * q_tok + (kh * group + g) * q_head;
+                    int64_t q0 = index[r * t_max + t] * q_tok + (kh * group + g) * q_head;
+                    for (int64_t d = 0; d < dim; d++) qv[d] = ld(q, q0 + d, bf);
                     float m = -INFINITY;
                     for (int64_t j = lo; j <= p; j++) {
-                        const float *restrict kj = kb + j * c_pos;
+                        int64_t kj = kv0 + j * c_pos;
                         if (fetch) {
-                            for (int64_t b = 0; b < dim * 4; b += 64) {
-                                __builtin_prefetch(nk + j * c_pos * 4 + b, 0, 2);  /* into L2: L1 prefetches measured slower */
-                                __builtin_prefetch(nv + j * c_pos * 4 + b, 0, 2);  /* into L2: L1 prefetches measured slower */
+                            for (int64_t b = 0; b < dim * size; b += 64) {
+                                __builtin_prefetch(nk + j * c_pos * size + b, 0, 2);  /* into L2: L1 prefetches measured slower */
+                                __builtin_prefetch(nv + j * c_pos * size + b, 0, 2);
                             }
                         }
                         float s = 0.0f;
                         #pragma omp simd reduction(+:s)
-                        for (int64_t d = 0; d < dim; d++) s += qv[d] * kj[d];
+                        for (int64_t d = 0; d < dim; d++) s += qv[d] * ld(k, kj + d, bf);
                         s *= scale;
                         row[j] = s;
                         m = s > m ? s : m;
@@ -123,15 +140,19 @@ int attend(const float *restrict q, int64_t q_tok, int64_t q_head,
                     for (int64_t j = lo; j <= p; j++) { float e = exp_nonpos(row[j] - m); row[j] = e; sum += e; }
                     for (int64_t d = 0; d < dim; d++) acc[d] = 0.0f;
                     for (int64_t j = lo; j <= p; j++) {
-                        const float *restrict vj = vb + j * c_pos;
+                        int64_t vj = kv0 + j * c_pos;
                         float w = row[j];
                         #pragma omp simd
-                        for (int64_t d = 0; d < dim; d++) acc[d] += w * vj[d];
+                        for (int64_t d = 0; d < dim; d++) acc[d] += w * ld(v, vj + d, bf);
                     }
                     float inv = 1.0f / sum;
-                    float *restrict o = out + index[r * t_max + t] * o_tok + (kh * group + g) * o_head;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < dim; d++) o[d] = acc[d] * inv;
+                    int64_t o0 = index[r * t_max + t] * o_tok + (kh * group + g) * o_head;
+                    if (bf) {
+                        for (int64_t d = 0; d < dim; d++) ((uint16_t *)out)[o0 + d] = to_bf16(acc[d] * inv);
+                    } else {
+                        #pragma omp simd
+                        for (int64_t d = 0; d < dim; d++) ((float *)out)[o0 + d] = acc[d] * inv;
+                    }
                 }
             }
         }
@@ -139,24 +160,34 @@ int attend(const float *restrict q, int64_t q_tok, int64_t q_head,
     return 0;
 }
 
-/* the head size as a constant where it is a common one: the per-key loops unroll */
-int decode_attention(const float *q, int64_t q_tok, int64_t q_head,
-                     const float *k, const float *v, int64_t c_slot, int64_t c_head, int64_t c_pos,
-                     float *out, int64_t o_tok, int64_t o_head,
+/* the head size and the element type as constants where the head size is a common one: the
+   per-key loops unroll and each type gets its own code */
+int decode_attention(const void *q, int64_t q_tok, int64_t q_head,
+                     const void *k, const void *v, int64_t c_slot, int64_t c_head, int64_t c_pos,
+                     void *out, int64_t o_tok, int64_t o_head,
                      const int64_t *index, const int64_t *pos, int64_t t_max, int64_t slot0,
                      int64_t r_begin, int64_t r_end, int64_t heads, int64_t kv_heads, int64_t dim,
-                     int64_t window, float scale) {
-#define ATTEND(D) attend(q, q_tok, q_head, k, v, c_slot, c_head, c_pos, out, o_tok, o_head, index, pos, t_max, \
-                         slot0, r_begin, r_end, heads, kv_heads, D, window, scale)
+                     int64_t window, float scale, int64_t bf16) {
+#define ATTEND(D, BF) attend(q, q_tok, q_head, k, v, c_slot, c_head, c_pos, out, o_tok, o_head, index, pos, \
+                             t_max, slot0, r_begin, r_end, heads, kv_heads, D, window, scale, BF)
+    if (bf16) {
+        switch (dim) {
+            case 32: return ATTEND(32, 1);
+            case 64: return ATTEND(64, 1);
+            case 128: return ATTEND(128, 1);
+            default: return ATTEND(dim, 1);
+        }
+    }
     switch (dim) {
-        case 32: return ATTEND(32);
-        case 64: return ATTEND(64);
-        case 128: return ATTEND(128);
-        default: return ATTEND(dim);
+        case 32: return ATTEND(32, 0);
+        case 64: return ATTEND(64, 0);
+        case 128: return ATTEND(128, 0);
+        default: return ATTEND(dim, 0);
     }
 }
 """
 
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernel computes on (bf16 in float32, as SDPA does)
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno"]
 _lock = threading.Lock()
 _lib: Any = None
@@ -258,7 +289,7 @@ def kernel() -> Any:
                 fn = _open().decode_attention
                 i64, ptr = ctypes.c_int64, ctypes.c_void_p
                 fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64,
-                               i64, i64, i64, i64, i64, i64, ctypes.c_float]  # fmt: skip
+                               i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]  # fmt: skip
                 fn.restype = ctypes.c_int
                 _lib = fn
             except Exception as exc:  # no compiler, a failed build, an unsafe cache: SDPA stays
@@ -272,9 +303,10 @@ def unavailable_reason() -> str | None:
 
 
 def supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Can :func:`attend` take these tensors: float32 on a CPU, last dimension contiguous, one head
-    size, keys and values laid out alike?"""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in (query, key, value))
+    """Can :func:`attend` take these tensors: on a CPU, all float32 or all bf16, last dimension
+    contiguous, one head size, keys and values laid out alike?"""
+    return (query.dtype in DTYPES and all(t.device.type == "cpu" and t.dtype == query.dtype and t.stride(-1) == 1
+                                          for t in (query, key, value))
             and query.shape[-1] == key.shape[-1] == value.shape[-1] and key.stride() == value.stride())  # fmt: skip
 
 
@@ -305,7 +337,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: tor
     With more than one torch thread the rows are split across that many threads (ctypes drops
     the GIL; torch's own threads are idle meanwhile)."""
     fn = kernel()
-    if fn is None or not supported(query, key, value) or index.dtype != torch.int64 or positions.dtype != torch.int64:
+    if (fn is None or not supported(query, key, value) or out.dtype != query.dtype or out.stride(-1) != 1
+            or index.dtype != torch.int64 or positions.dtype != torch.int64):  # fmt: skip
         raise ValueError("decode_attention: the kernel is unavailable or does not cover these tensors (see supported())")
     index, positions = index.contiguous(), positions.contiguous()
     rows, t_max = index.shape
@@ -315,7 +348,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: tor
         return fn(query.data_ptr(), query.stride(0), query.stride(1),
                   key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
                   out.data_ptr(), out.stride(0), out.stride(1), index.data_ptr(), positions.data_ptr(), t_max, slot0,
-                  r0, r1, heads, key.shape[1], dim, window or 0, scale)  # fmt: skip
+                  r0, r1, heads, key.shape[1], dim, window or 0, scale, int(query.dtype == torch.bfloat16))  # fmt: skip
 
     threads = min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD)
     if threads <= 1:

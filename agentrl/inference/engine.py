@@ -325,7 +325,7 @@ class Engine:
             raise EngineStartError(f"cpu_attention must be kernel | sdpa; got {setting!r}")
         self.cpu_attention = "sdpa"
         sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"  # eager models keep their own
-        if setting == "kernel" and self.device.type == "cpu" and self.dtype == torch.float32 and sdpa:
+        if setting == "kernel" and self.device.type == "cpu" and self.dtype in cpu_decode_attention.DTYPES and sdpa:
             if cpu_decode_attention.kernel() is None:
                 log.warning("engine: cpu_attention = kernel unavailable (%s); decode attention runs torch's sdpa",
                             cpu_decode_attention.unavailable_reason())  # fmt: skip

@@ -78,13 +78,27 @@ def test_the_kernel_matches_the_formula(heads, kv_heads, dim, t_max, window):
         assert torch.isnan(out[tok]).all()  # a token no row names is never written
 
 
+@pytest.mark.parametrize("dim,t_max,window", [(64, 1, None), (32, 3, 6), (48, 2, None)])
+def test_bf16_is_computed_in_float32_and_rounded_once(dim, t_max, window):
+    """bf16 queries, keys and values: the formula on their exact values in float64, the output
+    within one bf16 rounding (2⁻⁸ relative) of it."""
+    query, key, value, index, positions = case(rows=9, t_max=t_max, heads=6, kv_heads=2, dim=dim, slot0=1, seed=dim)
+    query, key, value = query.bfloat16(), key.bfloat16(), value.bfloat16()
+    out = torch.full((query.shape[0], 6, dim), float("nan"), dtype=torch.bfloat16)
+    cda.attend(query, key, value, out, index, positions, 1, window, dim**-0.5)
+    for (tok, h), w in reference(query, key, value, index, positions, 1, window, dim**-0.5).items():
+        got = out[tok, h].double()
+        assert torch.allclose(got, w, rtol=2**-8, atol=2**-8 * float(w.abs().max())), (tok, h)
+        assert torch.equal(out[tok, h], w.float().bfloat16()) or (got - w).abs().max() <= 2**-7 * w.abs().max()
+
+
 def test_scores_far_apart_give_the_top_key_all_the_weight():
     """Scores 200 apart: the softmax's exp underflows to 0 for all but one key, without NaN."""
     query, key, value, index, positions = case(rows=3, t_max=1, heads=2, kv_heads=2, dim=32, slot0=0, seed=5)
     positions[:] = 9
     key[:, :, :10] = 0
     key[:, :, 4] = query[0, 0] * 400 / query[0, 0].square().sum()  # row 0, head 0: key 4 scores 400
-    out = torch.empty(query.shape[0], 2, 32)
+    out = torch.zeros(query.shape[0], 2, 32)
     cda.attend(query, key, value, out, index, positions, 0, None, 1.0)
     assert torch.isfinite(out).all()
     assert torch.allclose(out[int(index[0, 0]), 0], value[0, 0, 4])
@@ -122,8 +136,10 @@ def test_tensors_the_kernel_does_not_cover_stay_with_sdpa():
     assert cda.supported(query, key, value)
     other_layout = value.transpose(0, 1).contiguous().transpose(0, 1)
     for args in ((query, key, other_layout), (query.double(), key, value), (query[..., :16], key, value),
-                 (query, key.transpose(-1, -2), value.transpose(-1, -2))):  # fmt: skip
+                 (query, key.transpose(-1, -2), value.transpose(-1, -2)), (query.half(), key.half(), value.half()),
+                 (query.bfloat16(), key, value)):  # fmt: skip
         assert not cda.supported(*args)
+    assert cda.supported(query.bfloat16(), key.bfloat16(), value.bfloat16())
     with pytest.raises(ValueError, match="does not cover these tensors"):
         cda.attend(query, key, other_layout, torch.empty(query.shape[0], 2, 32), index, positions, 0, None, 1.0)
 
@@ -268,14 +284,37 @@ def test_an_unknown_cpu_attention_is_refused(tmp_path):
         Engine(path, device="cpu", dtype="float32", max_batch_size=2, max_model_len=64, cpu_attention="fast")
 
 
-@pytest.mark.parametrize("family,dtype", [("llama", "bfloat16"), ("gemma2", "float32")])
-def test_a_bfloat16_or_eager_engine_keeps_its_own_attention(family, dtype, tmp_path):
+@pytest.mark.parametrize("family,dtype", [("llama", "float16"), ("gemma2", "float32")])
+def test_a_float16_or_eager_engine_keeps_its_own_attention(family, dtype, tmp_path):
     path = build_family_model(tmp_path / "m", family)
     engine = Engine(path, device="cpu", dtype=dtype, max_batch_size=2, max_model_len=64)
     try:
         assert engine.stats()["cpu_attention"] == "sdpa"
     finally:
         engine.close()
+
+
+def test_a_bf16_engine_runs_the_kernel_within_bf16s_rounding_of_sdpa(tmp_path):
+    """bf16 engines with each setting, greedy: each sequence's logprobs agree up to where (if
+    anywhere) the two paths' rounding first picks different tokens, and most never do."""
+    path = build_family_model(tmp_path / "m", "qwen2-sliding")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(2, 30))] for _ in range(10)]
+    sp = EngineSampling(max_tokens=24, temperature=0, ignore_eos=True)
+    results = {}
+    for setting in ("sdpa", "kernel"):
+        engine = Engine(path, device="cpu", dtype="bfloat16", max_batch_size=8, max_model_len=96, cpu_attention=setting)
+        try:
+            assert engine.stats()["cpu_attention"] == setting and engine.stats()["ragged_batches"] is True
+            results[setting] = [f.result(timeout=120)[0] for f in [engine.submit(p, sp) for p in prompts]]
+        finally:
+            engine.close()
+    same = 0
+    for a, b in zip(results["sdpa"], results["kernel"], strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
+        same += n == len(a.token_ids)
+        assert max((abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n], strict=True)), default=0.0) < 0.1
+    assert same >= len(prompts) // 2
 
 
 def test_the_cache_directory_follows_xdg(monkeypatch, tmp_path):
