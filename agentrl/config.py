@@ -103,7 +103,7 @@ class InferenceConfig(Section):
     )
     cpu_attention: Literal["kernel", "sdpa"] = Field(
         _ENGINE.cpu_attention,  # type: ignore[arg-type]
-        description="Embedded engine on a CPU, float32, ragged batches: the decode rows' attention. kernel: a small "
+        description="Embedded engine on a CPU (float32 or bf16), ragged batches: the decode rows' attention. kernel: a small "
         "C kernel built on first use with the system's C compiler (cached in ~/.cache/agentrl/kernels; where it "
         "cannot be built, sdpa with a warning), sdpa: torch's. agentrl/inference/cpu_decode_attention.py.",
     )

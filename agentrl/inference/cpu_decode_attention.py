@@ -7,8 +7,8 @@ matrix product per (row, head), ~3-4 µs of fixed cost each, so on the tiny mode
 memory traffic need; on SmolLM2-135M it was ~1.3 ms of a layer's ~8 ms.  The kernel here
 reads each row's keys and values once, in order, for all the query heads that share them
 (grouped-query attention) and all the row's queries (its decode token and drafts), and
-computes the softmax in float32 as SDPA's CPU kernel does (results differ by summation order
-only, relative ~1e-6).
+computes the softmax in float32 as SDPA's CPU kernel does (float32 results differ by summation
+order only, relative ~1e-6).
 
 The C source below is compiled with the system's C compiler (``$CC`` or ``cc``) for this
 CPU (``-march=native``) into a private cache directory (``$XDG_CACHE_HOME/agentrl/kernels``,
@@ -17,8 +17,8 @@ the GIL during the call.  No compiler, a failed build, or a cache directory that
 could write to: :func:`kernel` returns None with the reason in :func:`unavailable_reason`,
 and the engine keeps SDPA.
 
-Covered: float32 or bf16 queries, keys and values (bf16 computed in float32, as SDPA's CPU
-kernel does, the output rounded once) with a contiguous last dimension, causal attention with
+Covered: float32 or bf16 queries, keys and values (bf16 widened to float32 and computed there,
+the attention weights included, the output rounded once) with a contiguous last dimension, causal attention with
 an optional sliding window, the default or the model's own scaling.  Anything else
 (softcapping, attention sinks, dropout, float16) stays with the model's own attention.
 """
@@ -187,7 +187,7 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head,
 }
 """
 
-DTYPES = (torch.float32, torch.bfloat16)  # what the kernel computes on (bf16 in float32, as SDPA does)
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernel takes (bf16 is computed in float32)
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno"]
 _lock = threading.Lock()
 _lib: Any = None

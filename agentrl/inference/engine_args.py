@@ -23,7 +23,7 @@ class EngineArgs:
     prefix_block_size: int = 16  # tokens per cached block (a prefix is reused in whole blocks)
     keep_prefix_cache_on_weight_update: bool = False  # True reuses K/V computed by older weights (inexact)
     cpu_linear: str = "packed"  # CPU float32 linear layers: packed (oneDNN, weights prepacked: one more copy of them) | onednn | torch (MKL)
-    cpu_attention: str = "kernel"  # CPU float32 decode attention in ragged steps: kernel (C, built on first use) | sdpa
+    cpu_attention: str = "kernel"  # CPU float32/bf16 decode attention in ragged steps: kernel (C, built on first use) | sdpa
     ragged_batches: bool = True  # one forward per step for its prefills and decodes (a model that cannot: padded, two)
     num_speculative_tokens: int = 0  # n-gram draft tokens per sequence and step (vLLM's name; needs ragged batches)
     speculative_ngram: int = 3  # context tokens an n-gram draft is looked up by
