@@ -31,8 +31,10 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # max |Δ logprob| (over each position's 16 likeliest tokens) the self-check tolerates: kernels
 # differ between a padded batch and a plain forward (rounding, large in half precision); a wrong
-# mask or a skipped logit transform moves the likely tokens by nats
-SELF_CHECK_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.25}
+# mask or a skipped logit transform moves the likely tokens by nats.  bf16: SmolLM2-135M's 30
+# layers measured 0.28 (loaded in float32, then cast) and 0.53 (loaded as bf16) of rounding
+# alone on a Zen 4, where a mask that sees the future measured 15
+SELF_CHECK_TOL = {torch.float32: 1e-3, torch.bfloat16: 1.5, torch.float16: 0.25}
 
 
 def _one_line(e: BaseException) -> str:
