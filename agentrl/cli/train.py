@@ -21,8 +21,9 @@ def run(
 
     Extra arguments are dotted overrides: --trainer.lr=1e-5 --env.name calc
     """
-    from agentrl.config import load_config, split_files_and_overrides
+    from agentrl.config import load_config
     from agentrl.heap import keep_freed_memory
+    from agentrl.overrides import split_files_and_overrides
 
     keep_freed_memory(single_arena=True)  # before any thread allocates: the trainer's steps share one arena
 
@@ -39,8 +40,9 @@ def run(
 @app.command(context_settings=EXTRA_ARGS)
 def sft(ctx: typer.Context, configs: Configs) -> None:
     """Supervised warm start on the environment's demonstrations (cached by config)."""
-    from agentrl.config import load_config, split_files_and_overrides
+    from agentrl.config import load_config
     from agentrl.heap import keep_freed_memory
+    from agentrl.overrides import split_files_and_overrides
     from agentrl.recipes.sft import sft_command
 
     keep_freed_memory(single_arena=True)  # before any thread allocates (agentrl.heap)
