@@ -39,8 +39,10 @@ async def test_another_client_cannot_step_close_or_score_an_episode_it_did_not_o
         task = a.eval_dataset()[0]
         state = await a.setup(task)
         eid = state["episode_id"]
+        real = state["episode_secret"]
+        near = real[:-1] + ("B" if real.endswith("A") else "A")  # one character off, never the real one
         async with aiohttp.ClientSession() as b:
-            for secret in (None, "", "x" * 32, state["episode_secret"][:-1] + "A"):
+            for secret in (None, "", "x" * 32, near):
                 body = {"episode_id": eid, "assistant": tool_call("1+1"), "parse": True}
                 if secret is not None:
                     body["episode_secret"] = secret
