@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from testkit import free_port
+from testkit import free_ports
 
 ray = pytest.importorskip("ray")
 
@@ -30,10 +30,10 @@ def head_node():
     """`ray start --head --num-cpus 2 --block` on free ports with a short temp dir, in its own
     process group: teardown ends that group only (never `ray stop`, which ends every Ray on the machine)."""
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
-    port = free_port()
-    ports = {f"--{k}": str(free_port()) for k in (
+    port, *others = free_ports(8)  # distinct: eight free_port() calls in a row repeat one ~1 time in 700
+    ports = {f"--{k}": str(p) for k, p in zip((
         "ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port")}  # fmt: skip
+        "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port"), others, strict=True)}  # fmt: skip
     cmd = [RAY, "start", "--head", "--block", "--num-cpus", "2", "--port", str(port), "--temp-dir", temp_dir,
            "--include-dashboard", "false", "--disable-usage-stats", *[x for kv in ports.items() for x in kv]]  # fmt: skip
     log = open(Path(temp_dir) / "head.log", "w")  # noqa: SIM115 (closed in teardown)

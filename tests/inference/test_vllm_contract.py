@@ -9,6 +9,7 @@ the real vLLM in test_vllm_real.py.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
@@ -108,6 +109,10 @@ class FakeTrainerEngine:
     def __init__(self, root, info, control, source, log):
         self.client, self.source, self.log = control, source, log
         log.append(("trainer_init", root, info))
+        # the real one listens on master_port (its rendezvous store) until shutdown: while it does,
+        # the next group's free port cannot be this one (else two picks repeat ~1 time in 13,000)
+        self.store = socket.socket()
+        self.store.bind((info["master_address"], info["master_port"]))
         control.init_weight_transfer_engine({"master_address": info["master_address"], "master_port":
                                              info["master_port"], "rank_offset": 1, "world_size": info["world_size"]})  # fmt: skip
 
@@ -120,6 +125,7 @@ class FakeTrainerEngine:
         self.client.finish_weight_update()
 
     def shutdown(self):
+        self.store.close()
         self.log.append(("shutdown",))
 
 

@@ -38,9 +38,14 @@ async def greedy(ac, eng, prompt, n_tokens):
     return r.choices[0]
 
 
-async def wait_for_tokens(eng, at_least: int) -> None:
+async def wait_for_tokens(eng, at_least: int, running: int = 0) -> None:
+    """Until ``at_least`` tokens were generated in all, with at least ``running`` requests decoding
+    (a request that reached the engine late must not be still queued when the test pauses it)."""
     async with control() as http:
-        while (await http.get(eng.root_url + "/metrics")).json()["total_generated_tokens"] < at_least:
+        while True:
+            m = (await http.get(eng.root_url + "/metrics")).json()
+            if m["total_generated_tokens"] >= at_least and m["running"] >= running:
+                return
             await asyncio.sleep(0.005)
 
 
@@ -54,7 +59,7 @@ async def test_update_during_inflight_requests(wengine, model_dir, transport):
         before = await greedy(ac, wengine, prompt, 16)
         start = (await http.get(wengine.root_url + "/metrics")).json()["total_generated_tokens"]
         inflight = [asyncio.create_task(greedy(ac, wengine, [1, 30 + i], 200)) for i in range(3)]
-        await wait_for_tokens(wengine, start + 30)
+        await wait_for_tokens(wengine, start + 30, running=3)
         await http.post(wengine.root_url + "/pause")  # freeze them mid-flight; push() resumes
         assert (await http.get(wengine.root_url + "/metrics")).json()["running"] == 3
         state, new_model = perturbed_state(model_dir, seed=7 + v0)
