@@ -6,7 +6,9 @@
   prompts are rendered on the render threads with a deadline, text prompts length-checked first.
 - **off**: the same engine assembled here without any of that (this script's ``--serve-open``):
   no :class:`agentrl.guard.Guard`, uvicorn's own protocol, no connection cap, renders inline on
-  the event loop (the server as it was before the keys).
+  the event loop (the door as it was before the keys); the rest of the app (its routes, the
+  generation routes' fast path) is the same, so ratios measured before that fast path (when
+  this baseline dropped it too) do not compare with later ones.
 
 Both are real engine processes on the same tiny model.  Each round sends a burst of short
 requests (C concurrent: token-id completions and chat completions, ``max_tokens`` 2) to one,
@@ -43,6 +45,7 @@ def serve_open(model_dir: str, port_file: str, max_model_len: int, batch: int) -
 
     import uvicorn
 
+    from agentrl.guard import Guard
     from agentrl.inference.engine import Engine
     from agentrl.inference.engine_args import EngineArgs
     from agentrl.inference.server import EngineServer, create_app
@@ -53,7 +56,8 @@ def serve_open(model_dir: str, port_file: str, max_model_len: int, batch: int) -
     EngineServer.off_loop = inline
     engine = Engine(model_dir, EngineArgs(max_batch_size=batch, max_model_len=max_model_len, device="cpu"))
     app = create_app(engine)
-    app.user_middleware.clear()  # no Guard (the stack is built on the first request)
+    # no Guard, everything else as served (the generation fast path stays); the stack is built on the first request
+    app.user_middleware[:] = [m for m in app.user_middleware if m.cls is not Guard]
     sock = socket.socket()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))

@@ -223,6 +223,7 @@ def test_bad_chat_requests_get_openai_errors(engine, client, kwargs, status, cod
         ("/v1/completions", {"prompt": list(range(3, 500)), "max_tokens": 2}),
         ("/v1/chat/completions", {"messages": "not a list"}),
         ("/v1/chat/completions", "{not json"),
+        ("/v1/completions", "[" * 100_000),  # nested past json's recursion limit
         ("/tokenize", {}),
         ("/detokenize", {"tokens": [-5]}),
         ("/update_weights_from_disk", {"model_path": "/no/such/weights"}),
