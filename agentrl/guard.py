@@ -207,7 +207,7 @@ class Guard:
                 body = await _read_capped(receive, cap)
                 if body is None:
                     return await _reply(send, *self._too_large(), close=True)
-                receive = _replay(body, receive)
+                receive = replay_body(body, receive)
         await self.app(scope, receive, send)
 
     def _too_large(self) -> tuple[int, bytes]:
@@ -254,7 +254,8 @@ async def _read_capped(receive: Receive, cap: int) -> bytes | None:
             return b"".join(parts)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """``receive`` with the already-read ``body`` handed out once more first (for the app behind)."""
     sent = False
 
     async def again() -> dict[str, Any]:

@@ -57,7 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrl.auth import ServerKey
 from agentrl.errors import RequestError
-from agentrl.guard import Guard, Limits, Receive
+from agentrl.guard import Guard, Limits, Receive, replay_body
 from agentrl.inference import streaming
 from agentrl.inference.bounds import RequestBounds
 from agentrl.inference.core import CoreClient
@@ -160,7 +160,7 @@ class GenerationFastPath:
         try:
             req = schema.model_validate(json.loads(body))
         except Exception:  # not JSON, not UTF-8, nested past the recursion limit, off the schema: FastAPI words it
-            return await self.app(scope, _replay(body, receive), send)
+            return await self.app(scope, replay_body(body, receive), send)
         try:
             if req.stream:  # what the route does with a stream
                 response = await getattr(self.server, f"{name}_stream")(req)
@@ -174,20 +174,6 @@ class GenerationFastPath:
             if inspect.isawaitable(response):
                 response = await response
         await response(scope, receive, send)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """``receive`` with the already-read ``body`` handed out once more first."""
-    sent = False
-
-    async def again() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return again
 
 
 class EngineServer:
