@@ -205,6 +205,8 @@ class Guard:
                     return await _reply(send, *self._too_large(), close=True)
             elif chunked:
                 body = await _read_capped(receive, cap)
+                if body is _LEFT:
+                    return
                 if body is None:
                     return await _reply(send, *self._too_large(), close=True)
                 receive = replay_body(body, receive)
@@ -238,13 +240,17 @@ async def _reply(send: Send, status: int, body: bytes, *, headers: list[tuple[by
     await send({"type": "http.response.body", "body": body})
 
 
+_LEFT = b"<the client left>"  # a sentinel: compared by identity
+
+
 async def _read_capped(receive: Receive, cap: int) -> bytes | None:
-    """The whole request body, or None once it passes ``cap`` bytes."""
+    """The whole request body, None once it passes ``cap`` bytes, or :data:`_LEFT` if the
+    client went away before it was all in (nobody to answer; the app never sees a partial body)."""
     parts, size = [], 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return b"".join(parts)  # the client left: the app sees an empty body, then the disconnect
+            return _LEFT
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > cap:
