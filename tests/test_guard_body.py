@@ -3,29 +3,13 @@ the whole body or nothing, never a partial one."""
 
 from __future__ import annotations
 
-from typing import Any
+from door import RecordingApp
 
 from agentrl.guard import Guard, Limits
 
 
-class _App:
-    def __init__(self) -> None:
-        self.bodies: list[bytes] = []
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
-        self.bodies.append(body)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-
-async def _send_chunked(parts: list[bytes], *, leave: bool = False, cap: int = 100) -> tuple[_App, list[dict]]:
-    app = _App()
+async def _send_chunked(parts: list[bytes], *, leave: bool = False, cap: int = 100) -> tuple[RecordingApp, list[dict]]:
+    app = RecordingApp()
     guard = Guard(app, None, limits=Limits(max_body_bytes=cap))
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
              "headers": [(b"host", b"127.0.0.1"), (b"transfer-encoding", b"chunked")]}
@@ -46,15 +30,15 @@ async def _send_chunked(parts: list[bytes], *, leave: bool = False, cap: int = 1
 
 async def test_a_chunked_body_under_the_cap_reaches_the_app_whole():
     app, sent = await _send_chunked([b'{"prompt": ', b"[1, 2]}"])
-    assert app.bodies == [b'{"prompt": [1, 2]}'] and sent[0]["status"] == 200
+    assert app.calls == [("/v1/completions", b'{"prompt": [1, 2]}')] and sent[0]["status"] == 200
 
 
 async def test_a_chunked_body_over_the_cap_is_a_413_before_the_app():
     app, sent = await _send_chunked([b"x" * 60, b"x" * 60])
-    assert app.bodies == [] and sent[0]["status"] == 413
+    assert app.calls == [] and sent[0]["status"] == 413
 
 
 async def test_a_client_that_leaves_mid_body_is_not_passed_on():
     # the part that did arrive is a complete JSON request: it must not run as if it were the body
     app, sent = await _send_chunked([b'{"prompt": [1, 2]}'], leave=True)
-    assert app.bodies == [] and sent == []
+    assert app.calls == [] and sent == []

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from door import RecordingApp
 from fastapi.responses import StreamingResponse
 
 from agentrl.guard import Guard
@@ -54,24 +55,6 @@ class _Server:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-class _Inner:
-    """The FastAPI app's stand-in: records the scope and the whole body it was handed."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, bytes]] = []
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
-        self.calls.append((scope["path"], body))
-        await send({"type": "http.response.start", "status": 299, "headers": []})
-        await send({"type": "http.response.body", "body": b"inner"})
-
-
 async def _call(app: Any, path: str, body: bytes, *, method: str = "POST", content_type: bytes | None = b"application/json",
                 chunks: int = 1, leave: bool = False) -> tuple[int | None, bytes]:
     headers = [(b"host", b"127.0.0.1")] + ([(b"content-type", content_type)] if content_type is not None else [])
@@ -105,8 +88,8 @@ async def _api_error(_: Any, e: APIError) -> Any:
     return error_response(e.status, e.message, e.type, e.param, e.code)
 
 
-def _app(server: _Server) -> tuple[GenerationFastPath, _Inner]:
-    inner = _Inner()
+def _app(server: _Server) -> tuple[GenerationFastPath, RecordingApp]:
+    inner = RecordingApp(299, b"inner")  # FastAPI's stand-in
     return GenerationFastPath(inner, server, {APIError: _api_error}), inner
 
 
