@@ -204,11 +204,12 @@ class Guard:
                 if declared > cap:
                     return await _reply(send, *self._too_large(), close=True)
             elif chunked:
-                body = await _read_capped(receive, cap)
-                if body is _LEFT:
-                    return
-                if body is None:
+                try:
+                    body = await read_body(receive, cap)
+                except BodyTooLarge:
                     return await _reply(send, *self._too_large(), close=True)
+                if body is None:
+                    return  # the client left before its body was in: nobody to answer
                 receive = replay_body(body, receive)
         await self.app(scope, receive, send)
 
@@ -240,21 +241,22 @@ async def _reply(send: Send, status: int, body: bytes, *, headers: list[tuple[by
     await send({"type": "http.response.body", "body": body})
 
 
-_LEFT = b"<the client left>"  # a sentinel: compared by identity
+class BodyTooLarge(Exception):
+    """A request body passed the cap it was read under."""
 
 
-async def _read_capped(receive: Receive, cap: int) -> bytes | None:
-    """The whole request body, None once it passes ``cap`` bytes, or :data:`_LEFT` if the
-    client went away before it was all in (nobody to answer; the app never sees a partial body)."""
+async def read_body(receive: Receive, cap: int | None = None) -> bytes | None:
+    """The whole request body, or None if the client went away before it was all in (the app
+    never sees a partial body).  Past ``cap`` bytes: :class:`BodyTooLarge`."""
     parts, size = [], 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return _LEFT
+            return None
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > cap:
-            return None
+        if cap is not None and size > cap:
+            raise BodyTooLarge(f"request body over {cap} bytes")
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)

@@ -57,7 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrl.auth import ServerKey
 from agentrl.errors import RequestError
-from agentrl.guard import Guard, Limits, Receive, replay_body
+from agentrl.guard import Guard, Limits, Receive, read_body, replay_body
 from agentrl.inference import streaming
 from agentrl.inference.bounds import RequestBounds
 from agentrl.inference.core import CoreClient
@@ -117,16 +117,12 @@ def _json_typed(headers: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
-async def _whole_body(receive: Receive) -> bytes | None:
-    """The request body (the Guard already capped its size), or None if the client left first."""
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        parts.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(parts)
+async def _answer(server: EngineServer, name: str, req: ChatRequest | CompletionRequest, receive: Receive) -> Any:
+    """A generation route's response: ``name`` is ``chat`` or ``completions``; a stream from its
+    stream handler, else the whole answer (its engine work cancelled if the client leaves)."""
+    if req.stream:
+        return await getattr(server, f"{name}_stream")(req)
+    return await _unless_disconnected(getattr(server, name)(req), receive)
 
 
 class GenerationFastPath:
@@ -153,7 +149,7 @@ class GenerationFastPath:
         route = self.ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if route is None or not _json_typed(scope["headers"]):
             return await self.app(scope, receive, send)
-        body = await _whole_body(receive)
+        body = await read_body(receive)  # the Guard has capped its size
         if body is None:
             return  # the client left before its body was in: nobody to answer
         schema, name = route
@@ -162,10 +158,7 @@ class GenerationFastPath:
         except Exception:  # not JSON, not UTF-8, nested past the recursion limit, off the schema: FastAPI words it
             return await self.app(scope, replay_body(body, receive), send)
         try:
-            if req.stream:  # what the route does with a stream
-                response = await getattr(self.server, f"{name}_stream")(req)
-            else:
-                response = await _unless_disconnected(getattr(self.server, name)(req), receive)
+            response = await _answer(self.server, name, req, receive)
         except Exception as e:
             handler = next((self.handlers[c] for c in type(e).__mro__ if c in self.handlers), None)
             if handler is None:
@@ -459,15 +452,11 @@ def create_app(
 def _generation_routes(app: FastAPI, srv: EngineServer) -> None:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, http: Request):
-        if req.stream:
-            return await srv.chat_stream(req)
-        return await _unless_disconnected(srv.chat(req), http.receive)
+        return await _answer(srv, "chat", req, http.receive)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request):
-        if req.stream:
-            return await srv.completions_stream(req)
-        return await _unless_disconnected(srv.completions(req), http.receive)
+        return await _answer(srv, "completions", req, http.receive)
 
 
 def _token_routes(app: FastAPI, srv: EngineServer) -> None:
