@@ -3,7 +3,7 @@
 Both sides start from the quickstart's SFT warm start (cached) and train on the calc
 environment's 2-turn episode (call the calculator, then answer) with the same reward
 (``correct_answer``), the same tool (``calculator``), group size 8, 64 completions per
-step, lr 2e-4, AdamW betas (0.9, 0.99), 10 warm-up steps, grad clip 1, temperature 0.6:
+step, the quickstart's lr (1e-4), AdamW betas (0.9, 0.99), 10 warm-up steps, grad clip 1, temperature 0.6:
 
 - **TRL**: ``GRPOTrainer`` with ``tools=[calculator]`` — its own generation and its own
   tool-calling loop (one tool round, like ``rollout.max_turns = 2``), on CPU (``--trl-threads``).
