@@ -138,7 +138,8 @@ def main() -> None:
                       f"{res.get('tokens_per_engine_step', 0):.1f} tokens/engine step, idle {res['trainer_idle']:.2f}"
                       + (f", drafts kept {res['draft_acceptance']:.2f}" if "draft_acceptance" in res else "")
                       + (f"; held-out {res['curve'][0][1]:.3f} -> best {res['best']:.3f}, final {res['final']:.3f}, "
-                         f"{a.target} at {res['to_target_s']} s" if score else ""),
+                         f"{a.target} " + (f"at {res['to_target_s']} s" if res["to_target_s"] is not None else "never")
+                         if score else ""),
                       flush=True)  # fmt: skip
     base = statistics.mean(x["steps"] for x in runs[names[0]])
     summary = {
