@@ -12,8 +12,7 @@ the baseline's.
 ``--score-every N`` also asks what the variants learn: each run saves a checkpoint every N
 versions (still no evaluation on its clock), and after it ends every checkpoint is scored by
 one greedy evaluator on the held-out tasks (``benchmarks/heldout.py``), placed at the RL
-seconds and version when those weights existed; a variant then reports its seconds and
-version to ``--target``, its best and its final held-out reward.  For training settings (the
+seconds when those weights existed; a variant then reports its seconds to ``--target``, its best and its final held-out reward.  For training settings (the
 learning rate, the loss), where steps per second say little.  Last line: JSON.
 
     python benchmarks/quickstart_variants.py --seconds 100 --rounds 2 \\
@@ -27,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -43,11 +43,24 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.toml"
 
 
+# set by the script for every run: a variant that changed them would break its clock or its scoring
+OWN = ("--run.dir", "--run.max_wall_s", "--eval.every", "--trainer.checkpoint_every", "--trainer.keep_checkpoints")
+# what the shared warm start and evaluator depend on (the SFT cache key, with sft.target_reward's
+# evaluation settings), and LoRA, whose checkpoints the held-out scoring cannot load
+WARM_START = ("--run.seed", "--model.", "--sft.", "--env.", "--trainer.device", "--trainer.dtype", "--trainer.lora",
+              "--rollout.max_tokens", "--rollout.max_turns")  # fmt: skip
+
+
+def parse_overrides(text: str) -> list[str]:
+    """``--a=1,--b=[0.9,0.99]``: split at the commas that start another override."""
+    return [o for o in re.split(r",(?=--)", text) if o]
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
     name, _, overrides = text.partition("=")
     if not name:
         raise argparse.ArgumentTypeError(f"--variant NAME=OVERRIDES, got {text!r}")
-    return name, [o for o in overrides.split(",") if o]
+    return name, parse_overrides(overrides)
 
 
 def command(overrides: list[str], seconds: float, run_dir: Path, score_every: int) -> list[str]:
@@ -84,17 +97,25 @@ class Scorer:
     """The one greedy evaluator of every run's checkpoints, and what a curve says about ``target``."""
 
     def __init__(self, common: list[str], target: float) -> None:
+        import torch
         from transformers import AutoModelForCausalLM
 
         from agentrl.config import load_config
+        from agentrl.recipes.rl import torch_threads
         from agentrl.recipes.sft import warm_start
 
         cfg = load_config([str(QUICKSTART)], common)
-        if not Path(cfg.model.path).is_absolute():  # the runs resolve it from the checkout, as here
+        if not Path(cfg.model.path).is_absolute():  # the runs resolve relative paths from the checkout
             cfg.model.path = str(ROOT / cfg.model.path)
+        if (ROOT / cfg.env.name).is_dir() and not Path(cfg.env.name).is_absolute():
+            cfg.env.name = str(ROOT / cfg.env.name)
+        torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does before its warm start
         warm = warm_start(cfg, progress=False)  # built (or found cached) once, before any run's clock
         self.evaluator, self.target = held_out_evaluator(cfg, warm), target
         self.start = self.evaluator.score(AutoModelForCausalLM.from_pretrained(warm), 0)
+
+    def close(self) -> None:
+        self.evaluator.close()
 
     def __call__(self, run_dir: Path) -> dict[str, Any]:
         curve = checkpoint_curve(run_dir, self.evaluator.score, self.start)
@@ -108,7 +129,7 @@ def main() -> None:
                     help="NAME=OVERRIDE[,OVERRIDE...] (the first is the baseline; NAME= runs the defaults)")  # fmt: skip
     ap.add_argument("--seconds", type=float, default=100.0, help="RL wall-clock budget per run")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--common", type=lambda t: [o for o in t.split(",") if o], default=[],
+    ap.add_argument("--common", type=parse_overrides, default=[],
                     help="OVERRIDE[,OVERRIDE...] for every run (and, with --score-every, the evaluator), e.g. "
                          "--common=--run.seed=1")  # fmt: skip
     ap.add_argument("--score-every", type=int, default=0,
@@ -120,27 +141,32 @@ def main() -> None:
         ap.error(f"variant names must differ: {names}")
     if a.score_every < 0:
         ap.error(f"--score-every must be >= 0, got {a.score_every}")
-    if a.score_every and any(o.startswith(("--run.seed", "--model.", "--sft.", "--env.")) for _, o_ in a.variant
-                             for o in o_):  # fmt: skip
-        ap.error("with --score-every every variant shares one warm start and evaluator: vary no --run.seed, "
-                 "--model.*, --sft.* or --env.* (set them for all with --common)")
+    if any(o.startswith(OWN) for o in [*a.common, *(o for _, v in a.variant for o in v)]):
+        ap.error(f"quickstart_variants sets {', '.join(OWN)} itself: leave them out of --variant and --common")
+    if a.score_every and any(o.startswith(WARM_START) for _, v in a.variant for o in v):
+        ap.error("with --score-every every variant shares one warm start and evaluator: vary none of "
+                 f"{', '.join(WARM_START)} (set them for all with --common)")
     score = Scorer(a.common, a.target) if a.score_every else None
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    with tempfile.TemporaryDirectory(prefix="agentrl-qs-variants-") as tmp:
-        for r in range(a.rounds):
-            for name, overrides in a.variant:
-                res = one(f"{name}-{r}", [*a.common, *overrides], a.seconds, Path(tmp), a.score_every)
-                if score:  # after the run: its clock is over
-                    res.update(score(res["run_dir"]))
-                res.pop("run_dir")
-                runs[name].append(res)
-                print(f"round {r} {name:>10}: {res['steps']} steps, {res['generated_tokens']:.0f} tokens sampled, "
-                      f"{res.get('tokens_per_engine_step', 0):.1f} tokens/engine step, idle {res['trainer_idle']:.2f}"
-                      + (f", drafts kept {res['draft_acceptance']:.2f}" if "draft_acceptance" in res else "")
-                      + (f"; held-out {res['curve'][0][1]:.3f} -> best {res['best']:.3f}, final {res['final']:.3f}, "
-                         f"{a.target} " + (f"at {res['to_target_s']} s" if res["to_target_s"] is not None else "never")
-                         if score else ""),
-                      flush=True)  # fmt: skip
+    try:
+        with tempfile.TemporaryDirectory(prefix="agentrl-qs-variants-") as tmp:
+            for r in range(a.rounds):
+                for name, overrides in a.variant:
+                    res = one(f"{name}-{r}", [*a.common, *overrides], a.seconds, Path(tmp), a.score_every)
+                    if score:  # after the run: its clock is over
+                        res.update(score(res["run_dir"]))
+                    res.pop("run_dir")
+                    runs[name].append(res)
+                    print(f"round {r} {name:>10}: {res['steps']} steps, {res['generated_tokens']:.0f} tokens sampled, "
+                          f"{res.get('tokens_per_engine_step', 0):.1f} tokens/engine step, idle {res['trainer_idle']:.2f}"
+                          + (f", drafts kept {res['draft_acceptance']:.2f}" if "draft_acceptance" in res else "")
+                          + (f"; held-out {res['curve'][0][1]:.3f} -> best {res['best']:.3f}, final {res['final']:.3f}, "
+                             f"{a.target} " + (f"at {res['to_target_s']} s" if res["to_target_s"] is not None else "never")
+                             if score else ""),
+                          flush=True)  # fmt: skip
+    finally:
+        if score:
+            score.close()
     base = statistics.mean(x["steps"] for x in runs[names[0]])
     summary = {
         "seconds": a.seconds,
