@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from heldout import checkpoint_curve, evaluator, first_at, snapshot_overrides
+from heldout import checkpoint_curve, evaluator, first_at, snapshot_overrides, start_reward, warm_start_as_run
 
 from agentrl.config import load_config
 from agentrl.metrics import read_jsonl
@@ -94,15 +94,8 @@ def fixed_steps(args: argparse.Namespace, extra: list[str], root: Path) -> None:
 def slow_tools(args: argparse.Namespace, extra: list[str], root: Path) -> None:
     # one warm start for all three, trained and cached on instant tools (its early-stop
     # evaluations need not wait on slow ones)
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from agentrl.recipes.rl import torch_threads
-    from agentrl.recipes.sft import warm_start
-
     cfg = load_config([str(QUICKSTART)], [f"--env.name={CALC_DIR}", *extra])
-    torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does before its warm start
-    warm = warm_start(cfg, progress=False)
+    warm = warm_start_as_run(cfg)
     latency = {"tool_latency_median_s": args.latency_median, "tool_latency_p99_s": args.latency_p99}
     common = [f"--env.name={CALC_DIR}", *(f"--env.args.{k}={v}" for k, v in latency.items()),
               f"--model.path={warm}", "--sft.enabled=false", "--trainer.steps=100000", *extra]
@@ -110,7 +103,7 @@ def slow_tools(args: argparse.Namespace, extra: list[str], root: Path) -> None:
     budget = [f"--run.max_wall_s={args.seconds}", *snapshot_overrides(args.snapshot_every)]
     judge = evaluator(cfg, warm)
     try:
-        scored = (judge, judge.score(AutoModelForCausalLM.from_pretrained(warm), 0))
+        scored = (judge, start_reward(judge.score, warm))
         runs = [
             one("eta0", ["--buffer.max_staleness=0", *sync_budget, *common], root, scored),
             one("eta2", ["--buffer.max_staleness=2", *budget, *common], root, scored),

@@ -36,6 +36,25 @@ def evaluator(cfg: Any, warm: Path) -> Any:
     return GreedyEvaluator(warm, load_environment(cfg.env.name, **args), held_out)
 
 
+def warm_start_as_run(cfg: Any) -> Path:
+    """The runs' shared warm start, built (or found cached) as ``agentrl run`` builds it: under
+    the torch thread count it sets first (this process keeps that count)."""
+    import torch
+
+    from agentrl.recipes.rl import torch_threads
+    from agentrl.recipes.sft import warm_start
+
+    torch.set_num_threads(torch_threads(cfg))
+    return warm_start(cfg, progress=False)
+
+
+def start_reward(score: Any, warm: Path) -> float:
+    """The warm start's held-out reward by ``score(model, version)``: every curve's point at 0 s."""
+    from transformers import AutoModelForCausalLM
+
+    return score(AutoModelForCausalLM.from_pretrained(warm), 0)
+
+
 def snapshot_settings(every: int) -> dict[str, int]:
     """What a run needs for :func:`checkpoint_curve`, as dotted config keys: a checkpoint every
     ``every`` versions, all kept, and no evaluation of its own."""

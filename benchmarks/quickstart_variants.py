@@ -12,8 +12,9 @@ the baseline's.
 ``--score-every N`` also asks what the variants learn: each run saves a checkpoint every N
 versions (still no evaluation on its clock), and after it ends every checkpoint is scored by
 one greedy evaluator on the held-out tasks (``benchmarks/heldout.py``), placed at the RL
-seconds when those weights existed; a variant then reports its seconds to ``--target``, its best and its final held-out reward.  For training settings (the
-learning rate, the loss), where steps per second say little.  Last line: JSON.
+seconds when those weights existed; a variant then reports its seconds to ``--target``, its
+best and its final held-out reward.  For training settings (the learning rate, the loss),
+where steps per second say little.  Last line: JSON.
 
     python benchmarks/quickstart_variants.py --seconds 100 --rounds 2 \\
         --variant padded=--inference.ragged_batches=false --variant ragged= \\
@@ -34,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from heldout import checkpoint_curve, first_at, snapshot_overrides
+from heldout import checkpoint_curve, first_at, snapshot_overrides, start_reward, warm_start_as_run
 from heldout import evaluator as held_out_evaluator
 
 from agentrl.metrics import read_jsonl
@@ -97,22 +98,16 @@ class Scorer:
     """The one greedy evaluator of every run's checkpoints, and what a curve says about ``target``."""
 
     def __init__(self, common: list[str], target: float) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
         from agentrl.config import load_config
-        from agentrl.recipes.rl import torch_threads
-        from agentrl.recipes.sft import warm_start
 
         cfg = load_config([str(QUICKSTART)], common)
         if not Path(cfg.model.path).is_absolute():  # the runs resolve relative paths from the checkout
             cfg.model.path = str(ROOT / cfg.model.path)
         if (ROOT / cfg.env.name).is_dir() and not Path(cfg.env.name).is_absolute():
             cfg.env.name = str(ROOT / cfg.env.name)
-        torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does before its warm start
-        warm = warm_start(cfg, progress=False)  # built (or found cached) once, before any run's clock
+        warm = warm_start_as_run(cfg)  # once, before any run's clock
         self.evaluator, self.target = held_out_evaluator(cfg, warm), target
-        self.start = self.evaluator.score(AutoModelForCausalLM.from_pretrained(warm), 0)
+        self.start = start_reward(self.evaluator.score, warm)
 
     def close(self) -> None:
         self.evaluator.close()

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from heldout import apply_snapshot_settings, checkpoint_curve, first_at
+from heldout import apply_snapshot_settings, checkpoint_curve, first_at, start_reward, warm_start_as_run
 from heldout import evaluator as held_out_evaluator
 
 from agentrl.config import Config, load_config
@@ -184,18 +184,13 @@ def main() -> None:
         print(f"vs_trl.py: the baseline needs {' and '.join(missing)}: pip install -e '.[bench]'", file=sys.stderr)
         sys.exit(2)
     cfg = load_config([str(QUICKSTART)], [f"--env.name={CALC_DIR}", f"--run.seed={args.seed}", *extra])
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from agentrl.recipes.rl import torch_threads
-    from agentrl.recipes.sft import warm_start
 
-    torch.set_num_threads(torch_threads(cfg))  # as `agentrl run` does before its warm start
-    warm = warm_start(cfg, progress=False)
+    warm = warm_start_as_run(cfg)
     evaluator = held_out_evaluator(cfg, warm)
     root = Path(tempfile.mkdtemp(prefix="agentrl-vstrl-"))
     try:
-        warm_reward = evaluator.score(AutoModelForCausalLM.from_pretrained(warm), 0)
+        warm_reward = start_reward(evaluator.score, warm)
         ours = run_agentrl(cfg, args.seconds, root / "agentrl", args.snapshot_every, evaluator, warm_reward,
                            args.agentrl_batch_groups)
         trl = run_trl(cfg, warm, args.seconds, root / "trl", args.eval_every_s, args.trl_threads or torch_threads(cfg),
