@@ -18,7 +18,9 @@ is evaluated from a callback every ``--eval-every-s`` training seconds with its 
 stopped; agentrl runs with no in-run evaluation, saves a checkpoint every
 ``--snapshot-every`` versions (its clock keeps running through the saves), and each
 checkpoint is evaluated after the run, at the RL seconds when those weights existed
-(``benchmarks/heldout.py``).  ``speedup_vs_trl`` = TRL's seconds to ``--target`` / agentrl's
+(``benchmarks/heldout.py``).  By default TRL is scored as often as agentrl was: every
+``checkpoint_spacing`` seconds, agentrl's run time over its scored checkpoints (a side scored
+more often gets more chances to cross a target early).  ``speedup_vs_trl`` = TRL's seconds to ``--target`` / agentrl's
 (a run that never gets there stands in with its whole budget: the ratio is then a bound,
 marked); ``speedup_held`` is the same ratio when the target must hold for two evaluations in
 a row.  Last line: JSON.
@@ -68,6 +70,14 @@ def run_agentrl(cfg: Config, seconds: float, run_dir: Path, snapshot_every: int,
     rows = read_jsonl(run_dir / "metrics.jsonl")
     return {"curve": checkpoint_curve(run_dir, evaluator.score, warm_reward), "steps": rows[-1]["version"],
             "wall_s": rows[-1]["time/rl_wall_s"], "snapshot_every": snapshot_every}
+
+
+def checkpoint_spacing(curve: list[tuple[float, float]]) -> float:
+    """Mean seconds between the scored points of a held-out curve (its first point is the warm
+    start at 0 s): how often TRL is scored, so both sides get as many chances at a target."""
+    if len(curve) < 2:
+        raise ValueError("checkpoint_spacing: the curve has no scored checkpoint after the warm start")
+    return curve[-1][0] / (len(curve) - 1)
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -167,8 +177,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=240.0, help="training seconds per side")
     p.add_argument("--target", type=float, default=0.6, help="held-out reward to reach")
-    p.add_argument("--eval-every-s", type=float, default=20.0,
-                   help="TRL: evaluate every N training seconds (about agentrl's --snapshot-every in seconds)")
+    p.add_argument("--eval-every-s", type=float, default=0.0,
+                   help="TRL: evaluate every N training seconds (0 = as often as agentrl's checkpoints were scored)")
     p.add_argument("--snapshot-every", type=int, default=10,
                    help="agentrl: save (and afterwards evaluate) the weights every N versions")
     p.add_argument("--agentrl-batch-groups", type=int, default=0,
@@ -193,6 +203,7 @@ def main() -> None:
         warm_reward = start_reward(evaluator.score, warm)
         ours = run_agentrl(cfg, args.seconds, root / "agentrl", args.snapshot_every, evaluator, warm_reward,
                            args.agentrl_batch_groups)
+        args.eval_every_s = args.eval_every_s or checkpoint_spacing(ours["curve"])
         trl = run_trl(cfg, warm, args.seconds, root / "trl", args.eval_every_s, args.trl_threads or torch_threads(cfg),
                       evaluator, warm_reward)
     finally:
@@ -234,7 +245,7 @@ def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any]) 
     held = {name: first_at(r["curve"], args.target, hold=2) for name, r in (("agentrl", ours), ("trl", trl))}
     held_ratio, held_bound = ratio(held["trl"], held["agentrl"], trl["wall_s"], ours["wall_s"])
     print(json.dumps({"benchmark": "vs_trl", "trl_version": trl_pkg.__version__, "seed": args.seed,
-                      "agentrl_batch_groups": args.agentrl_batch_groups or None,
+                      "agentrl_batch_groups": args.agentrl_batch_groups or None, "trl_eval_every_s": args.eval_every_s,
                       "target": args.target, "seconds": args.seconds, "agentrl": ours, "trl": trl,
                       "seconds_to_target": {"agentrl": t_ours, "trl": t_trl}, "seconds_to_target_held": held,
                       "speedup_held": held_ratio, "speedup_held_bound": held_bound, "speedup_vs_trl": speedup,

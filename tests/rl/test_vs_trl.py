@@ -1,0 +1,27 @@
+"""benchmarks/vs_trl.py's pieces that decide its verdict (the runs themselves need TRL: `.[bench]`)."""
+
+from __future__ import annotations
+
+import pytest
+from benchmark_module import load_benchmark
+
+
+def _vs_trl():
+    return load_benchmark("vs_trl")
+
+
+def test_trl_is_scored_as_often_as_agentrls_checkpoints_were():
+    spacing = _vs_trl().checkpoint_spacing
+    # the warm start at 0 s, then three checkpoints over 30 s: one every 10 s
+    assert spacing([(0.0, 0.4), (9.0, 0.5), (21.0, 0.6), (30.0, 0.7)]) == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="no scored checkpoint"):
+        spacing([(0.0, 0.4)])
+
+
+def test_a_side_that_never_gets_there_stands_in_with_its_budget_as_a_bound():
+    ratio = _vs_trl().ratio
+    assert ratio(40.0, 20.0, 240.0, 236.0) == (2.0, None)
+    assert ratio(None, 20.0, 240.0, 236.0) == (12.0, "lower")  # TRL never: at least 240 / 20
+    assert ratio(40.0, None, 240.0, 236.0) == (pytest.approx(40.0 / 236.0), "upper")
+    assert ratio(None, None, 240.0, 236.0) == (None, None)
+    assert ratio(0.0, 0.0, 240.0, 236.0) == (None, None)  # the shared warm start was already there
