@@ -18,9 +18,10 @@ is evaluated from a callback every ``--eval-every-s`` training seconds with its 
 stopped; agentrl runs with no in-run evaluation, saves a checkpoint every
 ``--snapshot-every`` versions (its clock keeps running through the saves), and each
 checkpoint is evaluated after the run, at the RL seconds when those weights existed
-(``benchmarks/heldout.py``).  By default TRL is scored as often as agentrl was: every
-``checkpoint_spacing`` seconds, agentrl's run time over its scored checkpoints (a side scored
-more often gets more chances to cross a target early).  ``speedup_vs_trl`` = TRL's seconds to ``--target`` / agentrl's
+(``benchmarks/heldout.py``).  By default TRL is scored as often as agentrl was
+(``checkpoint_spacing``: the last checkpoint's seconds over the number of checkpoints; a side
+scored more often gets more chances to cross a target early).  ``speedup_vs_trl`` = TRL's
+seconds to ``--target`` / agentrl's
 (a run that never gets there stands in with its whole budget: the ratio is then a bound,
 marked); ``speedup_held`` is the same ratio when the target must hold for two evaluations in
 a row.  Last line: JSON.
@@ -73,11 +74,17 @@ def run_agentrl(cfg: Config, seconds: float, run_dir: Path, snapshot_every: int,
 
 
 def checkpoint_spacing(curve: list[tuple[float, float]]) -> float:
-    """Mean seconds between the scored points of a held-out curve (its first point is the warm
-    start at 0 s): how often TRL is scored, so both sides get as many chances at a target."""
+    """Mean seconds between the scored points of a held-out curve whose first point is the warm
+    start at 0 s: the last point's seconds over the number of points after it."""
     if len(curve) < 2:
         raise ValueError("checkpoint_spacing: the curve has no scored checkpoint after the warm start")
     return curve[-1][0] / (len(curve) - 1)
+
+
+def trl_scoring_every(eval_every_s: float, agentrl_curve: list[tuple[float, float]]) -> float:
+    """TRL's scoring interval: ``--eval-every-s`` when given, else as often as agentrl was scored
+    (a side scored more often gets more chances to cross a target early)."""
+    return eval_every_s or checkpoint_spacing(agentrl_curve)
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -189,6 +196,8 @@ def main() -> None:
                    help="torch threads for TRL (0 = agentrl's trainer's; on a shared 2-core machine 2 ran slower than 1)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs")
     args, extra = p.parse_known_args()
+    if args.eval_every_s < 0:
+        p.error(f"--eval-every-s must be >= 0 (0: as often as agentrl's checkpoints), got {args.eval_every_s:g}")
     missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
     if missing:  # say so before agentrl's side spends its minutes
         print(f"vs_trl.py: the baseline needs {' and '.join(missing)}: pip install -e '.[bench]'", file=sys.stderr)
@@ -203,7 +212,7 @@ def main() -> None:
         warm_reward = start_reward(evaluator.score, warm)
         ours = run_agentrl(cfg, args.seconds, root / "agentrl", args.snapshot_every, evaluator, warm_reward,
                            args.agentrl_batch_groups)
-        args.eval_every_s = args.eval_every_s or checkpoint_spacing(ours["curve"])
+        args.eval_every_s = trl_scoring_every(args.eval_every_s, ours["curve"])
         trl = run_trl(cfg, warm, args.seconds, root / "trl", args.eval_every_s, args.trl_threads or torch_threads(cfg),
                       evaluator, warm_reward)
     finally:

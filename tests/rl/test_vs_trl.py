@@ -18,6 +18,13 @@ def test_trl_is_scored_as_often_as_agentrls_checkpoints_were():
         spacing([(0.0, 0.4)])
 
 
+def test_an_explicit_scoring_interval_wins_over_agentrls_spacing():
+    every = _vs_trl().trl_scoring_every
+    curve = [(0.0, 0.4), (11.0, 0.5), (22.0, 0.6)]
+    assert every(0.0, curve) == pytest.approx(11.0)  # 0: match agentrl
+    assert every(20.0, curve) == 20.0
+
+
 def test_a_side_that_never_gets_there_stands_in_with_its_budget_as_a_bound():
     ratio = _vs_trl().ratio
     assert ratio(40.0, 20.0, 240.0, 236.0) == (2.0, None)
