@@ -24,7 +24,8 @@ scored more often gets more chances to cross a target early).  ``speedup_vs_trl`
 seconds to ``--target`` / agentrl's
 (a run that never gets there stands in with its whole budget: the ratio is then a bound,
 marked); ``speedup_held`` is the same ratio when the target must hold for two evaluations in
-a row.  Last line: JSON.
+a row.  ``speedup_by_target`` repeats the ratio at 0.7, 0.8 and at TRL's best held-out score
+(``trl_best``: how much sooner agentrl was as good as TRL ever got).  Last line: JSON.
 
     pip install -e '.[bench]'    # TRL and datasets (the baseline; not agentrl dependencies)
     python benchmarks/vs_trl.py [--seconds 240] [--target 0.6] [--seed 0]
@@ -237,6 +238,26 @@ def ratio(t_trl: float | None, t_ours: float | None, trl_s: float, ours_s: float
     return None, None
 
 
+def ladder(ours: dict[str, Any], trl: dict[str, Any], targets: list[float]) -> dict[str, dict[str, Any]]:
+    """``ratio`` at each target, plus ``trl_best``: agentrl's seconds to TRL's best held-out score
+    against TRL's own (the "as good as the baseline ever got" race, which a target set near the
+    warm start cannot show)."""
+    best_trl = max(v for _, v in trl["curve"])
+    rungs = {f"{t:g}": t for t in targets} | {"trl_best": best_trl}
+    out = {}
+    for name, t in rungs.items():
+        t_ours, t_trl = first_at(ours["curve"], t), first_at(trl["curve"], t)
+        r, bound = ratio(t_trl, t_ours, trl["wall_s"], ours["wall_s"])
+        out[name] = {"target": t, "agentrl_s": t_ours, "trl_s": t_trl, "speedup": r, "bound": bound}
+    return out
+
+
+def _shown(speedup: float | None, bound: str | None) -> str:
+    if speedup is None:
+        return "-"
+    return {"lower": "≥ ", "upper": "≤ "}.get(bound or "", "") + f"{speedup:.2f}x"
+
+
 def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any]) -> None:
     import trl as trl_pkg
 
@@ -250,6 +271,8 @@ def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any]) 
               f"final {r['curve'][-1][1]:.3f}  best {max(v for _, v in r['curve']):.3f}  curve {r['curve']}")
     if speedup is not None:
         print(f"speed-up vs TRL to {args.target}: {speedup:.2f}x" + (f" ({bound} bound)" if bound else ""))
+    rungs = ladder(ours, trl, sorted({args.target, 0.7, 0.8}))
+    print("speed-up by target: " + ", ".join(f"{k} {_shown(v['speedup'], v['bound'])}" for k, v in rungs.items()))
     # the same ratio when the target must hold for two evaluations in a row (a lone high point does not count)
     held = {name: first_at(r["curve"], args.target, hold=2) for name, r in (("agentrl", ours), ("trl", trl))}
     held_ratio, held_bound = ratio(held["trl"], held["agentrl"], trl["wall_s"], ours["wall_s"])
@@ -258,7 +281,7 @@ def report(args: argparse.Namespace, ours: dict[str, Any], trl: dict[str, Any]) 
                       "target": args.target, "seconds": args.seconds, "agentrl": ours, "trl": trl,
                       "seconds_to_target": {"agentrl": t_ours, "trl": t_trl}, "seconds_to_target_held": held,
                       "speedup_held": held_ratio, "speedup_held_bound": held_bound, "speedup_vs_trl": speedup,
-                      "speedup_bound": bound}))
+                      "speedup_bound": bound, "speedup_by_target": rungs}))
 
 
 if __name__ == "__main__":
