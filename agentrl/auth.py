@@ -134,6 +134,6 @@ def sign(key: str, *parts: bytes) -> str:
 
 def verify(key: str, signature: str | None, *parts: bytes) -> bool:
     """Whether ``signature`` is :func:`sign` of ``parts`` under ``key`` (constant-time)."""
-    if not signature:
+    if not signature or not signature.isascii():  # compare_digest raises on non-ASCII str: a 500, not a no
         return False
     return hmac.compare_digest(sign(key, *parts), signature)

@@ -39,6 +39,7 @@ it without importing the inference package.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -113,6 +114,7 @@ class Session:
         self.template_breaks = 0
         self.calls = 0  # calls admitted (sampling may still be under way)
         self.sampled_total = 0
+        self._reserved = 0  # tokens that calls still sampling may yet add to sampled_total
         self.generation_s = self.tokenize_s = 0.0
         self.failure: EpisodeFailure | None = None
         self.refusals = 0  # calls answered with an error (the program may have swallowed them)
@@ -166,13 +168,13 @@ class Session:
         async with self._lock:  # choosing a sequence and claiming it is one step for concurrent calls
             branch, prompt = await self._place(messages, tools)
         try:
-            sampling = self._sampling(max_tokens, stop, len(prompt))
-            t0 = time.perf_counter()
-            completion = await self._sample(prompt, sampling)
-            latency = time.perf_counter() - t0
-            if self.closed:
-                raise Refused(410, "the episode ended while this call was sampling")
-            return self._record(branch, messages, tools, prompt, completion, latency, parse_tools)
+            with self._budget(max_tokens, stop, len(prompt)) as sampling:
+                t0 = time.perf_counter()
+                completion = await self._sample(prompt, sampling)
+                latency = time.perf_counter() - t0
+                if self.closed:
+                    raise Refused(410, "the episode ended while this call was sampling")
+                return self._record(branch, messages, tools, prompt, completion, latency, parse_tools)
         finally:
             branch.busy = False
             if branch.seq is None:  # its first call failed: nothing to extend
@@ -208,10 +210,22 @@ class Session:
             why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             raise Refused(400, f"cannot render these messages with the model's chat template: {why}"[:1000]) from None
 
+    @contextlib.contextmanager
+    def _budget(self, max_tokens: int | None, stop: list[str] | None, prompt_len: int) -> Iterator[SamplingParams]:
+        """This call's sampling settings, its ``max_tokens`` held against ``max_total_tokens`` until
+        it is recorded: calls sampling at once each see the others' claims (without, ``max_calls``
+        concurrent calls each got the whole budget)."""
+        sampling = self._sampling(max_tokens, stop, prompt_len)  # no await between the check and the claim
+        self._reserved += sampling.max_tokens
+        try:
+            yield sampling
+        finally:
+            self._reserved -= sampling.max_tokens
+
     def _sampling(self, max_tokens: int | None, stop: list[str] | None, prompt_len: int) -> SamplingParams:
         budget = self.sampling.max_tokens if max_tokens is None else min(max_tokens, self.sampling.max_tokens)
         if self.max_total_tokens is not None:
-            budget = min(budget, self.max_total_tokens - self.sampled_total)
+            budget = min(budget, self.max_total_tokens - self.sampled_total - self._reserved)
         if self.max_seq_len is not None:
             budget = min(budget, self.max_seq_len - prompt_len)
         if budget <= 0:
@@ -284,17 +298,17 @@ class Session:
     ) -> tuple[dict[str, Any], str, dict[str, int]]:
         """A chat-only endpoint (evaluation with ``token_exact=False``): passed through, calls
         recorded as turns without token ids."""
-        sampling = self._sampling(max_tokens, stop, 0)
-        t0 = time.perf_counter()
-        try:
-            (c, *_) = await self.client.chat(messages, sampling, tools=tools if parse_tools else None)
-        except Exception as e:
-            raise self._endpoint_failed(e) from None
-        latency = time.perf_counter() - t0
-        if self.closed:
-            raise Refused(410, "the episode ended while this call was sampling")
+        with self._budget(max_tokens, stop, 0) as sampling:
+            t0 = time.perf_counter()
+            try:
+                (c, *_) = await self.client.chat(messages, sampling, tools=tools if parse_tools else None)
+            except Exception as e:
+                raise self._endpoint_failed(e) from None
+            latency = time.perf_counter() - t0
+            if self.closed:
+                raise Refused(410, "the episode ended while this call was sampling")
+            self.sampled_total += c.completion_tokens
         self.generation_s += latency
-        self.sampled_total += c.completion_tokens
         self.turns.append(Turn(c.prompt_tokens, [], c.text, c.finish_reason, [], latency, c.completion_tokens))
         calls = [tc if isinstance(tc, ToolCall) else ToolCall.from_dict(tc) for tc in c.tool_calls]
         msg: dict[str, Any] = {"role": "assistant", "content": c.text or ""}

@@ -17,6 +17,7 @@ sandbox runs as a uid nobody else uses, leased here for its lifetime:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import pwd
@@ -71,6 +72,7 @@ def lease_uid() -> UidLease:
     """The lowest free uid of the range, held until released; SandboxError when none is free."""
     first, last = uid_range()
     directory = lock_dir()
+    unusable: list[str] = []
     with _lock:
         for uid in range(first, last + 1):
             try:
@@ -81,11 +83,20 @@ def lease_uid() -> UidLease:
             try:
                 fd = os.open(os.path.join(directory, str(uid)), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             except OSError as e:
-                raise SandboxError(f"cannot lease a sandbox uid in {directory}: {e.strerror}") from e
+                if e.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM):
+                    raise SandboxError(f"cannot lease a sandbox uid in {directory}: {e.strerror}") from e
+                # another user's entry (a symlink, an unreadable file: the directory is shared and
+                # sticky, so it cannot be removed): that uid is not ours, the next one may be
+                unusable.append(str(uid))
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 continue
             return UidLease(uid, fd)
+    if unusable:
+        raise SandboxError(f"no sandbox uid in {first}-{last} is free: {len(unusable)} entries in {directory} "
+                           f"(e.g. {unusable[0]}) are links or files this user cannot open, the rest are in use; "
+                           "set AGENTRL_SANDBOX_UIDS to a range of your own")
     raise SandboxError(f"every sandbox uid in {first}-{last} is in use (set AGENTRL_SANDBOX_UIDS to a larger range)")

@@ -85,3 +85,31 @@ async def test_a_call_abandoned_while_sampling_stops_sampling_and_records_nothin
         assert s.turns == [] and s.sequences == [] and s.refusals == 0 and s.calls == 1
     finally:
         await gateway.close()
+
+
+async def test_calls_sampling_at_once_share_the_episodes_token_budget():
+    """The budget check and the claim are one step: five concurrent calls against
+    ``max_total_tokens=10`` sample 10 tokens in all (each saw the whole budget before: 50)."""
+
+    class Slow(ScriptedClient):
+        async def complete(self, prompt_ids, sampling, n=1):
+            await asyncio.sleep(0.2)  # all five are sampling at once
+            return await super().complete(prompt_ids, sampling, n)
+
+    gateway = Gateway()
+    try:
+        s = await gateway.open(Slow(lambda p: "x" * 100), SAMPLING, tool_parser="hermes", max_calls=5,
+                               max_total_tokens=10, max_seq_len=None, token_exact=True)  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+
+            async def call() -> int:
+                async with http.post(s.base_url + "/chat/completions", json=BODY,
+                                     headers={"Authorization": f"Bearer {s.key}"}) as r:  # fmt: skip
+                    return r.status
+
+            statuses = await asyncio.gather(*(call() for _ in range(5)))
+        assert s.sampled_total <= 10, f"{s.sampled_total} tokens sampled against a budget of 10"
+        assert sorted(statuses) == [200, 400, 400, 400, 400], statuses  # the rest: budget spent
+        assert s._reserved == 0  # every claim released
+    finally:
+        await gateway.close()

@@ -115,6 +115,7 @@ def test_unsigned_or_forged_push_is_refused_and_changes_nothing(target, model_di
                 ("/update_weight_version", {"weight_version": 50, "signature": signature("x", "version", "50")}),
                 ("/update_weights_from_disk", {"model_path": "w.safetensors"}),
                 ("/weights/commit", {"transfer": "b" * 32}),
+                ("/weights/commit", {"transfer": "b" * 32, "signature": "é" * 64}),  # non-ASCII: was a 500
             ]
             for route, payload in tries:
                 r = await http.post(target.root_url + route, json=payload)
@@ -123,6 +124,9 @@ def test_unsigned_or_forged_push_is_refused_and_changes_nothing(target, model_di
             r = await http.put(target.root_url + "/weights/chunk", params={"transfer": "b" * 32, "index": 0},
                                content=b"\0" * 64, headers={"X-Agentrl-Signature": "0" * 64})
             assert r.status_code == 401
+            r = await http.put(target.root_url + "/weights/chunk", params={"transfer": "b" * 32, "index": 0},
+                               content=b"\0" * 64, headers={"X-Agentrl-Signature": b"\xe9" * 64})
+            assert r.status_code == 401, r.text
             assert await served(http, target) == before
 
     asyncio.run(attack())

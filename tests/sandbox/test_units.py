@@ -124,6 +124,27 @@ def test_uid_leases_are_distinct_across_processes_and_end_with_them(tmp_path, mo
     assert uids.lease_uid().uid == first
 
 
+def test_an_entry_another_user_planted_in_the_shared_lock_dir_skips_that_uid(tmp_path, monkeypatch):
+    """The lock dir is shared and sticky: a symlink planted at a uid's name (which its victim
+    cannot remove) costs that uid, not every lease on the host; all planted: the error says so."""
+    import pwd
+
+    from agentrl.sandbox import uids
+
+    first = next(u for u in range(6000, 7000) if _no_account(pwd, u) and _no_account(pwd, u + 1))
+    monkeypatch.setenv("AGENTRL_SANDBOX_UIDS", f"{first}-{first + 1}")
+    monkeypatch.setattr(uids, "lock_dir", lambda: str(tmp_path))
+    (tmp_path / str(first)).symlink_to(tmp_path / "elsewhere")
+    lease = uids.lease_uid()
+    assert lease.uid == first + 1
+    assert not (tmp_path / "elsewhere").exists()  # the link was not followed
+    lease.release()
+    (tmp_path / str(first + 1)).unlink()
+    (tmp_path / str(first + 1)).symlink_to("/etc/passwd")
+    with pytest.raises(uids.SandboxError, match=r"2 entries .* links or files this user cannot open"):
+        uids.lease_uid()
+
+
 def _no_account(pwd, uid: int) -> bool:  # noqa: ANN001
     try:
         pwd.getpwuid(uid)
