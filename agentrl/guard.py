@@ -21,7 +21,7 @@ request) that checks, before any route runs:
 :func:`uvicorn_config` adds what ASGI cannot see: a connection that does not finish a
 request's headers within ``header_timeout_s`` of its first byte is closed (uvicorn has no
 such timer: a slowloris client held its connection forever), as is one whose body stalls
-for ``body_idle_s``; idle keep-alive connections close after ``keep_alive_s``; past
+for ``body_idle_s`` or is not all in ``body_total_s`` after its first byte; idle keep-alive connections close after ``keep_alive_s``; past
 ``max_connections`` connections or requests, new requests get a 503.
 """
 
@@ -52,6 +52,7 @@ class Limits:
     max_body_bytes: int = 16 << 20  # an 8 MB prompt still reaches the engine's own length check (a 400)
     header_timeout_s: float = 10.0  # a request's headers, from its first byte
     body_idle_s: float = 30.0  # the longest pause inside a request body
+    body_total_s: float = 300.0  # a whole request body, from its first byte (a byte every 29 s is no pause)
     keep_alive_s: int = 30  # an idle keep-alive connection
     max_connections: int = 1024  # open connections (or requests in flight) before new requests get a 503
 
@@ -174,12 +175,14 @@ class Guard:
             shown = host_name(host or "")[:100]
             return await _reply(send, *_error(
                 403, f"Host {shown!r} is not served here (a DNS-rebinding guard); connect to the server by "
-                     f"IP or localhost, or start it with --allowed-hosts {shown}", "host_not_allowed"))  # fmt: skip
+                     f"IP or localhost, or start it with --allowed-hosts {shown}", "host_not_allowed"),
+                close=True)  # fmt: skip
         if origin is not None and not self.origin_ok(origin, host):
             shown = origin.strip()[:100]
             return await _reply(send, *_error(
                 403, f"requests from pages at {shown!r} are refused (cross-origin); start the server with "
-                     f"--allowed-origins {shown} to allow that site", "origin_not_allowed"))  # fmt: skip
+                     f"--allowed-origins {shown} to allow that site", "origin_not_allowed"),
+                close=True)  # fmt: skip
         path = scope["path"]
         control = self.key is not None and path != HEALTH and not self.public(path)
         if self.needs_key(path):
@@ -193,7 +196,8 @@ class Guard:
                     how += ", or open the page once as /?token=KEY"
                 what = "a wrong API key" if auth is not None else "no API key"
                 return await _reply(send, *_error(401, f"{path[:100]} needs the server's API key and got {what}: {how}",
-                                                  "invalid_api_key"), headers=[(b"www-authenticate", b"Bearer")])
+                                                  "invalid_api_key"), headers=[(b"www-authenticate", b"Bearer")],
+                                    close=True)
         if not control:  # whoever holds the key may replace the weights: its bodies are not capped here
             cap = self.limits.max_body_bytes
             if length is not None:
@@ -235,7 +239,7 @@ class Guard:
 async def _reply(send: Send, status: int, body: bytes, *, headers: list[tuple[bytes, bytes]] | None = None,
                  close: bool = False) -> None:
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])]
-    if close:  # the body we did not read is still on the wire
+    if close:  # the body we did not read is still on the wire (a refused caller could drip it for ever)
         head.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": body})
@@ -286,6 +290,7 @@ def guarded_protocol(limits: Limits) -> type:
 
     class GuardedH11(H11Protocol):
         _deadline: Any = None
+        _body_since: float | None = None  # when the current request's body began to arrive
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -298,8 +303,12 @@ def guarded_protocol(limits: Limits) -> type:
                 if self._deadline is None:
                     self._arm(limits.header_timeout_s)
             elif state is h11.SEND_BODY:  # the body is arriving: it may pause, but not for long
-                self._arm(limits.body_idle_s)
+                now = self.loop.time()
+                if self._body_since is None:
+                    self._body_since = now
+                self._arm(min(limits.body_idle_s, self._body_since + limits.body_total_s - now))
             else:  # the request is all in
+                self._body_since = None
                 self._disarm()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -319,6 +328,8 @@ def guarded_protocol(limits: Limits) -> type:
             self._deadline = None
             if self.flow is not None and self.flow.read_paused and self.conn.their_state is h11.SEND_BODY:
                 self._arm(limits.body_idle_s)  # we stopped reading (the app is behind): not the client's stall
+                if self._body_since is not None:
+                    self._body_since += limits.body_idle_s  # nor is the time we spent not reading
                 return
             if not self.transport.is_closing():
                 self.transport.close()

@@ -88,3 +88,41 @@ def test_slow_clients_are_closed_and_connections_capped(eval_dir):
         time.sleep(1.5)
         assert httpx.get(srv.url + "api/meta", headers={"Authorization": f"Bearer {srv.key}"},
                          timeout=30).status_code == 200  # fmt: skip
+
+
+def _drip(sock: socket.socket, seconds: float) -> bool:
+    """Send one body byte every 0.3 s for up to ``seconds``; True once the server has closed."""
+    sock.settimeout(0.3)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        try:
+            sock.sendall(b"x")
+            if sock.recv(4096) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            return True
+    return False
+
+
+def test_a_refused_caller_cannot_hold_its_connection_by_dripping_the_body(eval_dir):
+    """A refusal answered the caller and then kept reading its unread body, and a byte every
+    few seconds is never a pause: a caller with no key held a connection slot for ever (1,024
+    of them made every request a 503).  A refusal now closes the connection; a keyed body must
+    be all in within ``body_total_s``."""
+    limits = Limits(body_idle_s=1.0, body_total_s=2.0, max_connections=8)
+    with ViewerServer(eval_dir, limits=limits) as srv:
+        addr = urlparse(srv.url)
+        head = "POST /api/meta HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n{auth}\r\n"
+        for auth in ("", "Authorization: Bearer wrong\r\n", "Origin: http://attacker.example\r\n"):
+            sock = socket.create_connection((addr.hostname, addr.port))
+            sock.sendall(head.format(auth=auth).encode())
+            assert _drip(sock, 1.5), f"a refused caller ({auth.strip() or 'no key'}) still holds its connection"
+            sock.close()
+        keyed = socket.create_connection((addr.hostname, addr.port))
+        keyed.sendall(head.format(auth=f"Authorization: Bearer {srv.key}\r\n").encode())
+        t0 = time.monotonic()
+        assert _drip(keyed, 10), "a body dripped a byte every 0.3 s was never cut off"
+        assert 1.5 < time.monotonic() - t0 < 6
+        keyed.close()
