@@ -25,6 +25,7 @@ from pathlib import Path
 
 KEY_ENV = "AGENTRL_API_KEY"
 KEY_FILE = "api_key"  # the name of the key file inside a run dir
+_written: set[Path] = set()  # key files this process wrote (what a child program must not read)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,20 @@ def write_key(path: str | Path, key: str) -> Path:
         raise
     os.close(fd)
     os.replace(tmp, path)
+    _written.add(path.resolve())
     return path
+
+
+def key_dir() -> Path:
+    """The user's own key directory: where a server that made its own key writes it."""
+    return Path.home() / ".cache" / "agentrl" / "keys"
+
+
+def key_files() -> tuple[list[Path], list[Path]]:
+    """(files, directories) holding keys that a program this process starts must not read: the
+    key files it wrote (a run's ``RUN_DIR/api_key``) and :func:`key_dir`, those that exist."""
+    files = sorted(p for p in _written if p.is_file())
+    return files, [d for d in (key_dir(),) if d.is_dir()]
 
 
 def read_key(path: str | Path) -> str:

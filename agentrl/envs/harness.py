@@ -53,7 +53,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from agentrl.auth import KEY_ENV
+from agentrl.auth import KEY_ENV, key_files
 from agentrl.envs.base import Environment, State
 from agentrl.episode import error_text
 from agentrl.errors import EpisodeError, EpisodeFailure
@@ -66,10 +66,17 @@ STDERR_KEEP = 300  # characters of stderr quoted in an error
 Agent = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 Isolate = Literal["auto", "pid", "none"]
 # the host's files as they are, but a /proc and a /dev/shm of its own: the engines' weight
-# segments live in /dev/shm (same uid: a program could have rewritten the live policy)
-PID_NAMESPACE = ["--dev-bind", "/", "/", "--proc", "/proc", "--tmpfs", "/dev/shm", "--unshare-pid", "--die-with-parent",
-                 "--"]  # fmt: skip
+# segments live in /dev/shm (same uid: a program could have rewritten the live policy); and no
+# key files (``mask_keys``: with the run's key a program could push weights over HTTP instead)
+PID_NAMESPACE = ["--dev-bind", "/", "/", "--proc", "/proc", "--tmpfs", "/dev/shm", "--unshare-pid", "--die-with-parent"]
 _isolation: dict[str, str | None] = {}  # "pid" -> None when bwrap gives a pid namespace here, else why not
+
+
+def mask_keys() -> list[str]:
+    """bwrap arguments that hide every key file this process wrote (an empty file in its place)
+    and the user's key directory (an empty one) from the program."""
+    files, dirs = key_files()
+    return [*(a for f in files for a in ("--ro-bind", "/dev/null", str(f))), *(a for d in dirs for a in ("--tmpfs", str(d)))]
 
 
 class UnisolatedHarnessWarning(UserWarning):
@@ -86,7 +93,7 @@ def why_no_pid_namespace() -> str | None:
             _isolation["pid"] = "bwrap is not installed (apt-get install bubblewrap)"
         else:
             try:
-                p = subprocess.run([bwrap, *PID_NAMESPACE, "/bin/true"], capture_output=True, timeout=20)
+                p = subprocess.run([bwrap, *PID_NAMESPACE, "--", "/bin/true"], capture_output=True, timeout=20)
                 why = None if p.returncode == 0 else p.stderr.decode(errors="replace").strip()[:200] or f"exit {p.returncode}"
             except (OSError, subprocess.SubprocessError) as e:
                 why = str(e)
@@ -224,7 +231,7 @@ class HarnessEnv(Environment):
             return []
         why = why_no_pid_namespace() if "pid" in _isolation else await asyncio.to_thread(why_no_pid_namespace)
         if why is None:
-            return [shutil.which("bwrap") or "bwrap", *PID_NAMESPACE]
+            return [shutil.which("bwrap") or "bwrap", *PID_NAMESPACE, *mask_keys(), "--"]
         if self.isolate == "pid":
             raise EpisodeError(f"HarnessEnv(isolate='pid'): {why}; install bubblewrap, or pass isolate='none'")
         if not self._warned:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agentrl.auth import server_key
+from agentrl.auth import key_dir, server_key
 from agentrl.errors import EngineStartError
 from agentrl.guard import Limits, split_names, uvicorn_config
 from agentrl.heap import keep_freed_memory
@@ -34,7 +34,7 @@ STARTUP_ERROR = "agentrl engine: error: "  # prefix of the one line a refused st
 
 def default_key_file(port: int) -> Path:
     """Where ``agentrl serve`` writes a key it made (the user's own cache dir, 0600)."""
-    return Path.home() / ".cache" / "agentrl" / "keys" / f"engine-{port}.key"
+    return key_dir() / f"engine-{port}.key"
 
 
 def serve(

@@ -538,6 +538,34 @@ async def test_without_isolation_the_key_theft_works(tmp_path):
     assert len(victim.turns) == 2
 
 
+@needs_pid_namespace
+async def test_an_isolated_program_cannot_read_the_runs_key_files(tmp_path, monkeypatch):
+    """Attack: with the run's key gone from its environment, the program read ``RUN_DIR/api_key``
+    (same user) or a key an engine wrote to the user's key directory, and could then sign a
+    weight push over HTTP.  Under isolation both read empty."""
+    from agentrl import auth
+
+    run_key = auth.run_key(tmp_path / "run")  # what `agentrl run` does first
+    monkeypatch.setattr(auth, "key_dir", lambda: tmp_path / "home-keys")
+    auth.write_key(tmp_path / "home-keys" / "engine-8000.key", "the-engine-key")
+    assert auth.read_key(tmp_path / "run" / "api_key") == run_key  # readable outside
+    cmd = program(tmp_path, f"""
+        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        def read(p):
+            try:
+                return open(p).read()
+            except OSError as e:
+                return type(e).__name__
+        print(json.dumps({{"run": read({str(tmp_path / "run" / "api_key")!r}),
+                          "engine": read({str(tmp_path / "home-keys" / "engine-8000.key")!r})}}))
+    """)
+    traj = await run(HarnessEnv(cmd, dataset=ROWS, isolate="pid"), ScriptedClient(lambda p: "x"))
+    assert traj.error is None, traj.error
+    seen = json.loads(traj.state["result"])
+    assert run_key not in seen["run"] and "the-engine-key" not in seen["engine"], seen
+    assert seen["run"] in ("", "PermissionError") and seen["engine"] == "FileNotFoundError", seen
+
+
 async def test_concurrent_first_episodes_share_one_gateway_server():
     """Episodes opened at once on a fresh env each started a server (all but the last leaked,
     never closed): the key-theft test above found its victim on another port."""
