@@ -51,6 +51,7 @@ from aiohttp import web
 
 from agentrl.auth import bearer, matches, new_key
 from agentrl.errors import ContextLengthExceeded, EndpointError, EpisodeFailure
+from agentrl.guard import AiohttpDoor, Limits
 from agentrl.render import bridge
 from agentrl.tool_format import get_parser
 from agentrl.types import Completion, SamplingParams, TokenSequence, ToolCall, Turn, new_id
@@ -379,12 +380,14 @@ class Gateway:
     changed); :meth:`close` stops it (idempotent).
     """
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", limits: Limits = Limits()) -> None:  # noqa: B008 (frozen)
         self.host = host
         self.url = ""
         self._sessions: dict[str, Session] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> key of ended episodes
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._door = AiohttpDoor(limits=limits)  # loopback names and IPs; header, idle and body deadlines; a cap
         self._loop: asyncio.AbstractEventLoop | None = None
         self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
@@ -412,7 +415,7 @@ class Gateway:
                 await self._serve(loop)
 
     async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._door.middleware])
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
         # an ended episode's calls still sampling are not recorded: close does not wait long for them.
@@ -420,17 +423,19 @@ class Gateway:
         # default runs it on): it leaves the refusal queue, and its sampling stops unrecorded
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, 0)
-        await site.start()
+        self._server = await self._door.listen(runner, self.host, 0)
         self._runner, self._loop = runner, loop
-        port = runner.addresses[0][1]
+        port = self._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{port}"
 
     async def close(self) -> None:
         runner, self._runner = self._runner, None
+        server, self._server = self._server, None
         for s in list(self._sessions.values()):
             s.close()
         if runner is not None and self._loop is asyncio.get_running_loop():
+            if server is not None:
+                server.close()
             await runner.cleanup()
 
     # ------------------------------------------------------------------ HTTP

@@ -27,6 +27,7 @@ for ``body_idle_s`` or is not all in ``body_total_s`` after its first byte; idle
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 from collections.abc import Awaitable, Callable, Iterable
@@ -91,6 +92,44 @@ def _error(status: int, message: str, code: str) -> tuple[int, bytes]:
     return status, json.dumps(body).encode()
 
 
+class Door:
+    """Where a request may come from: the Host (DNS rebinding) and Origin (another site's page)
+    checks of every agentrl server, uvicorn's (:class:`Guard`) and aiohttp's (:class:`AiohttpDoor`)."""
+
+    def __init__(self, allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = ()) -> None:
+        hosts = {host_name(h) for h in allowed_hosts if h.strip()}
+        self.any_host = "*" in hosts
+        self.hosts = frozenset(LOOPBACK_NAMES | hosts)
+        origins = {o.strip().lower().rstrip("/") for o in allowed_origins if o.strip()}
+        self.any_origin = "*" in origins
+        self.origins = frozenset(origins)
+
+    def host_ok(self, host: str | None) -> bool:
+        if host is None or self.any_host:  # no Host: HTTP/1.0, never a browser
+            return True
+        name = host_name(host)
+        return name in self.hosts or is_ip(name)
+
+    def origin_ok(self, origin: str, host: str | None) -> bool:
+        origin = origin.strip().lower().rstrip("/")
+        if self.any_origin or origin in self.origins:
+            return True
+        _, sep, netloc = origin.partition("://")
+        return bool(sep) and host is not None and netloc == host.strip().lower()
+
+    def refusal(self, host: str | None, origin: str | None) -> tuple[int, bytes] | None:
+        """The 403 (status, OpenAI-style body) for a request from the wrong place, else None."""
+        if not self.host_ok(host):
+            shown = host_name(host or "")[:100]
+            return _error(403, f"Host {shown!r} is not served here (a DNS-rebinding guard); connect to the server by "
+                               f"IP or localhost, or start it with --allowed-hosts {shown}", "host_not_allowed")
+        if origin is not None and not self.origin_ok(origin, host):
+            shown = origin.strip()[:100]
+            return _error(403, f"requests from pages at {shown!r} are refused (cross-origin); start the server "
+                               f"with --allowed-origins {shown} to allow that site", "origin_not_allowed")
+        return None
+
+
 class Guard:
     """ASGI middleware: Host, Origin, key and body-size checks in front of ``app`` (module doc)."""
 
@@ -109,29 +148,11 @@ class Guard:
         route that needs the key only when it was given explicitly.  ``allowed_hosts`` /
         ``allowed_origins``: more names / origins to accept (``*``: any)."""
         self.app, self.key, self.public, self.limits = app, key, public, limits
-        hosts = {host_name(h) for h in allowed_hosts if h.strip()}
-        self.any_host = "*" in hosts
-        self.hosts = frozenset(LOOPBACK_NAMES | hosts)
-        origins = {o.strip().lower().rstrip("/") for o in allowed_origins if o.strip()}
-        self.any_origin = "*" in origins
-        self.origins = frozenset(origins)
+        self.door = Door(allowed_hosts, allowed_origins)
         self.cookie = login_cookie
         self._cookie_value = cookie_value(key.value) if key is not None and login_cookie else None
 
     # ------------------------------------------------------------------ checks
-
-    def host_ok(self, host: str | None) -> bool:
-        if host is None or self.any_host:  # no Host: HTTP/1.0, never a browser
-            return True
-        name = host_name(host)
-        return name in self.hosts or is_ip(name)
-
-    def origin_ok(self, origin: str, host: str | None) -> bool:
-        origin = origin.strip().lower().rstrip("/")
-        if self.any_origin or origin in self.origins:
-            return True
-        _, sep, netloc = origin.partition("://")
-        return bool(sep) and host is not None and netloc == host.strip().lower()
 
     def needs_key(self, path: str) -> bool:
         if self.key is None or path == HEALTH:
@@ -171,18 +192,8 @@ class Guard:
                 chunked = True
             elif name == b"cookie":
                 cookies = value.decode("latin-1")
-        if not self.host_ok(host):
-            shown = host_name(host or "")[:100]
-            return await _reply(send, *_error(
-                403, f"Host {shown!r} is not served here (a DNS-rebinding guard); connect to the server by "
-                     f"IP or localhost, or start it with --allowed-hosts {shown}", "host_not_allowed"),
-                close=True)  # fmt: skip
-        if origin is not None and not self.origin_ok(origin, host):
-            shown = origin.strip()[:100]
-            return await _reply(send, *_error(
-                403, f"requests from pages at {shown!r} are refused (cross-origin); start the server with "
-                     f"--allowed-origins {shown} to allow that site", "origin_not_allowed"),
-                close=True)  # fmt: skip
+        if (refused := self.door.refusal(host, origin)) is not None:
+            return await _reply(send, *refused, close=True)
         path = scope["path"]
         control = self.key is not None and path != HEALTH and not self.public(path)
         if self.needs_key(path):
@@ -345,3 +356,145 @@ def uvicorn_config(app: Any, limits: Limits = Limits(), **kwargs: Any) -> Any:  
         app, http=guarded_protocol(limits), limit_concurrency=limits.max_connections,
         timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=64 * 1024, **kwargs,
     )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- aiohttp
+
+
+class AiohttpDoor:
+    """The door of agentrl's aiohttp servers (the env server, the gateway): :class:`Door`'s Host
+    and Origin checks as a middleware (a refusal closes the connection), and :meth:`listen`'s
+    connections under the rules :func:`uvicorn_config` gives the others: headers within
+    ``header_timeout_s`` of a connection's first byte, a request's body all in within
+    ``body_total_s`` of its headers, an idle keep-alive connection closed after
+    ``keep_alive_s``, at most ``max_connections`` open (aiohttp has none of these: an idle
+    connection stayed open for an hour, and a thousand of them took the process's file
+    descriptors)."""
+
+    def __init__(self, allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = (),
+                 limits: Limits = Limits()) -> None:  # noqa: B008 (frozen)
+        self.door, self.limits = Door(allowed_hosts, allowed_origins), limits
+        self.open = 0  # connections now open
+
+    @property
+    def middleware(self) -> Any:
+        from aiohttp import web
+
+        @web.middleware
+        async def door(request: Any, handler: Any) -> Any:
+            watch = _Watched.of(request)
+            if watch is not None:
+                watch.request_started(request.content)
+            try:
+                refused = self.door.refusal(request.headers.get("Host"), request.headers.get("Origin"))
+                if refused is not None:
+                    return _aiohttp_reply(*refused, close=True)
+                return await handler(request)  # which checks its key before it reads the body
+            finally:
+                if watch is not None:
+                    watch.request_done()
+
+        return door
+
+    async def listen(self, runner: Any, host: str, port: int) -> asyncio.AbstractServer:
+        """Serve ``runner`` (set up) on ``host:port`` under these rules; close the returned server
+        before ``runner.cleanup()``."""
+        loop = asyncio.get_running_loop()
+        return await loop.create_server(lambda: _Watched(runner.server(), self), host, port)
+
+
+class _Watched(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with :class:`AiohttpDoor`'s deadlines and cap."""
+
+    def __init__(self, inner: Any, door: AiohttpDoor) -> None:
+        self.inner, self.door = inner, door
+        self.transport: Any = None
+        self.busy = 0  # requests whose handler is running (the app's time, not the client's)
+        self.idle = True  # between requests: no byte of the next one yet
+        self.admitted = False  # under the cap: aiohttp saw the connection, and must see it end
+        self._deadline: Any = None
+        self._body_deadline: Any = None
+
+    @staticmethod
+    def of(request: Any) -> _Watched | None:
+        transport = request.transport
+        protocol = transport.get_protocol() if transport is not None else None
+        return protocol if isinstance(protocol, _Watched) else None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        if self.door.open >= self.door.limits.max_connections:
+            transport.abort()  # over the cap: refused before aiohttp sees it (connection_lost follows)
+            return
+        self.door.open += 1
+        self.admitted = True
+        self.inner.connection_made(transport)
+        self._arm(self.door.limits.header_timeout_s)  # a connection that never sends a request is closed too
+
+    def data_received(self, data: bytes) -> None:
+        if self.idle and not self.busy:  # the next request's first bytes: its headers are due soon
+            self.idle = False
+            self._arm(self.door.limits.header_timeout_s)
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+        if self.admitted:
+            self.admitted = False
+            self.door.open -= 1
+            self.inner.connection_lost(exc)
+
+    def request_started(self, body: Any) -> None:  # the headers are in (the middleware runs)
+        self.busy += 1
+        self._disarm()
+        loop = asyncio.get_running_loop()
+        # the body must be all in by then, whether the handler reads it or is still busy elsewhere
+        self._body_deadline = loop.call_later(self.door.limits.body_total_s, self._body_due, body)
+
+    def _body_due(self, body: Any) -> None:
+        if not body.is_eof() and self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def request_done(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+        self.busy -= 1
+        if not self.busy:
+            self.idle = True
+            self._arm(self.door.limits.keep_alive_s)
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = asyncio.get_running_loop().call_later(seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if not self.busy and self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+
+def _aiohttp_reply(status: int, body: bytes, *, close: bool = False) -> Any:
+    from aiohttp import web
+
+    response = web.Response(status=status, body=body, content_type="application/json")
+    if close:
+        response.force_close()
+    return response

@@ -8,7 +8,18 @@ from typing import Annotated
 
 import typer
 
-from agentrl.cli.app import EnvArgs, EnvName, Host, ServerKey, ToolParser, app, env_app, print_table
+from agentrl.cli.app import (
+    AllowedHosts,
+    AllowedOrigins,
+    EnvArgs,
+    EnvName,
+    Host,
+    ServerKey,
+    ToolParser,
+    app,
+    env_app,
+    print_table,
+)
 
 BaseUrl = Annotated[str | None, typer.Option("--base-url", "-b", help="OpenAI-compatible endpoint (…/v1).")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-t", min=1, help="Sampled tokens per turn.")]
@@ -123,16 +134,21 @@ def env_serve(
     private_tasks: Annotated[
         bool, typer.Option("--private-tasks", help="Clients see task ids and prompts only, not answers or info.")
     ] = False,
+    allowed_hosts: AllowedHosts = "",
+    allowed_origins: AllowedOrigins = "",
 ) -> None:
     """Serve an environment over HTTP; runs and evals use it as env.name = "http://HOST:PORT".
 
     --api-key guards every route but /health; without one the server is open to whoever reaches
-    the port, and binding beyond loopback prints a warning.
+    the port, and binding beyond loopback prints a warning.  Requests that name the server by a
+    DNS name (a rebinding page) or come from a web page are refused unless --allowed-hosts /
+    --allowed-origins name them.
     """
     import asyncio
 
     from agentrl.auth import server_key
     from agentrl.envs.serve import exposure_warning, serve
+    from agentrl.guard import AiohttpDoor, split_names
     from agentrl.plugins import load_environment, parse_env_args
 
     environment = load_environment(env, **parse_env_args(env_args))
@@ -148,7 +164,8 @@ def env_serve(
     try:
         asyncio.run(serve(environment, host=host, port=port, on_ready=ready, idle_timeout_s=idle_timeout or None,
                           api_key=given, max_open=max_open, max_open_per_client=max_open_per_client,
-                          private_tasks=private_tasks))  # fmt: skip
+                          private_tasks=private_tasks,
+                          door=AiohttpDoor(split_names(allowed_hosts), split_names(allowed_origins))))  # fmt: skip
     except KeyboardInterrupt:
         pass
 

@@ -64,6 +64,7 @@ from agentrl import auth
 from agentrl.envs.base import Environment, State
 from agentrl.episode import error_text
 from agentrl.errors import error_kind_of
+from agentrl.guard import AiohttpDoor
 from agentrl.types import Message, Task, Trajectory, messages_to_dicts
 
 PROTOCOL = 2  # 2: tasks named by id, episodes carry a secret
@@ -283,11 +284,17 @@ def _key_middleware(key: str) -> Any:
     return check
 
 
+DOOR = web.AppKey("door", AiohttpDoor)
+
+
 def make_app(
     env: Environment, *, keep_closed: int = 4096, idle_timeout_s: float | None = 600.0, api_key: str | None = None,
-    max_open: int = 1024, max_open_per_client: int = 512, private_tasks: bool = False,
+    max_open: int = 1024, max_open_per_client: int = 512, private_tasks: bool = False, door: AiohttpDoor | None = None,
 ) -> web.Application:  # fmt: skip
     """The aiohttp application serving ``env`` (routes and rules in the module docstring).
+
+    ``door``: where requests may come from and the connection rules (default: loopback names
+    and IP literals; :class:`agentrl.guard.AiohttpDoor`).
 
     ``idle_timeout_s``: an open episode with no call for this long is expired (None: never).
     ``api_key``: required on every route but ``/health`` (None: open).  ``max_open`` /
@@ -417,8 +424,10 @@ def make_app(
         return web.json_response({"conversations": [messages_to_dicts(c) for c in convs]})
 
     _reference_route(routes, env, tasks, private_tasks)
-    middlewares = [_key_middleware(api_key)] if api_key else []
+    door = door or AiohttpDoor()
+    middlewares = [door.middleware, *([_key_middleware(api_key)] if api_key else [])]
     app = web.Application(client_max_size=64 * 2**20, middlewares=middlewares)
+    app[DOOR] = door
     app.add_routes(routes)
     if idle_timeout_s is not None:
         app.cleanup_ctx.append(lambda _: _reaper(env, episodes))
@@ -520,24 +529,27 @@ def exposure_warning(host: str, keyed: bool) -> str | None:
 async def serve(
     env: Environment, *, host: str = "127.0.0.1", port: int = 8765, on_ready: Any = None,
     idle_timeout_s: float | None = 600.0, api_key: str | None = None, max_open: int = 1024,
-    max_open_per_client: int = 512, private_tasks: bool = False,
+    max_open_per_client: int = 512, private_tasks: bool = False, door: AiohttpDoor | None = None,
 ) -> None:  # fmt: skip
     """Serve ``env`` until cancelled (``agentrl env serve``); ``on_ready(url)`` once listening."""
     from agentrl.errors import AgentrlError
 
     app = make_app(env, idle_timeout_s=idle_timeout_s, api_key=api_key, max_open=max_open,
-                   max_open_per_client=max_open_per_client, private_tasks=private_tasks)  # fmt: skip
+                   max_open_per_client=max_open_per_client, private_tasks=private_tasks, door=door)  # fmt: skip
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
+    server = None
     try:
         try:
-            await web.TCPSite(runner, host, port).start()
+            server = await app[DOOR].listen(runner, host, port)
         except OSError as e:
             raise AgentrlError(f"cannot serve on {host}:{port}: {e.strerror or e}") from e
         if on_ready is not None:
             on_ready(f"http://{host}:{port}")
         await asyncio.Event().wait()
     finally:
+        if server is not None:
+            server.close()
         await runner.cleanup()
         await env.close()
 

@@ -369,7 +369,7 @@ async def test_a_key_or_secret_that_is_not_utf8_is_refused_not_a_500():
     async with served(env, api_key="k" * 32) as url:
         port = int(url.rsplit(":", 1)[1])
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n")
+        writer.write(b"GET /info HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n")
         await writer.drain()
         head = (await reader.read()).split(b"\r\n", 1)[0]
         writer.close()
@@ -411,3 +411,114 @@ async def test_private_tasks_take_no_step_past_the_envs_limits():
             assert status == 200 and out["done"], out
             status, out = await step(ep, secret[tid])
             assert status == 409 and "done" in out["error"], (status, out)
+
+
+def test_a_page_or_a_rebound_name_cannot_use_the_env_server():
+    """Attack: the env server had no key by default and checked neither Host nor Origin, so a
+    web page the user opened could call it, by a name that rebinds to 127.0.0.1 (and read the
+    answers: /tasks), or by a cross-site "simple" POST (text/plain: no preflight) to /reset, up
+    to the per-client cap the run's own episodes share.  Both are 403 now; the names and pages
+    ``--allowed-hosts`` / ``--allowed-origins`` give are served."""
+    import httpx
+    from door import LOCAL_HOSTS, assert_foreign_hosts_refused, assert_foreign_origins_refused
+
+    with cli_server(CALC, {"num_train": 4}, extra=("--allowed-hosts", "env.lan", "--allowed-origins",
+                                                   "http://dash.lan")) as url, httpx.Client(base_url=url, timeout=30) as http:
+        port = int(url.rsplit(":", 1)[1])
+        task_id = http.get("/tasks?limit=1").json()["tasks"][0]["id"]
+        assert_foreign_hosts_refused(http, "GET", "/tasks", port, {})
+        assert_foreign_origins_refused(http, "POST", "/reset", {"Content-Type": "text/plain"},
+                                       content=json.dumps({"task_id": task_id}))  # fmt: skip
+        assert http.get("/health").json()["open"] == 0  # no refused reset opened an episode
+        for host in (*LOCAL_HOSTS, "env.lan:{port}"):
+            assert http.get("/tasks?limit=1", headers={"Host": host.format(port=port)}).status_code == 200, host
+        r = http.post("/reset", json={"task_id": task_id}, headers={"Origin": "http://dash.lan"})
+        assert r.status_code == 200 and r.json()["episode_id"], r.text
+
+
+async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    try:
+        while await asyncio.wait_for(reader.read(4096), seconds):
+            pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+async def test_idle_slow_and_surplus_connections_are_closed():
+    """Attack: aiohttp closes an idle connection after an hour, and has no header deadline and
+    no connection cap, so a local process held a thousand silent connections to the env server
+    (or the gateway, inside the run's own process) until the process ran out of file
+    descriptors.  Now: silent or slow headers closed after ``header_timeout_s``, a body not all
+    in after ``body_total_s``, past ``max_connections`` a new connection is dropped."""
+    from agentrl.envs.serve import serve
+    from agentrl.guard import AiohttpDoor, Limits
+
+    limits = Limits(header_timeout_s=1.0, body_total_s=2.0, keep_alive_s=1, max_connections=4)
+    port = free_port()
+    ready = asyncio.Event()
+    server = asyncio.create_task(serve(calc(), port=port, door=AiohttpDoor(limits=limits),
+                                       on_ready=lambda url: ready.set()))  # fmt: skip
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        opened = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        (silent, _), (slow_head, w_head), (slow_body, w_body) = opened
+        w_head.write(b"GET /tasks HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        w_body.write(b"POST /reset HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")  # fmt: skip
+        t0 = time.monotonic()
+
+        async def drip() -> None:  # a byte now and then: never a pause, never done
+            for _ in range(30):
+                await asyncio.sleep(0.3)
+                w_body.write(b" ")
+
+        dripping = asyncio.create_task(drip())
+        assert await _closed_within(silent, 5) and await _closed_within(slow_head, 5)
+        assert await _closed_within(slow_body, 8), "a body dripped for ever held its connection"
+        assert time.monotonic() - t0 >= 1.5  # the body had its body_total_s
+        dripping.cancel()
+        for _, w in opened:
+            w.close()
+        await asyncio.sleep(0.1)
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]  # the cap, idle
+        await asyncio.sleep(0.1)
+        surplus, _ = await asyncio.open_connection("127.0.0.1", port)
+        assert await _closed_within(surplus, 2), "a fifth connection was served past max_connections=4"
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.2)
+        async with aiohttp.ClientSession() as s:
+            status, health = await get(s, f"http://127.0.0.1:{port}/health")
+        assert status == 200 and health["status"] == "ok"  # the slots came back
+    finally:
+        server.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await server
+
+
+async def test_the_gateway_has_the_same_door():
+    """The gateway (agent programs' endpoint, in the run's process) refuses a rebound name and
+    closes a silent connection; it checks the key before it reads a body, as before."""
+    from agentrl.envs import ScriptedClient
+    from agentrl.gateway import Gateway
+    from agentrl.guard import Limits
+    from agentrl.types import SamplingParams
+
+    gateway = Gateway(limits=Limits(header_timeout_s=1.0))
+    try:
+        s = await gateway.open(ScriptedClient(lambda p: "x"), SamplingParams(max_tokens=8), tool_parser="hermes",
+                               max_calls=1, max_total_tokens=None, max_seq_len=None, token_exact=True)  # fmt: skip
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {s.key}"}) as http:
+            async with http.post(s.base_url + "/chat/completions", json=body,
+                                 headers={"Host": "attacker.example"}) as r:  # fmt: skip
+                assert r.status == 403 and "--allowed-hosts" in (await r.json())["error"]["message"]
+            assert s.calls == 0
+        host, port = s.base_url.removeprefix("http://").split("/", 1)[0].split(":")
+        silent, _ = await asyncio.open_connection(host, int(port))
+        assert await _closed_within(silent, 5)
+    finally:
+        await gateway.close()
