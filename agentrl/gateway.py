@@ -44,7 +44,7 @@ import dataclasses
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -116,6 +116,7 @@ class Session:
         self.calls = 0  # calls admitted (sampling may still be under way)
         self.sampled_total = 0
         self._reserved = 0  # tokens that calls still sampling may yet add to sampled_total
+        self._released = asyncio.Condition()  # a call sampling at once gave back what it did not use
         self.generation_s = self.tokenize_s = 0.0
         self.failure: EpisodeFailure | None = None
         self.refusals = 0  # calls answered with an error (the program may have swallowed them)
@@ -169,7 +170,7 @@ class Session:
         async with self._lock:  # choosing a sequence and claiming it is one step for concurrent calls
             branch, prompt = await self._place(messages, tools)
         try:
-            with self._budget(max_tokens, stop, len(prompt)) as sampling:
+            async with self._budget(max_tokens, stop, len(prompt)) as sampling:
                 t0 = time.perf_counter()
                 completion = await self._sample(prompt, sampling)
                 latency = time.perf_counter() - t0
@@ -211,17 +212,24 @@ class Session:
             why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             raise Refused(400, f"cannot render these messages with the model's chat template: {why}"[:1000]) from None
 
-    @contextlib.contextmanager
-    def _budget(self, max_tokens: int | None, stop: list[str] | None, prompt_len: int) -> Iterator[SamplingParams]:
+    @contextlib.asynccontextmanager
+    async def _budget(self, max_tokens: int | None, stop: list[str] | None, prompt_len: int) -> AsyncIterator[SamplingParams]:
         """This call's sampling settings, its ``max_tokens`` held against ``max_total_tokens`` until
         it is recorded: calls sampling at once each see the others' claims (without, ``max_calls``
-        concurrent calls each got the whole budget)."""
+        concurrent calls each got the whole budget).  A call that finds the budget claimed, not
+        spent, waits for the claims to come back before it is refused."""
+        if self.max_total_tokens is not None:
+            async with self._released:
+                await self._released.wait_for(
+                    lambda: self._reserved == 0 or self.sampled_total + self._reserved < self.max_total_tokens)
         sampling = self._sampling(max_tokens, stop, prompt_len)  # no await between the check and the claim
         self._reserved += sampling.max_tokens
         try:
             yield sampling
         finally:
             self._reserved -= sampling.max_tokens
+            async with self._released:
+                self._released.notify_all()
 
     def _sampling(self, max_tokens: int | None, stop: list[str] | None, prompt_len: int) -> SamplingParams:
         budget = self.sampling.max_tokens if max_tokens is None else min(max_tokens, self.sampling.max_tokens)
@@ -299,7 +307,7 @@ class Session:
     ) -> tuple[dict[str, Any], str, dict[str, int]]:
         """A chat-only endpoint (evaluation with ``token_exact=False``): passed through, calls
         recorded as turns without token ids."""
-        with self._budget(max_tokens, stop, 0) as sampling:
+        async with self._budget(max_tokens, stop, 0) as sampling:
             t0 = time.perf_counter()
             try:
                 (c, *_) = await self.client.chat(messages, sampling, tools=tools if parse_tools else None)
@@ -387,7 +395,7 @@ class Gateway:
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> key of ended episodes
         self._runner: web.AppRunner | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._door = AiohttpDoor(limits=limits)  # loopback names and IPs; header, idle and body deadlines; a cap
+        self._limits = limits
         self._loop: asyncio.AbstractEventLoop | None = None
         self._starting: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
@@ -415,15 +423,19 @@ class Gateway:
                 await self._serve(loop)
 
     async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._door.middleware])
+        # loopback names and IPs; header, body and idle deadlines; a connection cap (one door per
+        # loop: connections of a loop that is gone never report their end)
+        door = AiohttpDoor(limits=self._limits, flags=False)
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[door.middleware])
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
         # an ended episode's calls still sampling are not recorded: close does not wait long for them.
         # handler_cancellation: a call whose client went away is cancelled where it waits (aiohttp's
         # default runs it on): it leaves the refusal queue, and its sampling stops unrecorded
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True,
+                               lingering_time=0)  # a refused body is not read on
         await runner.setup()
-        self._server = await self._door.listen(runner, self.host, 0)
+        self._server = await door.listen(runner, self.host, 0)
         self._runner, self._loop = runner, loop
         port = self._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{port}"
@@ -511,7 +523,9 @@ class Gateway:
         try:  # the key before the body: a caller without one must not make the gateway buffer 32 MiB
             self._session(eid, authorization)
         except Refused as e:
-            return _response(_error_body(e))
+            refused = _response(_error_body(e))
+            refused.force_close()  # its body unread: the connection goes with the answer
+            return refused
         return _response(await self._answer(eid, authorization, await request.read()))
 
 

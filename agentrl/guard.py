@@ -96,7 +96,11 @@ class Door:
     """Where a request may come from: the Host (DNS rebinding) and Origin (another site's page)
     checks of every agentrl server, uvicorn's (:class:`Guard`) and aiohttp's (:class:`AiohttpDoor`)."""
 
-    def __init__(self, allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = ()) -> None:
+    def __init__(self, allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = (), *,
+                 flags: bool = True) -> None:
+        """``flags``: a refusal names the ``--allowed-hosts`` / ``--allowed-origins`` flag that
+        would allow it (False: a server that has none)."""
+        self.flags = flags
         hosts = {host_name(h) for h in allowed_hosts if h.strip()}
         self.any_host = "*" in hosts
         self.hosts = frozenset(LOOPBACK_NAMES | hosts)
@@ -121,12 +125,13 @@ class Door:
         """The 403 (status, OpenAI-style body) for a request from the wrong place, else None."""
         if not self.host_ok(host):
             shown = host_name(host or "")[:100]
+            how = f", or start it with --allowed-hosts {shown}" if self.flags else ""
             return _error(403, f"Host {shown!r} is not served here (a DNS-rebinding guard); connect to the server by "
-                               f"IP or localhost, or start it with --allowed-hosts {shown}", "host_not_allowed")
+                               f"IP or localhost{how}", "host_not_allowed")
         if origin is not None and not self.origin_ok(origin, host):
             shown = origin.strip()[:100]
-            return _error(403, f"requests from pages at {shown!r} are refused (cross-origin); start the server "
-                               f"with --allowed-origins {shown} to allow that site", "origin_not_allowed")
+            how = f"; start the server with --allowed-origins {shown} to allow that site" if self.flags else ""
+            return _error(403, f"requests from pages at {shown!r} are refused (cross-origin){how}", "origin_not_allowed")
         return None
 
 
@@ -372,8 +377,8 @@ class AiohttpDoor:
     descriptors)."""
 
     def __init__(self, allowed_hosts: Iterable[str] = (), allowed_origins: Iterable[str] = (),
-                 limits: Limits = Limits()) -> None:  # noqa: B008 (frozen)
-        self.door, self.limits = Door(allowed_hosts, allowed_origins), limits
+                 limits: Limits = Limits(), *, flags: bool = True) -> None:  # noqa: B008 (frozen)
+        self.door, self.limits = Door(allowed_hosts, allowed_origins, flags=flags), limits
         self.open = 0  # connections now open
 
     @property
@@ -465,14 +470,14 @@ class _Watched(asyncio.Protocol):
 
     def _body_due(self, body: Any) -> None:
         if not body.is_eof() and self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+            self.transport.abort()
 
     def request_done(self) -> None:
         if self._body_deadline is not None:
             self._body_deadline.cancel()
             self._body_deadline = None
         self.busy -= 1
-        if not self.busy:
+        if not self.busy and self.transport is not None and not self.transport.is_closing():
             self.idle = True
             self._arm(self.door.limits.keep_alive_s)
 
@@ -488,7 +493,10 @@ class _Watched(asyncio.Protocol):
     def _expired(self) -> None:
         self._deadline = None
         if not self.busy and self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+            if self.transport.get_write_buffer_size():
+                self.transport.abort()  # an answer it never reads: close() would wait on it for ever
+            else:
+                self.transport.close()
 
 
 def _aiohttp_reply(status: int, body: bytes, *, close: bool = False) -> Any:

@@ -148,7 +148,7 @@ def env_serve(
 
     from agentrl.auth import server_key
     from agentrl.envs.serve import exposure_warning, serve
-    from agentrl.guard import AiohttpDoor, split_names
+    from agentrl.guard import AiohttpDoor, Limits, split_names
     from agentrl.plugins import load_environment, parse_env_args
 
     environment = load_environment(env, **parse_env_args(env_args))
@@ -165,7 +165,8 @@ def env_serve(
         asyncio.run(serve(environment, host=host, port=port, on_ready=ready, idle_timeout_s=idle_timeout or None,
                           api_key=given, max_open=max_open, max_open_per_client=max_open_per_client,
                           private_tasks=private_tasks,
-                          door=AiohttpDoor(split_names(allowed_hosts), split_names(allowed_origins))))  # fmt: skip
+                          door=AiohttpDoor((host, *split_names(allowed_hosts)), split_names(allowed_origins),
+                                           limits=Limits(max_connections=max(Limits().max_connections, 2 * max_open)))))  # fmt: skip
     except KeyboardInterrupt:
         pass
 

@@ -65,6 +65,17 @@ def _refused_key(url: str, sent: bool) -> str:
     return f"environment server {url} requires an API key: set {KEY_ENV} to the key it was started with"
 
 
+def _said(body: bytes | str) -> str:
+    """What an error answer says: its ``error`` (a string, or an OpenAI-style ``{"message"}``)."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return str(body[:300])
+    if isinstance(error, dict):
+        error = error.get("message")
+    return str(error)[:1000]
+
+
 def _get_json(url: str, timeout_s: float, key: str | None = None) -> Any:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers(key)), timeout=timeout_s) as r:
@@ -72,7 +83,7 @@ def _get_json(url: str, timeout_s: float, key: str | None = None) -> Any:
     except urllib.error.HTTPError as e:
         if e.code == 401:
             raise AgentrlError(_refused_key(url, key is not None)) from e
-        raise AgentrlError(f"environment server {url} answered HTTP {e.code}: {e.read()[:200]!r}") from e
+        raise AgentrlError(f"environment server {url} answered HTTP {e.code}: {_said(e.read())}") from e
     except (OSError, ValueError) as e:
         raise AgentrlError(f"environment server {url} is unreachable: {e} (start it with `agentrl env serve NAME`)") from e
 
@@ -147,7 +158,7 @@ class RemoteEnvironment(Environment):
         if status == 401:
             raise remote_failure("env", _refused_key(url, self.api_key is not None))
         if status != 200:
-            raise remote_failure("env", f"environment server {url} answered HTTP {status}: {out.get('error', out)}")
+            raise remote_failure("env", f"environment server {url} answered HTTP {status}: {_said(text)}")
         if "error" in out:
             raise remote_failure(out.get("error_kind") or "env", out["error"])
         return out
@@ -221,7 +232,7 @@ class RemoteEnvironment(Environment):
         except urllib.error.HTTPError as e:
             if e.code == 401:
                 raise AgentrlError(_refused_key(self.url, self.api_key is not None)) from e
-            raise AgentrlError(f"environment server {self.url}/{route} answered HTTP {e.code}: {e.read()[:300]!r}") from e
+            raise AgentrlError(f"environment server {self.url}/{route} answered HTTP {e.code}: {_said(e.read())}") from e
 
     def demonstrations(self, n: int, seed: int = 0) -> list[list[Message]]:
         out = self._post_sync("demonstrations", {"n": n, "seed": seed})

@@ -275,10 +275,12 @@ def _key_middleware(key: str) -> Any:
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path != "/health" and not auth.matches(key, auth.bearer(request.headers.get("Authorization"))):
-            return web.json_response(
+            refused = web.json_response(
                 {"error": f"missing or wrong API key: send 'Authorization: Bearer KEY' (clients read {auth.KEY_ENV})"},
                 status=401, headers={"WWW-Authenticate": "Bearer"},
             )  # fmt: skip
+            refused.force_close()  # its body unread: the connection goes with the answer
+            return refused
         return await handler(request)
 
     return check
@@ -536,7 +538,7 @@ async def serve(
 
     app = make_app(env, idle_timeout_s=idle_timeout_s, api_key=api_key, max_open=max_open,
                    max_open_per_client=max_open_per_client, private_tasks=private_tasks, door=door)  # fmt: skip
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, lingering_time=0)  # a refused body is not read on
     await runner.setup()
     server = None
     try:

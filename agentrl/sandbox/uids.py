@@ -73,6 +73,9 @@ def lease_uid() -> UidLease:
     first, last = uid_range()
     directory = lock_dir()
     unusable: list[str] = []
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise SandboxError(f"cannot lease a sandbox uid: {directory} is not writable by this user (another user made "
+                           "it without the sticky, world-writable mode); set AGENTRL_SANDBOX_UIDS and TMPDIR to your own")
     with _lock:
         for uid in range(first, last + 1):
             try:
@@ -87,6 +90,12 @@ def lease_uid() -> UidLease:
                     raise SandboxError(f"cannot lease a sandbox uid in {directory}: {e.strerror}") from e
                 # another user's entry (a symlink, an unreadable file: the directory is shared and
                 # sticky, so it cannot be removed): that uid is not ours, the next one may be
+                unusable.append(str(uid))
+                continue
+            if os.fstat(fd).st_uid not in (os.geteuid(), 0):
+                # another user's file: they can unlink it (the directory is sticky, the file theirs) and
+                # a new one at the name gets a second lease of this uid while ours holds the old inode
+                os.close(fd)
                 unusable.append(str(uid))
                 continue
             try:

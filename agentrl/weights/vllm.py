@@ -191,8 +191,7 @@ class VLLMWeightSync:
                 r = await self._client().get(root + "/get_world_size")
                 if r.status_code >= 400:
                     raise WeightSyncError(f"{root}/get_world_size -> HTTP {r.status_code}; is VLLM_SERVER_DEV_MODE=1 set?")
-                address = _own_address(root)
-                info = {"master_address": address, "master_port": _free_port(address),
+                info = {"master_address": _own_address(root), "master_port": _free_port(),
                         "world_size": 1 + int(r.json()["world_size"])}  # fmt: skip
                 control = _Control(root, self.headers, self.timeout)
                 self._engines.append(await asyncio.to_thread(self._nccl_engine, root, info, control, self._source))
@@ -285,9 +284,9 @@ def _own_address(root: str) -> str:
         return s.getsockname()[0]
 
 
-def _free_port(address: str) -> int:
-    """A port free on ``address``, the interface the NCCL master will listen on (a port free on
-    loopback can be taken on the address the engines dial)."""
+def _free_port() -> int:
+    """A port free on every address (the NCCL master may listen on any; one free on loopback
+    only can be taken on the address the engines dial)."""
     with socket.socket() as s:
-        s.bind((address, 0))
+        s.bind(("", 0))
         return s.getsockname()[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 import subprocess
 import sys
 
@@ -143,6 +144,31 @@ def test_an_entry_another_user_planted_in_the_shared_lock_dir_skips_that_uid(tmp
     (tmp_path / str(first + 1)).symlink_to("/etc/passwd")
     with pytest.raises(uids.SandboxError, match=r"2 entries .* links or files this user cannot open"):
         uids.lease_uid()
+
+
+def test_a_readable_file_another_user_planted_is_not_leased(tmp_path, monkeypatch):
+    """A 0644 file another user planted at a uid's name opens fine, but its owner can unlink it
+    (sticky dir, their file) and plant a new one: the next lease locks the new inode, and two
+    sandboxes share the uid.  Only a file of our own (or root's) is leased."""
+    import pwd
+
+    from agentrl.sandbox import uids
+
+    if os.geteuid() != 0:
+        pytest.skip("planting a file as another user needs root here")
+    first = next(u for u in range(7000, 8000) if _no_account(pwd, u) and _no_account(pwd, u + 1))
+    monkeypatch.setenv("AGENTRL_SANDBOX_UIDS", f"{first}-{first + 1}")
+    monkeypatch.setattr(uids, "lock_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)  # act as an ordinary user whose files are 4242's
+    planted = tmp_path / str(first)
+    planted.touch(mode=0o644)
+    os.chown(planted, 31337, 31337)
+    mine = tmp_path / str(first + 1)
+    mine.touch(mode=0o644)
+    os.chown(mine, 4242, 4242)
+    lease = uids.lease_uid()
+    assert lease.uid == first + 1
+    lease.release()
 
 
 def _no_account(pwd, uid: int) -> bool:  # noqa: ANN001
