@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,12 @@ def write_key(path: str | Path, key: str) -> Path:
     os.replace(tmp, path)
     _written.add(path.resolve())
     return path
+
+
+def hide_key_files(paths: Iterable[str | Path]) -> None:
+    """Count ``paths`` among :func:`key_files` in this process: key files another process wrote
+    (the run's ``RUN_DIR/api_key``, for a rollout worker that runs harness programs)."""
+    _written.update(Path(p).resolve() for p in paths)
 
 
 def key_dir() -> Path:

@@ -404,8 +404,23 @@ class AiohttpDoor:
     async def listen(self, runner: Any, host: str, port: int) -> asyncio.AbstractServer:
         """Serve ``runner`` (set up) on ``host:port`` under these rules; close the returned server
         before ``runner.cleanup()``."""
+        room_for_connections(self.limits.max_connections)
         loop = asyncio.get_running_loop()
         return await loop.create_server(lambda: _Watched(runner.server(), self), host, port)
+
+
+def room_for_connections(n: int) -> None:
+    """Raise this process's soft open-file limit (to at most its hard one) so that ``n``
+    connections fit beside the files it holds: with the common soft limit of 1,024, a cap of
+    1,024 connections was no cap (the gateway shares the run's process)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = n + 1024  # the process's own files, sockets and pipes
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 class _Watched(asyncio.Protocol):

@@ -42,3 +42,23 @@ async def test_a_client_that_leaves_mid_body_is_not_passed_on():
     # the part that did arrive is a complete JSON request: it must not run as if it were the body
     app, sent = await _send_chunked([b'{"prompt": [1, 2]}'], leave=True)
     assert app.calls == [] and sent == []
+
+
+def test_a_connection_cap_gets_room_under_the_open_file_limit():
+    """The gateway shares the run's process: with a soft limit of 1,024 open files, its cap of
+    1,024 connections would never be reached before every open() failed.  Listening raises the
+    soft limit (up to the hard one) to the cap plus headroom; in a child, to leave ours alone."""
+    import subprocess
+    import sys
+
+    code = """
+import resource
+from agentrl.guard import room_for_connections
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+room_for_connections(1024)
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)
+"""
+    soft, hard = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                         check=True).stdout.split())  # fmt: skip
+    assert soft == (2048 if hard == -1 or hard >= 2048 else hard), (soft, hard)

@@ -32,6 +32,7 @@ from typing import Any
 
 import ray
 
+from agentrl.auth import key_files
 from agentrl.buffer import Batch, StalenessBuffer
 from agentrl.distributed.roles import buffer_actor, rollout_worker
 from agentrl.rollout import TaskSampler, evaluate_tasks, worker_share
@@ -240,7 +241,8 @@ def start_rollout_workers(
     workers = [
         rollout_worker(f"w{i}", actor, cfg.env.name, dict(cfg.env.args), make_client, ro.sampling(),
                        group_size=ro.group_size, max_in_flight=share, episode_timeout_s=ro.episode_timeout_s,
-                       max_turns=ro.max_turns, num_cpus=cc.worker_cpus, max_restarts=cc.max_restarts)
+                       max_turns=ro.max_turns, num_cpus=cc.worker_cpus, max_restarts=cc.max_restarts,
+                       key_files=tuple(str(p) for p in key_files()[0]))
         for i in range(n)
     ]  # fmt: skip
     return WorkerPool(actor, workers, env, client, episode_timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns)

@@ -389,8 +389,13 @@ class RolloutWorkerImpl:
     def __init__(
         self, worker: str, actor: Any, env_name: str, env_args: dict[str, Any], client_factory: Callable[[], Any],
         sampling: SamplingParams, *, group_size: int, max_in_flight: int, episode_timeout_s: float = 120.0,
-        max_turns: int | None = None,
+        max_turns: int | None = None, key_files: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
+        """``key_files``: the driver's key files (its run's ``api_key``), hidden from the programs
+        a harness env starts here as they are in the driver (:func:`agentrl.auth.key_files`)."""
+        from agentrl.auth import hide_key_files
+
+        hide_key_files(key_files)
         self.worker, self.actor = worker, actor
         self.args = (env_name, env_args, client_factory, sampling)
         self.opts = {"group_size": group_size, "max_in_flight": max_in_flight,

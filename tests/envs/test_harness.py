@@ -566,6 +566,31 @@ async def test_an_isolated_program_cannot_read_the_runs_key_files(tmp_path, monk
     assert seen["run"] in ("", "PermissionError") and seen["engine"] == "FileNotFoundError", seen
 
 
+@needs_pid_namespace
+async def test_a_rollout_workers_programs_cannot_read_the_drivers_key_file(tmp_path, monkeypatch):
+    """A Ray rollout worker is another process: it never wrote the run's key file, so it did not
+    hide it.  The driver hands the worker its key files; the worker's programs read them empty."""
+    from agentrl import auth
+    from agentrl.distributed.roles import RolloutWorkerImpl
+
+    key_file = tmp_path / "run" / "api_key"
+    auth.write_key(key_file, "the-run-key")
+    monkeypatch.setattr(auth, "_written", set())  # this process now plays the worker: it wrote nothing
+    monkeypatch.setattr(auth, "key_dir", lambda: tmp_path / "no-keys")
+    RolloutWorkerImpl("w0", None, "calc", {}, lambda: None, SAMPLING, group_size=2, max_in_flight=2,
+                      key_files=(str(key_file),))  # fmt: skip
+    cmd = program(tmp_path, f"""
+        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        try:
+            print(json.dumps(open({str(key_file)!r}).read()))
+        except OSError as e:
+            print(json.dumps(type(e).__name__))
+    """)
+    traj = await run(HarnessEnv(cmd, dataset=ROWS, isolate="pid"), ScriptedClient(lambda p: "x"))
+    assert traj.error is None, traj.error
+    assert json.loads(traj.state["result"]) in ("", "PermissionError")
+
+
 async def test_concurrent_first_episodes_share_one_gateway_server():
     """Episodes opened at once on a fresh env each started a server (all but the last leaked,
     never closed): the key-theft test above found its victim on another port."""
