@@ -305,10 +305,10 @@ def guarded_protocol(limits: Limits) -> type:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11(H11Protocol):
-        _deadline: Any = None
         _body_since: float | None = None  # when the current request's body began to arrive
 
         def connection_made(self, transport: Any) -> None:
+            self._timer = _Timer()
             super().connection_made(transport)
             self._arm(limits.header_timeout_s)  # a connection that never sends a request is closed too
 
@@ -316,7 +316,7 @@ def guarded_protocol(limits: Limits) -> type:
             super().data_received(data)
             state = self.conn.their_state
             if state is h11.IDLE:  # part of the next request's headers: the deadline runs from its first byte
-                if self._deadline is None:
+                if not self._timer.pending:
                     self._arm(limits.header_timeout_s)
             elif state is h11.SEND_BODY:  # the body is arriving: it may pause, but not for long
                 now = self.loop.time()
@@ -332,16 +332,12 @@ def guarded_protocol(limits: Limits) -> type:
             super().connection_lost(exc)
 
         def _arm(self, seconds: float) -> None:
-            self._disarm()
-            self._deadline = self.loop.call_later(seconds, self._expired)
+            self._timer.arm(seconds, self._expired)
 
         def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
+            self._timer.cancel()
 
         def _expired(self) -> None:
-            self._deadline = None
             if self.flow is not None and self.flow.read_paused and self.conn.their_state is h11.SEND_BODY:
                 self._arm(limits.body_idle_s)  # we stopped reading (the app is behind): not the client's stall
                 if self._body_since is not None:
@@ -351,6 +347,32 @@ def guarded_protocol(limits: Limits) -> type:
                 self.transport.close()
 
     return GuardedH11
+
+
+class _Timer:
+    """A connection's one pending deadline: arming again replaces it."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self) -> None:
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self, seconds: float, callback: Callable[..., None], *args: Any) -> None:
+        self.cancel()
+        self._handle = asyncio.get_running_loop().call_later(seconds, self._fire, callback, args)
+
+    @property
+    def pending(self) -> bool:
+        return self._handle is not None
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self, callback: Callable[..., None], args: tuple) -> None:
+        self._handle = None
+        callback(*args)
 
 
 def uvicorn_config(app: Any, limits: Limits = Limits(), **kwargs: Any) -> Any:  # noqa: B008 (frozen)
@@ -432,8 +454,7 @@ class _Watched(asyncio.Protocol):
         self.busy = 0  # requests whose handler is running (the app's time, not the client's)
         self.idle = True  # between requests: no byte of the next one yet
         self.admitted = False  # under the cap: aiohttp saw the connection, and must see it end
-        self._deadline: Any = None
-        self._body_deadline: Any = None
+        self._deadline, self._body_deadline = _Timer(), _Timer()
 
     @staticmethod
     def of(request: Any) -> _Watched | None:
@@ -467,10 +488,8 @@ class _Watched(asyncio.Protocol):
         self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        if self._body_deadline is not None:
-            self._body_deadline.cancel()
-            self._body_deadline = None
+        self._deadline.cancel()
+        self._body_deadline.cancel()
         if self.admitted:
             self.admitted = False
             self.door.open -= 1
@@ -478,35 +497,25 @@ class _Watched(asyncio.Protocol):
 
     def request_started(self, body: Any) -> None:  # the headers are in (the middleware runs)
         self.busy += 1
-        self._disarm()
-        loop = asyncio.get_running_loop()
+        self._deadline.cancel()
         # the body must be all in by then, whether the handler reads it or is still busy elsewhere
-        self._body_deadline = loop.call_later(self.door.limits.body_total_s, self._body_due, body)
+        self._body_deadline.arm(self.door.limits.body_total_s, self._body_due, body)
 
     def _body_due(self, body: Any) -> None:
         if not body.is_eof() and self.transport is not None and not self.transport.is_closing():
             self.transport.abort()
 
     def request_done(self) -> None:
-        if self._body_deadline is not None:
-            self._body_deadline.cancel()
-            self._body_deadline = None
+        self._body_deadline.cancel()
         self.busy -= 1
         if not self.busy and self.transport is not None and not self.transport.is_closing():
             self.idle = True
             self._arm(self.door.limits.keep_alive_s)
 
     def _arm(self, seconds: float) -> None:
-        self._disarm()
-        self._deadline = asyncio.get_running_loop().call_later(seconds, self._expired)
-
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._deadline.arm(seconds, self._expired)
 
     def _expired(self) -> None:
-        self._deadline = None
         if not self.busy and self.transport is not None and not self.transport.is_closing():
             if self.transport.get_write_buffer_size():
                 self.transport.abort()  # an answer it never reads: close() would wait on it for ever

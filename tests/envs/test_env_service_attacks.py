@@ -17,6 +17,7 @@ import urllib.request
 import aiohttp
 import pytest
 from agentrl_cli import agentrl
+from door import closed_within_async
 from env_service import CALC, ROOT, calc, cli_server, get, post, served, tool_call
 from testkit import free_port
 
@@ -436,17 +437,6 @@ def test_a_page_or_a_rebound_name_cannot_use_the_env_server():
         assert r.status_code == 200 and r.json()["episode_id"], r.text
 
 
-async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
-    try:
-        while await asyncio.wait_for(reader.read(4096), seconds):
-            pass
-        return True
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
 async def test_idle_slow_and_surplus_connections_are_closed():
     """Attack: aiohttp closes an idle connection after an hour, and has no header deadline and
     no connection cap, so a local process held a thousand silent connections to the env server
@@ -476,8 +466,8 @@ async def test_idle_slow_and_surplus_connections_are_closed():
                 w_body.write(b" ")
 
         dripping = asyncio.create_task(drip())
-        assert await _closed_within(silent, 5) and await _closed_within(slow_head, 5)
-        assert await _closed_within(slow_body, 8), "a body dripped for ever held its connection"
+        assert await closed_within_async(silent, 5) and await closed_within_async(slow_head, 5)
+        assert await closed_within_async(slow_body, 8), "a body dripped for ever held its connection"
         assert time.monotonic() - t0 >= 1.5  # the body had its body_total_s
         dripping.cancel()
         for _, w in opened:
@@ -496,7 +486,7 @@ async def test_idle_slow_and_surplus_connections_are_closed():
         await asyncio.sleep(0.2)
         assert door.open == 4
         surplus, _ = await asyncio.open_connection("127.0.0.1", port)
-        assert await _closed_within(surplus, 0.5), "a fifth connection was served past max_connections=4"
+        assert await closed_within_async(surplus, 0.5), "a fifth connection was served past max_connections=4"
         assert door.open == 4
         for _, w in held:
             w.close()
@@ -531,6 +521,6 @@ async def test_the_gateway_has_the_same_door():
             assert s.calls == 0
         host, port = s.base_url.removeprefix("http://").split("/", 1)[0].split(":")
         silent, _ = await asyncio.open_connection(host, int(port))
-        assert await _closed_within(silent, 5)
+        assert await closed_within_async(silent, 5)
     finally:
         await gateway.close()
