@@ -1,5 +1,6 @@
-"""The door of agentrl's HTTP servers (the engine, the viewer): who may call, from where, how
-much, how slowly.  README: "Keys and ports".
+"""The door of agentrl's HTTP servers (the engine and the viewer on uvicorn; the env server and
+the harness gateway on aiohttp): who may call, from where, how much, how slowly.  README: "Keys
+and ports".
 
 :class:`Guard` is plain ASGI middleware (one pass over the headers, no task or copy per
 request) that checks, before any route runs:
@@ -23,6 +24,10 @@ request's headers within ``header_timeout_s`` of its first byte is closed (uvico
 such timer: a slowloris client held its connection forever), as is one whose body stalls
 for ``body_idle_s`` or is not all in ``body_total_s`` after its first byte; idle keep-alive connections close after ``keep_alive_s``; past
 ``max_connections`` connections or requests, new requests get a 503.
+
+:class:`AiohttpDoor` gives the aiohttp servers :class:`Door`'s Host and Origin checks and the
+same kind of connection rules (a header deadline, a whole-body deadline, idle keep-alive, a
+connection cap past which a new connection is dropped).
 """
 
 from __future__ import annotations
