@@ -286,9 +286,6 @@ def _key_middleware(key: str) -> Any:
     return check
 
 
-DOOR = web.AppKey("door", AiohttpDoor)
-
-
 def make_app(
     env: Environment, *, keep_closed: int = 4096, idle_timeout_s: float | None = 600.0, api_key: str | None = None,
     max_open: int = 1024, max_open_per_client: int = 512, private_tasks: bool = False, door: AiohttpDoor | None = None,
@@ -429,7 +426,6 @@ def make_app(
     door = door or AiohttpDoor()
     middlewares = [door.middleware, *([_key_middleware(api_key)] if api_key else [])]
     app = web.Application(client_max_size=64 * 2**20, middlewares=middlewares)
-    app[DOOR] = door
     app.add_routes(routes)
     if idle_timeout_s is not None:
         app.cleanup_ctx.append(lambda _: _reaper(env, episodes))
@@ -536,6 +532,7 @@ async def serve(
     """Serve ``env`` until cancelled (``agentrl env serve``); ``on_ready(url)`` once listening."""
     from agentrl.errors import AgentrlError
 
+    door = door or AiohttpDoor()
     app = make_app(env, idle_timeout_s=idle_timeout_s, api_key=api_key, max_open=max_open,
                    max_open_per_client=max_open_per_client, private_tasks=private_tasks, door=door)  # fmt: skip
     runner = web.AppRunner(app, access_log=None, lingering_time=0)  # a refused body is not read on
@@ -543,7 +540,7 @@ async def serve(
     server = None
     try:
         try:
-            server = await app[DOOR].listen(runner, host, port)
+            server = await door.listen(runner, host, port)
         except OSError as e:
             raise AgentrlError(f"cannot serve on {host}:{port}: {e.strerror or e}") from e
         if on_ready is not None:

@@ -106,6 +106,6 @@ def lease_uid() -> UidLease:
             return UidLease(uid, fd)
     if unusable:
         raise SandboxError(f"no sandbox uid in {first}-{last} is free: {len(unusable)} entries in {directory} "
-                           f"(e.g. {unusable[0]}) are links or files this user cannot open, the rest are in use; "
+                           f"(e.g. {unusable[0]}) are links or files this user cannot open or does not own, the rest are in use; "
                            "set AGENTRL_SANDBOX_UIDS to a range of your own")
     raise SandboxError(f"every sandbox uid in {first}-{last} is in use (set AGENTRL_SANDBOX_UIDS to a larger range)")
