@@ -11,7 +11,10 @@ old weights) → ``/resume``.
 - ``nccl`` (GPU): vLLM's own ``NCCLTrainerWeightTransferEngine`` broadcasts from the
   trainer (rank 0) to the engine's workers; the server was started with
   ``--weight-transfer-config '{"backend": "nccl"}'``.  The trainer's venv needs vLLM for it
-  (imported only here, only then).
+  (imported only here, only then).  The group meets by an NCCL unique id that the trainer
+  mints and sends over the keyed ``/init_weight_transfer_engine`` route, never by vLLM's
+  default TCPStore rendezvous: that store takes any client without a key and the workers
+  unpickle what it holds, so whoever reached its port first could run code in the engine.
 
 Every call carries the run's key (``Authorization: Bearer``).
 """
@@ -19,14 +22,14 @@ Every call carries the run's key (``Authorization: Bearer``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib.util
 import shutil
-import socket
 import tempfile
+import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import httpx
 import torch
@@ -67,10 +70,9 @@ class VLLMWeightSync:
         transfer: Transfer = "disk",
         work_dir: str | Path | None = None,
         timeout: float = 300.0,
-        nccl_engine: Callable[[str, dict[str, Any], Any, Any], Any] | None = None,
+        nccl: NcclSide | None = None,
     ):
-        """``nccl_engine(root, init_info, control, source)``: the trainer-side NCCL engine for one
-        server (default: vLLM's ``NCCLTrainerWeightTransferEngine.trainer_init``)."""
+        """``nccl``: the trainer's side of vLLM's NCCL group (default: vLLM's own, ``VLLMNccl``)."""
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ValueError("VLLMWeightSync needs at least one engine URL")
@@ -84,7 +86,7 @@ class VLLMWeightSync:
         self._dir: Path | None = None
         self._base = base
         self._last: Path | None = None
-        self._nccl_engine = nccl_engine or _vllm_nccl_engine
+        self._nccl = nccl or VLLMNccl()
         self._engines: list[Any] | None = None
         self._source = _Items()
         self._http: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
@@ -191,10 +193,10 @@ class VLLMWeightSync:
                 r = await self._client().get(root + "/get_world_size")
                 if r.status_code >= 400:
                     raise WeightSyncError(f"{root}/get_world_size -> HTTP {r.status_code}; is VLLM_SERVER_DEV_MODE=1 set?")
-                info = {"master_address": _own_address(root), "master_port": _free_port(),
-                        "world_size": 1 + int(r.json()["world_size"])}  # fmt: skip
+                world_size = 1 + int(r.json()["world_size"])
                 control = _Control(root, self.headers, self.timeout)
-                self._engines.append(await asyncio.to_thread(self._nccl_engine, root, info, control, self._source))
+                self._engines.append(await asyncio.to_thread(_open_group, self._nccl, world_size, control,
+                                                             self._source, self.timeout))  # fmt: skip
         for engine in self._engines:
             engine.client.version = str(version)
         # each send drives start/update (blocking in the broadcast)/finish on its own server
@@ -253,40 +255,78 @@ class _Control:
         self._post("/finish_weight_update", {"weight_version": weight_version or self.version})
 
 
-def _vllm_nccl_engine(root: str, info: dict[str, Any], control: _Control, items: _Items) -> Any:
-    """vLLM 0.32's trainer side: ``NCCLTrainerWeightTransferEngine.trainer_init`` (rendezvous)."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-    from vllm.distributed.weight_transfer.nccl_engine import (
-        NCCLTrainerInitInfo,
-        NCCLTrainerWeightTransferEngine,
-    )
+class NcclSide(Protocol):
+    """The trainer's side of the NCCL group with one server's workers (``VLLMNccl``; tests fake it)."""
 
-    class Source(WeightSource):
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in items.items]
+    def unique_id(self) -> bytes:
+        """A fresh ``ncclUniqueId`` (128 bytes): whoever holds it can join the group."""
+        ...
 
-        def __iter__(self):  # NCCL moves CUDA tensors: a CPU trainer's are copied over, one at a time
-            return ((n, t if t.is_cuda else t.to("cuda")) for n, t in items.items)
-
-    init = NCCLTrainerInitInfo(info["master_address"], info["master_port"], info["world_size"], rank=0)
-    return NCCLTrainerWeightTransferEngine.trainer_init(init, client=control, source=Source())
+    def sender(self, unique_id: bytes, world_size: int, control: Any, source: Any) -> Any:
+        """Join the group as rank 0 (blocks until every worker joins); an engine with
+        ``send_weights()``, ``shutdown()`` and ``client.version``."""
+        ...
 
 
-def _own_address(root: str) -> str:
-    """The trainer's address as the server sees it: loopback for a local server."""
-    from urllib.parse import urlparse
-
-    host = urlparse(root).hostname or "127.0.0.1"
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: picks the route's source
-        s.connect((host, 9))
-        return s.getsockname()[0]
+def nccl_init_info(unique_id: bytes, world_size: int) -> dict[str, Any]:
+    """The workers' ``init_info`` (vLLM 0.32's ``NCCLWeightTransferInitInfo``): unique-id mode,
+    the trainer at rank 0, packed broadcasts as vLLM's trainer engine sends them."""
+    if len(unique_id) != 128:
+        raise ValueError(f"an NCCL unique id is 128 bytes, got {len(unique_id)}")
+    return {"nccl_unique_id_b64": base64.b64encode(unique_id).decode("ascii"), "rank_offset": 1,
+            "world_size": world_size, "packed": True}  # fmt: skip
 
 
-def _free_port() -> int:
-    """A port free on every address (the NCCL master may listen on any; one free on loopback
-    only can be taken on the address the engines dial)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _open_group(nccl: NcclSide, world_size: int, control: _Control, source: _Items, timeout: float) -> Any:
+    """Mint the id, send it to the workers over the keyed route and join as rank 0, both at
+    once (each side blocks in NCCL's init until the other arrives)."""
+    unique_id = nccl.unique_id()
+    joined: dict[str, Any] = {}
+
+    def join() -> None:
+        try:
+            joined["engine"] = nccl.sender(unique_id, world_size, control, source)
+        except BaseException as e:  # noqa: BLE001 - surfaced below, in the caller's thread
+            joined["error"] = e
+
+    # a daemon: if the workers never come (the route failed), NCCL's init waits forever
+    thread = threading.Thread(target=join, name="agentrl-nccl-join", daemon=True)
+    thread.start()
+    control.init_weight_transfer_engine(nccl_init_info(unique_id, world_size))  # returns once the group is up
+    thread.join(timeout)
+    if "error" in joined:
+        raise WeightSyncError(f"{control.root}: joining vLLM's NCCL group failed: {joined['error']!r}") from joined["error"]
+    if "engine" not in joined:
+        raise WeightSyncError(f"{control.root}: the workers joined vLLM's NCCL group but the trainer did not "
+                              f"within {timeout:.0f} s")  # fmt: skip
+    return joined["engine"]
+
+
+class VLLMNccl:
+    """vLLM 0.32's trainer side: ``ncclGetUniqueId``, ``PyNcclCommunicator.from_unique_id_bytes``
+    (through ``uid_init_process_group``) and ``NCCLTrainerWeightTransferEngine`` around it."""
+
+    def unique_id(self) -> bytes:
+        import ctypes
+
+        from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+        uid = NCCLLibrary().ncclGetUniqueId()
+        return ctypes.string_at(ctypes.addressof(uid.internal), 128)
+
+    def sender(self, unique_id: bytes, world_size: int, control: Any, source: Any) -> Any:
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.nccl_common import uid_init_process_group
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+        class Source(WeightSource):
+            def metadata(self) -> list[ParamMeta]:
+                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in source.items]
+
+            def __iter__(self):  # NCCL moves CUDA tensors: a CPU trainer's are copied over, one at a time
+                return ((n, t if t.is_cuda else t.to("cuda")) for n, t in source.items)
+
+        engine = NCCLTrainerWeightTransferEngine(client=control, source=Source(), packed=True)
+        engine.model_update_group = uid_init_process_group(unique_id, 0, world_size,
+                                                           torch.accelerator.current_device_index())  # fmt: skip
+        return engine

@@ -9,7 +9,8 @@ the real vLLM in test_vllm_real.py.
 from __future__ import annotations
 
 import asyncio
-import socket
+import base64
+import os
 import threading
 import time
 
@@ -17,10 +18,14 @@ import pytest
 import torch
 import uvicorn
 from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
 
 from agentrl.inference.vllm import VLLMArgs, vllm_serve_command
 from agentrl.weights import WeightSyncError
 from agentrl.weights.vllm import VLLMWeightSync
+
+INIT_FIELDS = {"master_address", "master_port", "nccl_unique_id_b64", "rank_offset", "world_size", "packed",
+               "packed_buffer_size_bytes", "packed_num_buffers"}  # fmt: skip
 
 
 def fake_vllm(world_size: int, *, fail_update: bool = False) -> tuple[FastAPI, list]:
@@ -33,9 +38,15 @@ def fake_vllm(world_size: int, *, fail_update: bool = False) -> tuple[FastAPI, l
 
     @app.post("/init_weight_transfer_engine")
     async def init(request: Request):
+        # vLLM parses init_info into NCCLWeightTransferInitInfo(**init_info): unknown keys fail, and
+        # exactly one rendezvous is named (a base64 unique id, or a TCPStore address and port)
         info = (await request.json()).get("init_info")
-        if info is None or set(info) != {"master_address", "master_port", "rank_offset", "world_size"}:
+        if info is None:
             raise HTTPException(400, "Missing 'init_info' in request body")
+        if not set(info) <= INIT_FIELDS or not {"rank_offset", "world_size"} <= set(info):
+            raise HTTPException(500, f"Invalid init_info for NCCLWeightTransferEngine: {sorted(info)}")
+        if ("nccl_unique_id_b64" in info) == ("master_address" in info or "master_port" in info):
+            raise HTTPException(500, "pass nccl_unique_id_b64 OR master_address/master_port, not both")
         calls.append(("init", info))
         return {"message": "Weight transfer initialized"}
 
@@ -102,19 +113,25 @@ class Served:
 WEIGHTS = {"model.embed_tokens.weight": torch.zeros(8, 4), "lm_head.weight": torch.ones(8, 4, dtype=torch.bfloat16)}
 
 
-class FakeTrainerEngine:
-    """Stands in for vLLM's ``NCCLTrainerWeightTransferEngine`` (which needs CUDA): the same calls on
-    its client, in vLLM 0.32's order (init at rendezvous; start, update, finish per round)."""
+class FakeNccl:
+    """Stands in for vLLM's NCCL side (which needs CUDA): mints ids and returns an engine that makes
+    the same calls on its client as vLLM 0.32's ``NCCLTrainerWeightTransferEngine`` (start, update,
+    finish per round)."""
 
-    def __init__(self, root, info, control, source, log):
+    def __init__(self, log):
+        self.log = log
+
+    def unique_id(self):
+        return os.urandom(128)
+
+    def sender(self, unique_id, world_size, control, source):
+        self.log.append(("join", unique_id, world_size))
+        return FakeTrainerEngine(control, source, self.log)
+
+
+class FakeTrainerEngine:
+    def __init__(self, control, source, log):
         self.client, self.source, self.log = control, source, log
-        log.append(("trainer_init", root, info))
-        # the real one listens on master_port (its rendezvous store) until shutdown: while it does,
-        # the next group's free port cannot be this one (else two picks repeat ~1 time in 13,000)
-        self.store = socket.socket()
-        self.store.bind((info["master_address"], info["master_port"]))
-        control.init_weight_transfer_engine({"master_address": info["master_address"], "master_port":
-                                             info["master_port"], "rank_offset": 1, "world_size": info["world_size"]})  # fmt: skip
 
     def send_weights(self):
         items = list(self.source)
@@ -125,13 +142,11 @@ class FakeTrainerEngine:
         self.client.finish_weight_update()
 
     def shutdown(self):
-        self.store.close()
         self.log.append(("shutdown",))
 
 
 def make_sync(urls, log):
-    return VLLMWeightSync(urls, api_key="k", transfer="nccl",
-                          nccl_engine=lambda *a: FakeTrainerEngine(*a, log))  # fmt: skip
+    return VLLMWeightSync(urls, api_key="k", transfer="nccl", nccl=FakeNccl(log))
 
 
 def test_nccl_push_follows_vllm_route_contract_across_two_engines():
@@ -146,10 +161,13 @@ def test_nccl_push_follows_vllm_route_contract_across_two_engines():
             await sync.close()
 
         asyncio.run(go())
-    # one NCCL group per server, the trainer rank 0 in each: world = 1 + the server's workers
-    inits = [entry[2] for entry in log if entry[0] == "trainer_init"]
-    assert [i["world_size"] for i in inits] == [2, 3] and inits[0]["master_port"] != inits[1]["master_port"]
-    assert all(i["master_address"] == "127.0.0.1" for i in inits)
+    # one NCCL group per server, the trainer rank 0 in each: world = 1 + the server's workers; the
+    # workers get the id the trainer joined with over the keyed route, and no TCPStore address
+    joins = [entry[1:] for entry in log if entry[0] == "join"]
+    inits = [a for calls in (calls1, calls2) for n, a in calls if n == "init"]
+    assert [w for _, w in joins] == [2, 3] and joins[0][0] != joins[1][0]
+    assert inits == [{"nccl_unique_id_b64": base64.b64encode(uid).decode(), "rank_offset": 1, "world_size": w,
+                      "packed": True} for uid, w in joins]  # fmt: skip
     order = [name for name, _ in calls1 if name not in ("get_world_size", "init")]
     # no request after the swap may reuse KV blocks computed by the old weights
     assert order == ["pause", "start_weight_update", "update_weights", "finish_weight_update", "update_weight_version",
@@ -160,6 +178,36 @@ def test_nccl_push_follows_vllm_route_contract_across_two_engines():
     assert info == {"names": ["model.embed_tokens.weight", "lm_head.weight"], "dtype_names": ["float32", "bfloat16"],
                     "shapes": [[8, 4], [8, 4]]}  # fmt: skip
     assert ("shutdown",) in log
+
+
+def test_a_refused_init_fails_the_push_instead_of_waiting_in_ncclcomminit():
+    """NCCL's init has no timeout: when the route that carries the id fails, the workers never come,
+    so the trainer's join (here one that waits, as NCCL's would) must not be what the push waits on."""
+    app, _ = fake_vllm(1)
+    never = threading.Event()
+
+    class Waits(FakeNccl):
+        def sender(self, unique_id, world_size, control, source):
+            never.wait()
+
+    @app.middleware("http")
+    async def refuse_init(request, call_next):
+        if request.url.path.endswith("/init_weight_transfer_engine"):
+            return JSONResponse({"error": "bad key"}, status_code=401)
+        return await call_next(request)
+
+    with Served(app) as url:
+
+        async def go():
+            sync = VLLMWeightSync(url, api_key="k", transfer="nccl", nccl=Waits([]))
+            try:
+                with pytest.raises(WeightSyncError, match="init_weight_transfer_engine -> HTTP 401"):
+                    await asyncio.wait_for(sync.push(WEIGHTS, version=1), 30)
+            finally:
+                await sync.close()
+
+        asyncio.run(go())
+    never.set()
 
 
 def test_a_failed_update_raises_and_still_resumes_generation():

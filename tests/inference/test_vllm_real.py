@@ -251,3 +251,23 @@ def test_a_server_that_cannot_take_a_push_is_refused_in_one_line(engine, model_d
     with pytest.raises(AgentrlError, match="cannot push the warm start") as e:
         run_training(load_config([], overrides), progress=False)
     assert "\n" not in str(e.value)
+
+
+def test_the_nccl_init_info_is_what_vllms_workers_parse_in_unique_id_mode():
+    """vLLM's own ``NCCLWeightTransferInitInfo`` (in .venv-vllm) reads the workers' init_info as a
+    unique-id rendezvous: the id the trainer minted, and no TCPStore address or port (a store any
+    local process can join, whose contents the workers unpickle)."""
+    from agentrl.weights.vllm import nccl_init_info
+
+    uid = bytes(range(128))
+    python = str(Path(VLLM[0]).parent / "python")
+    probe = ("import base64, json, sys\n"
+             "from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as E\n"
+             "i = E.init_info_cls(**json.loads(sys.argv[1]))\n"
+             "print(json.dumps([i.master_address, i.master_port, base64.b64encode(i.nccl_unique_id_bytes).decode(),"
+             " i.rank_offset, i.world_size, i.packed]))")  # fmt: skip
+    out = subprocess.run([python, "-c", probe, json.dumps(nccl_init_info(uid, 3))], capture_output=True, text=True,
+                         timeout=300, check=True).stdout  # fmt: skip
+    import base64
+
+    assert json.loads(out.strip().splitlines()[-1]) == [None, None, base64.b64encode(uid).decode(), 1, 3, True]
