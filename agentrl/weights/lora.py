@@ -49,14 +49,18 @@ class AdapterMerger:
 
     def __init__(self) -> None:
         self._base: dict[str, torch.Tensor] = {}  # weight name -> W0 (the weights before any adapter)
+        self._pending: dict[str, torch.Tensor] = {}  # W0 of a matrix a push being checked adapts first
 
     def reset(self) -> None:
         """The base weights were replaced (a full push): forget the saved ``W0``."""
         self._base.clear()
+        self._pending.clear()
 
     @torch.no_grad()
     def apply(self, model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Merge every (A, B) pair; validates everything before changing any weight."""
+        """Merge every (A, B) pair; validates everything (shapes, finite merged weights) before
+        changing any weight."""
+        self._pending.clear()  # left by a push refused before its writes
         factors: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in tensors:
             module, part = split_adapter_name(name)
@@ -66,10 +70,23 @@ class AdapterMerger:
         for module, ab in factors.items():
             w = adapted_matrix(params, module, {part: tuple(t.shape) for part, t in ab.items()})
             plan.append((module + ".weight", w, ab["A"], ab["B"]))
+        # finite factors can still merge to Inf (1e20 · 1e20), or overflow the served dtype: every
+        # merged matrix is checked before the first is written, one at a time (no second model in memory)
+        from agentrl.weights.fit import check_finite  # fit imports this module
+
         for wname, w, a, b in plan:
-            base = self._base.get(wname)
-            if base is None:
-                base = self._base[wname] = w.detach().clone()
-            merged = torch.addmm(base.float(), b.to(w.device, torch.float32), a.to(w.device, torch.float32))
-            w.data.copy_(merged.to(w.dtype))
+            check_finite([(wname, self._merged(wname, w, a, b))])
+        for wname, w, a, b in plan:
+            w.data.copy_(self._merged(wname, w, a, b))
+            self._base.setdefault(wname, self._pending.pop(wname))
         return len(plan)
+
+    def _merged(self, wname: str, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``W0 + B·A`` in the served dtype (``W0``: the weight before any adapter, saved at the first push)."""
+        base = self._base.get(wname)
+        if base is None:
+            base = self._pending.get(wname)
+            if base is None:
+                base = self._pending[wname] = w.detach().clone()
+        merged = torch.addmm(base.float(), b.to(w.device, torch.float32), a.to(w.device, torch.float32))
+        return merged.to(w.dtype)

@@ -337,9 +337,15 @@ def test_adapter_push_must_match_the_adapters_served(target, model_dir):
             await sync.push(base, version=v + 1)
             await sync.push(factors(modules, 4), version=v + 2, lora=True)
             before = await served(http, target)
+            # finite factors whose product is Inf: refused whole, the first (finite) module unmerged too
+            overflow = factors(modules, 4)
+            overflow[modules[0] + ".lora_B"] *= 3  # what a half-done merge would have served
+            overflow[modules[1] + ".lora_A"] = torch.full_like(overflow[modules[1] + ".lora_A"], 1e20)
+            overflow[modules[1] + ".lora_B"] = torch.full_like(overflow[modules[1] + ".lora_B"], 1e20)
             for bad, why in ((factors(modules[:1], 4), "does not match the adapters"),
                              (factors(modules, 8), "does not match the adapters"),
-                             (factors(modules, 65), "do not fit")):
+                             (factors(modules, 65), "do not fit"),
+                             (overflow, "contains NaN or Inf")):
                 with pytest.raises(WeightSyncError, match=why):
                     await sync.push(bad, version=v + 3, lora=True)
                 assert await served(http, target) == before
