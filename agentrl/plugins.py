@@ -13,6 +13,15 @@ checkout, without installing — by the path of its directory (``environments/ca
 Rubric plugins work the same way under ``agentrl.rubrics`` (factories returning a Rubric).
 Names compare case-insensitively with ``-`` and ``_`` treated alike.
 
+A name is a path only when it looks like one (it holds a ``/`` or ``\\``, starts with ``.``
+or ``~``, or is absolute): a bare ``code-tests`` is always an entry point, never a folder
+of that name in the current directory, so a directory someone else can write to cannot
+stand in for an installed plugin.  Two different distributions registering one name in one
+group is an error when that name is looked up, naming both.  A plugin's source directory
+(path mode, or an editable install) is appended to ``sys.path``, never put first: only the
+entry point's own top-level module is loaded from it by force, so a stray ``json.py``
+beside it cannot shadow the standard library or an installed package.
+
 A plugin's own code failing (its module does not import, its factory raises) is a
 :class:`~agentrl.errors.UserCodeError` naming the plugin, its entry point, the function
 and the exception on one line; the CLI's ``--traceback`` shows the full trace.
@@ -22,7 +31,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.machinery
 import importlib.metadata as md
+import importlib.util
 import inspect
 import json
 import re
@@ -55,6 +66,7 @@ class Plugin:
     source_dir: Path | None = None  # package dir (path mode, or an editable install)
     defaults: dict[str, Any] = field(default_factory=dict)
     eval_defaults: dict[str, Any] = field(default_factory=dict)
+    location: str = ""  # the directory the distribution is installed in (for error messages)
 
     @property
     def kind(self) -> str:
@@ -63,9 +75,9 @@ class Plugin:
     def load(self) -> Any:
         """The factory object (imports the module)."""
         module_name, _, attr = self.target.partition(":")
-        if self.source_dir is not None:
-            _prefer_source(self.source_dir, module_name)
         try:
+            if self.source_dir is not None:
+                _import_top_from_source(self.source_dir, module_name)
             obj = importlib.import_module(module_name)
             for part in filter(None, attr.split(".")):
                 obj = getattr(obj, part)
@@ -111,20 +123,38 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _prefer_source(source_dir: Path, module_name: str) -> None:
-    """Make ``module_name`` import from ``source_dir`` (or its ``src/``)."""
+def _import_top_from_source(source_dir: Path, module_name: str) -> None:
+    """Import ``module_name``'s top-level module from ``source_dir`` (or its ``src/``).
+
+    Only that one module is taken from the directory by force (a copy imported from
+    elsewhere, say another worktree, is dropped first), so two checkouts of one module each
+    load their own.  The directory itself goes on the *end* of ``sys.path``, for the
+    plugin's sibling modules: any other file in it cannot shadow the standard library or an
+    installed package."""
     roots = [source_dir / "src", source_dir] if (source_dir / "src").is_dir() else [source_dir]
-    for root in reversed(roots):  # first on sys.path, even when already on it further down
-        while str(root) in sys.path:
-            sys.path.remove(str(root))
-        sys.path.insert(0, str(root))
+    for root in roots:
+        if str(root) not in sys.path:
+            sys.path.append(str(root))
     top = module_name.split(".")[0]
+    spec = importlib.machinery.PathFinder.find_spec(top, [str(r) for r in roots])
+    if spec is None:  # the entry point names a module from elsewhere: an ordinary import
+        return
     mod = sys.modules.get(top)
     if mod is not None:
         where = Path(getattr(mod, "__file__", "") or "").resolve()
-        if not any(r.resolve() in where.parents for r in roots):
-            for key in [k for k in sys.modules if k == top or k.startswith(top + ".")]:
-                del sys.modules[key]
+        if any(r.resolve() in where.parents for r in roots):
+            return  # already this directory's copy
+        for key in [k for k in sys.modules if k == top or k.startswith(top + ".")]:
+            del sys.modules[key]
+    if spec.loader is None or spec.origin is None:  # a namespace package: the import path decides
+        return
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[top] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop(top, None)
+        raise
 
 
 def _read_pyproject(path: Path) -> dict[str, Any]:
@@ -155,18 +185,38 @@ def _editable_source(dist: md.Distribution) -> Path | None:
         return None
 
 
+def _dist_key(dist: md.Distribution) -> str:
+    """One key per distribution name (PEP 503), so the same distribution found twice on
+    ``sys.path`` (a repeated entry, a stale ``*.egg-info`` beside an editable source) counts once."""
+    name = dist.name or ""
+    return re.sub(r"[-_.]+", "-", name).lower() if name else f"?{id(dist)}"
+
+
+def _by_name(group: str) -> dict[str, list[Plugin]]:
+    """Normalised plugin name → the plugins registering it, one per distribution, in
+    ``sys.path`` order (two entries: two distributions claim the name)."""
+    found: dict[str, list[Plugin]] = {}
+    seen: set[str] = set()
+    for dist in md.distributions():
+        key = _dist_key(dist)
+        if key in seen:  # the first copy on sys.path is the one Python imports, as md.entry_points()
+            continue
+        seen.add(key)
+        for ep in dist.entry_points.select(group=group):
+            plugin = Plugin(ep.name, ep.value, group, dist.name or "", dist.version or "")
+            plugin.location = str(dist.locate_file(""))
+            source = _editable_source(dist)
+            if source is not None:
+                plugin.source_dir = source
+                plugin.defaults, plugin.eval_defaults = _tool_table(_read_pyproject(source))
+            found.setdefault(normalize(ep.name), []).append(plugin)
+    return found
+
+
 def installed(group: str) -> list[Plugin]:
-    """Every plugin registered under ``group`` by an installed distribution."""
-    found: dict[str, Plugin] = {}
-    for ep in md.entry_points(group=group):
-        dist = getattr(ep, "dist", None)
-        plugin = Plugin(ep.name, ep.value, group, dist.name if dist else "", dist.version if dist else "")
-        source = _editable_source(dist) if dist else None
-        if source is not None:
-            plugin.source_dir = source
-            plugin.defaults, plugin.eval_defaults = _tool_table(_read_pyproject(source))
-        found.setdefault(normalize(ep.name), plugin)
-    return sorted(found.values(), key=lambda p: p.name)
+    """Every plugin registered under ``group`` by an installed distribution; a name that two
+    distributions register is listed once for each (and :func:`find` refuses it)."""
+    return sorted((p for ps in _by_name(group).values() for p in ps), key=lambda p: (normalize(p.name), p.dist))
 
 
 def _from_directory(path: Path, group: str) -> Plugin:
@@ -182,7 +232,9 @@ def _from_directory(path: Path, group: str) -> Plugin:
 
 
 def _looks_like_path(name: str) -> bool:
-    return "/" in name or "\\" in name or name.startswith(".") or Path(name).is_dir() and (Path(name) / "pyproject.toml").is_file()
+    """``environments/calc``, ``./my_env``, ``~/envs/x``, ``/abs/dir``: yes; ``code-tests``: no,
+    even when a folder of that name is in the current directory (an entry point, always)."""
+    return "/" in name or "\\" in name or name.startswith((".", "~")) or Path(name).is_absolute()
 
 
 def find(name_or_path: str, group: str = ENV_GROUP) -> Plugin:
@@ -194,15 +246,25 @@ def find(name_or_path: str, group: str = ENV_GROUP) -> Plugin:
         if not (path / "pyproject.toml").is_file():
             raise not_found(f"{path} is not a package directory (no pyproject.toml)")
         return _from_directory(path, group)
-    plugins = installed(group)
-    by_name = {normalize(p.name): p for p in plugins}
-    if (p := by_name.get(normalize(name_or_path))) is not None:
-        return p
-    names = [p.name for p in plugins]
+    registered = _by_name(group)
+    match = registered.get(normalize(name_or_path), [])
+    if len(match) == 1:
+        return match[0]
+    if len(match) > 1:
+        claims = ", ".join(f"{p.dist} {p.version} in {p.location}" for p in match)
+        raise AgentrlError(
+            f"{kind} {name_or_path!r} is registered by {len(match)} distributions ({claims}): "
+            "pip uninstall all but the one you mean"
+        )
+    by_name = {n: ps[0] for n, ps in registered.items()}
     close = difflib.get_close_matches(normalize(name_or_path), list(by_name), n=1, cutoff=0.5)
     hint = f"; did you mean {by_name[close[0]].name!r}?" if close else ""
+    names = sorted(p.name for p in by_name.values())
     listing = ", ".join(names) if names else "none (pip install -e <env dir>, or pass a path)"
-    raise not_found(f"no {kind} {name_or_path!r}{hint} installed: {listing}")
+    local = ""
+    if (Path(name_or_path) / "pyproject.toml").is_file():  # a bare name is never a folder: say how to ask for one
+        local = f"; ./{name_or_path} here is a package directory: pass ./{name_or_path} to load it from source"
+    raise not_found(f"no {kind} {name_or_path!r}{hint} installed: {listing}{local}")
 
 
 def load_environment(name_or_path: str, **kwargs: Any):

@@ -1,8 +1,11 @@
 """Plugin discovery: entry points, package directories, defaults, did-you-mean errors."""
 
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+from agentrl_cli import agentrl
 
 from agentrl.errors import AgentrlError, EnvironmentNotFound, RubricNotFound
 from agentrl.plugins import find, installed, load_environment, load_rubric, parse_env_args
@@ -86,3 +89,97 @@ def test_env_args_parsing():
     for bad in ["{k: 1}", "[1, 2]"]:
         with pytest.raises(AgentrlError, match="--env-args"):
             parse_env_args(bad)
+
+
+# ----------------------------------------------------------------------------- names vs paths, duplicate names
+
+PLANTED = "import pathlib\npathlib.Path(__file__).with_name('RAN').write_text('planted code ran')\n" \
+          "def load_rubric(**kw):\n    raise SystemExit('planted')\nload_environment = load_rubric\n"
+
+
+def plant_package(root, group, name, module="planted_mod"):
+    """A folder that impersonates an installed plugin: pyproject + module that leaves a RAN file."""
+    root.mkdir(parents=True)
+    (root / "pyproject.toml").write_text(
+        f'[project]\nname = "planted"\nversion = "6.6.6"\n[project.entry-points."{group}"]\n{name} = "{module}:load_rubric"\n'
+    )
+    for mod in (module, "agentrl_rubric_code_tests", "agentrl_env_calc"):  # also shadow the real modules
+        (root / f"{mod}.py").write_text(PLANTED)
+    return root
+
+
+def test_a_bare_name_is_the_installed_plugin_even_with_a_same_named_folder_here(tmp_path, monkeypatch):
+    """A folder named like an installed plugin in the run's directory is never loaded by that name."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    rubric_dir = plant_package(tmp_path / "code-tests", "agentrl.rubrics", "code-tests")
+    env_dir = plant_package(tmp_path / "calc", "agentrl.environments", "calc")
+    monkeypatch.chdir(tmp_path)
+    assert find("code-tests", "agentrl.rubrics").dist == "agentrl-rubric-code-tests"
+    assert type(load_rubric("code-tests")).__name__ == "CodeTestsRubric"
+    assert load_environment("calc", max_operand=5).max_operand == 5
+    assert not (rubric_dir / "RAN").exists() and not (env_dir / "RAN").exists()
+    assert str(tmp_path / "code-tests") not in sys.path and str(tmp_path / "calc") not in sys.path
+    # a bare name that is only a folder here says how to ask for the folder
+    write_env_package(tmp_path / "toy")
+    with pytest.raises(EnvironmentNotFound, match=r"no environment 'toy'.*pass \./toy to load it from source"):
+        find("toy")
+
+
+def test_path_looking_names_still_load_a_local_env(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    write_env_package(tmp_path / "toy")
+    write_env_package(tmp_path / "envs" / "deep", name="deep-env", module="deep_env_mod")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_environment("./toy").greeting == "hi"
+    assert load_environment("envs/deep").name == "deep-env"
+    assert load_environment("~/toy", greeting="yo").greeting == "yo"
+    assert load_environment(str(tmp_path / "toy")).name == "toy-env"
+
+
+def test_a_source_dir_goes_after_the_installed_packages_and_shadows_nothing(tmp_path, monkeypatch):
+    """Only the entry point's own module comes from the env's folder; a stdlib-named file beside it does not."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    pkg = write_env_package(tmp_path / "toy")
+    (pkg / "colorsys.py").write_text("raise ImportError('the planted colorsys shadowed the standard library')\n")
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    assert load_environment(str(pkg)).greeting == "hi"
+    import colorsys  # before the fix: the planted one, first on sys.path
+
+    assert Path(colorsys.__file__).parent != pkg
+    assert sys.path[0] != str(pkg.resolve()) and str(pkg.resolve()) in sys.path  # siblings still import
+
+
+def fake_dist(site, dist, version, entry_points):
+    """A ``*.dist-info`` directory on ``site``: what pip leaves behind, minus the code."""
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    return info
+
+
+def test_two_distributions_with_one_entry_point_name_are_an_error_naming_both(tmp_path, monkeypatch):
+    site, again = tmp_path / "site", tmp_path / "site-again"
+    twin = '[agentrl.environments]\ntwin-env = "twin_mod:load_environment"\n'
+    fake_dist(site, "fake-one", "1.0", twin)
+    fake_dist(site, "fake-two", "2.0", twin.replace("twin-env", "Twin_Env"))  # the same name, normalised
+    solo = '[agentrl.environments]\nsolo-env = "solo_mod:load_environment"\n'
+    fake_dist(site, "fake-solo", "1.0", solo)
+    fake_dist(again, "fake-solo", "1.0", solo)  # the same distribution found twice: no conflict
+    monkeypatch.syspath_prepend(str(again))
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(site))  # a repeated sys.path entry: no conflict either
+    with pytest.raises(AgentrlError) as err:
+        find("twin-env")
+    message = str(err.value)
+    assert "\n" not in message and "fake-one 1.0" in message and "fake-two 2.0" in message
+    assert "pip uninstall" in message and str(site) in message
+    assert find("solo-env").dist == "fake-solo"  # looked up alone, a duplicated dist is fine
+    assert find("calc").name == "calc"  # and unrelated names are unaffected
+    assert [p.dist for p in installed("agentrl.environments") if p.name.lower().replace("_", "-") == "twin-env"] \
+        == ["fake-one", "fake-two"]  # `agentrl env list` shows both claimants
+    # through the CLI: exit 2, one line
+    r = agentrl("env", "test", "twin-env", env={"PYTHONPATH": str(site)})
+    assert r.returncode == 2, r.stderr
+    assert "fake-one" in r.stderr and "fake-two" in r.stderr and len(r.stderr.strip().splitlines()) == 1
