@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,21 @@ def key_files() -> tuple[list[Path], list[Path]]:
     key files it wrote (a run's ``RUN_DIR/api_key``) and :func:`key_dir`, those that exist."""
     files = sorted(p for p in _written if p.is_file())
     return files, [d for d in (key_dir(),) if d.is_dir()]
+
+
+def check_private_path(path: Path) -> None:
+    """Refuse ``path`` (PermissionError, naming why) unless no other user can put a file into it or
+    any directory above it: each is owned by this user or root, and not writable by others unless
+    sticky (``/tmp``) with the entry below it ours.  Code loaded or run from a place another user
+    can write to runs their code, with this process's keys."""
+    uid, below_ours = os.getuid(), True
+    for d in [path, *path.parents]:
+        st = d.stat()
+        if st.st_uid not in (uid, 0):
+            raise PermissionError(f"{d} belongs to another user (uid {st.st_uid})")
+        if st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and below_ours):
+            raise PermissionError(f"{d} is writable by others (mode {oct(st.st_mode & 0o7777)})")
+        below_ours = st.st_uid == uid
 
 
 def read_key(path: str | Path) -> str:

@@ -23,3 +23,26 @@ def test_a_planted_temp_file_does_not_receive_the_key(tmp_path):
         assert stat.S_IMODE(target.stat().st_mode) == 0o600, oct(target.stat().st_mode)
     assert planted.exists() and planted.read_text() == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, planted.name])  # no temp left
+
+
+def test_a_run_dir_is_private_and_its_config_0600_under_an_open_umask(tmp_path):
+    """Checkpoints (weights, optimizer state), episodes and the config (env.args may hold secrets)
+    are the run's: another local user must not read them, whatever the umask."""
+    from agentrl.config import load_config
+    from agentrl.recipes.rl import prepare_run_dir
+
+    cfg = load_config([], ["--env.args={\"token\": \"s3cret\"}"])
+    old = os.umask(0o022)
+    try:
+        prepare_run_dir(tmp_path / "runs" / "r1", cfg, resume=False)
+        shared = tmp_path / "shared"
+        shared.mkdir(mode=0o755)  # a dir the user made open on purpose keeps its mode; the config does not
+        (shared / "config.toml").write_text("old")
+        prepare_run_dir(shared, cfg, resume=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "runs" / "r1").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(tmp_path / "runs" / "r1" / "config.toml").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(shared / "config.toml").st_mode) == 0o600
+    assert "s3cret" in (shared / "config.toml").read_text()

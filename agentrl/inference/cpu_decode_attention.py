@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from agentrl.auth import check_private_path
+
 _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -212,24 +214,10 @@ def _cpu_key() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
-def _safe_dirs(path: Path) -> None:
-    """Refuse ``path`` unless no other user can put a file into it or any directory above it: each
-    is owned by this user or root, and not writable by others unless sticky (``/tmp``) with the
-    entry below it ours.  A library loaded from a place another user can write to runs their code."""
-    uid, below_ours = os.getuid(), True
-    for d in [path, *path.parents]:
-        st = d.stat()
-        if st.st_uid not in (uid, 0):
-            raise PermissionError(f"{d} belongs to another user (uid {st.st_uid})")
-        if st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and below_ours):
-            raise PermissionError(f"{d} is writable by others (mode {oct(st.st_mode & 0o7777)})")
-        below_ours = st.st_uid == uid
-
-
 def _private_dir(path: Path) -> None:
-    """Create ``path`` (0700); refuse it where another user could write to it (:func:`_safe_dirs`)."""
+    """Create ``path`` (0700); refuse it where another user could write to it (:func:`agentrl.auth.check_private_path`)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _safe_dirs(path)
+    check_private_path(path)
 
 
 def _compiler() -> list[str]:
@@ -252,7 +240,7 @@ def _build(cc: list[str], lib: Path) -> None:
 
 def _load(lib: Path) -> Any:
     """Load ``lib`` if it is a plain file of ours that nobody else can write (not a link).  Its
-    directory and every one above were checked (:func:`_safe_dirs`): nobody else can swap it."""
+    directory and every one above were checked (:func:`agentrl.auth.check_private_path`): nobody else can swap it."""
     st = os.lstat(lib)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise PermissionError(f"{lib} is not a file only this user can write")

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentrl.auth import check_private_path
 from agentrl.errors import EngineStartError
 from agentrl.inference.launcher import EngineHandle, _die_with_parent, wait_for_health
 
@@ -51,6 +52,11 @@ def find_vllm(command: str | None = None) -> list[str]:
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         exe = root / VENV / "bin" / "vllm"
         if exe.is_file() and os.access(exe, os.X_OK):
+            try:  # it runs with the run's key: one another user could have put there is refused
+                check_private_path(exe.absolute())
+            except PermissionError as e:
+                raise EngineStartError(f"{exe} is not safe to run: {e}; set inference.vllm_command to a vLLM CLI "
+                                       "only you can change") from None  # fmt: skip
             return [str(exe)]
     raise EngineStartError(
         f"inference.engine = \"vllm\" needs vLLM: run `bash .ci/install-vllm` (makes {VENV}, ~12 min) or set "

@@ -170,8 +170,13 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
         raise RunDirExists(
             f"{run_dir} already holds a run; pass --resume to continue it, or choose another --run.name / --run.dir"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(cfg.to_toml())
+    # private: checkpoints hold the weights and optimizer state, episodes the tasks, and the
+    # config any secrets in env.args (a run dir made elsewhere keeps its mode; the config is 0600)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(run_dir / "config.toml", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(cfg.to_toml())
 
 
 async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, threads: int, show: bool) -> None:

@@ -275,3 +275,24 @@ def test_tokens_from_a_server_without_versions_get_the_version_current_at_reques
         out, later = asyncio.run(go())
     assert out.versions == [3, 3] and out.token_ids == [7, 8] and out.logprobs == [-0.1, -0.2]
     assert later.versions == [4, 4]
+
+
+def test_a_vllm_cli_another_user_could_have_placed_is_refused(tmp_path, monkeypatch):
+    """``.venv-vllm/bin/vllm`` is found in the working directory and runs with the run's key in its
+    environment: one in a directory others can write to is refused, in one line, not run."""
+    from agentrl.errors import EngineStartError
+    from agentrl.inference.vllm import find_vllm
+
+    exe = tmp_path / ".venv-vllm" / "bin" / "vllm"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    assert find_vllm() == [str(exe)]
+    exe.parent.chmod(0o777)
+    with pytest.raises(EngineStartError, match=r"bin is writable by others .*inference.vllm_command"):
+        find_vllm()
+    exe.parent.chmod(0o755)
+    exe.chmod(0o757)
+    with pytest.raises(EngineStartError, match="vllm is writable by others"):
+        find_vllm()
