@@ -7,10 +7,12 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import secrets
 import stat
 import struct
 from collections.abc import AsyncIterator, Iterable, Mapping
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
@@ -186,9 +188,17 @@ async def abort(http: httpx.AsyncClient, root: str, key: str, transfer: str) -> 
         pass
 
 
+_SEGMENT_NAME = re.compile(r"w-[0-9a-f]{16}\.bin")  # agentrl.weights.staging.SharedSegments
+
+
 def map_segment(path: str, size: int) -> torch.Tensor:
     """The engine's shared-memory segment, mapped for writing (uint8).  Only a regular file of
-    exactly ``size`` bytes owned by this user is mapped: the trainer never grows or follows a link."""
+    exactly ``size`` bytes owned by this user, named as the engine names its segments
+    (``agentrl-*/w-<16 hex>.bin``), is mapped: the trainer never grows or follows a link, and an
+    engine that is not ours cannot point the push at some other file of the trainer's."""
+    p = Path(path)
+    if not (_SEGMENT_NAME.fullmatch(p.name) and p.parent.name.startswith("agentrl-")):
+        raise WeightSyncError(f"the engine named {path} as its shared-memory segment: not an agentrl segment path")
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)

@@ -187,3 +187,28 @@ def _reference_greedy(model: torch.nn.Module, prompt: list[int], n: int = 6) -> 
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+def test_the_trainer_maps_only_an_agentrl_segment_whatever_the_engine_answers(tmp_path):
+    """The engine answers the segment's path (signed); an engine that is not ours (a compromised
+    one holds the key) could name any file of the trainer's of the right size: only a path shaped
+    like the engine's own segments is mapped, so the push cannot overwrite, say, a source file."""
+    from agentrl.weights.sync import map_segment
+
+    victim = tmp_path / "train.py"
+    victim.write_bytes(b"x" * 64)
+    seg_dir = tmp_path / "agentrl-abcd"
+    seg_dir.mkdir()
+    seg = seg_dir / "w-0123456789abcdef.bin"
+    seg.write_bytes(b"\0" * 64)
+    (seg_dir / "w-0123456789abcdef.py").write_bytes(b"x" * 64)
+    for path in (victim, seg_dir / "w-0123456789abcdef.py", tmp_path / "w-0123456789abcdef.bin"):
+        if path.name.endswith(".bin"):
+            path.write_bytes(b"x" * 64)
+        with pytest.raises(WeightSyncError, match="not an agentrl segment path"):
+            map_segment(str(path), 64)
+    assert victim.read_bytes() == b"x" * 64
+    buf = map_segment(str(seg), 64)
+    buf[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    del buf
+    assert seg.read_bytes()[:4] == bytes([1, 2, 3, 4])
