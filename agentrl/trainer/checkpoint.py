@@ -271,13 +271,19 @@ def dcp_reader(path: str | Path) -> Any:
 def weights_only_planner() -> Any:
     """A DCP load planner that reads the non-tensor items (the optimizer's hyperparameters) only when
     a weights-only load can read them (DCP's own unpickles them unrestricted)."""
+    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class WeightsOnly(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
-            data = value.read()
-            load_tensors(io.BytesIO(data), name=f"checkpoint item {read_item.dest_index.fqn}")  # raises on any object
-            super().load_bytes(read_item, io.BytesIO(data))  # the same bytes: nothing but what passed
+            # what the weights-only load returned is what is kept: DCP's own load_bytes would parse the
+            # same bytes again, unrestricted (any difference between the two unpicklers would run code)
+            fqn = read_item.dest_index.fqn
+            obj = load_tensors(io.BytesIO(value.read()), name=f"checkpoint item {fqn}")  # raises on any object
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
 
     return WeightsOnly()
 

@@ -175,7 +175,7 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_and_nothing_runs(tmp_p
     assert not [p for p in (ROOT / "agentrl").rglob("*.py") if "weights_only=False" in p.read_text()]
 
 
-def test_a_sharded_checkpoint_whose_dcp_pickles_would_run_code_is_refused(tmp_path):
+def test_a_sharded_checkpoint_whose_dcp_pickles_would_run_code_is_refused(tmp_path, monkeypatch):
     """torch.distributed.checkpoint unpickles its .metadata with pickle.load and its non-tensor items
     (the optimizer's hyperparameters) with weights_only=False: a sharded checkpoint is read only when
     they name nothing but DCP's records and plain values; export and a rank's resume both refuse."""
@@ -201,7 +201,12 @@ def test_a_sharded_checkpoint_whose_dcp_pickles_would_run_code_is_refused(tmp_pa
         # what a rank's resume reads, optimizer hyperparameters (non-tensor items) included, through the planner
         back = copy.deepcopy({"model": msd, "optimizer": osd})
         back["optimizer"]["param_groups"][0]["lr"], back["model"]["weight"] = 0.5, torch.zeros(3, 4)
+        real_load, unpickled = torch.load, []
+        monkeypatch.setattr(torch, "load", lambda *a, **kw: unpickled.append(kw.get("weights_only")) or real_load(*a, **kw))
         dcp.load(back, checkpoint_id=tmp_path / "trainer", no_dist=True, planner=weights_only_planner())
+        monkeypatch.setattr(torch, "load", real_load)
+    # the bytes that passed the weights-only load are not parsed again unrestricted (DCP's own load_bytes does)
+    assert unpickled and False not in unpickled, unpickled
     assert back["optimizer"]["param_groups"][0]["lr"] == 1e-3 and torch.equal(back["model"]["weight"], model.weight)
     assert torch.equal(load_sharded_weights(tmp_path / "trainer")["weight"], model.weight.detach())
     marker = tmp_path / "pwned"
