@@ -22,6 +22,9 @@ shared memory).  Importing this module imports ``ray``; only ``backend = "ray"``
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,17 +43,56 @@ class RayBackendError(AgentrlError):
 
 
 def ensure_ray(address: str | None) -> bool:
-    """Join ``address`` (or start a local cluster) unless Ray is up; True if we started it."""
+    """Join ``address`` (or start a local cluster of this process's own) unless Ray is up; True if
+    we started it (end it with :func:`shutdown_ray`)."""
     if ray.is_initialized():
         return False
     try:
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
-            ray.init(include_dashboard=False, log_to_driver=False)
+            ray.init(include_dashboard=False, log_to_driver=False, _temp_dir=_private_cluster_dir())
     except Exception as e:  # ConnectionError, RuntimeError, ... — all mean "no cluster"
+        shutdown_ray()
         raise RayBackendError(f"could not start or join a Ray cluster ({address or 'local'}): {e}") from None
     return True
+
+
+_private: dict[str, Path] = {}  # the local cluster this process started: its directory
+
+
+def _private_cluster_dir() -> str:
+    """Ray's session directory for a local cluster, inside a 0700 one of ours.  Left to itself Ray
+    makes ``/tmp/ray`` and the session's sockets and logs world-writable (0777, no sticky bit: any
+    local user could swap a socket in or read the logs), and writes its token, ``~/.ray/auth_token``,
+    with the umask's mode: the token is made here first, 0600 in a 0700 ``~/.ray`` (one already
+    there is narrowed to 0600), unless ``RAY_AUTH_*`` names another."""
+    from agentrl.auth import hide_key_files
+
+    top = Path(tempfile.mkdtemp(prefix="agentrl-ray-"))  # 0700
+    _private["dir"] = top
+    if not any(v in os.environ for v in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
+        token = Path.home() / ".ray" / "auth_token"  # where Ray's ray.init() looks for it
+        token.parent.mkdir(mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            if token.stat().st_mode & 0o077 and token.stat().st_uid == os.getuid():
+                token.chmod(0o600)
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))  # what Ray's own generator writes
+        hide_key_files([token])  # a harness program must not read it: it starts code on the cluster
+    return str(top / "r")
+
+
+def shutdown_ray() -> None:
+    """End the Ray connection; a local cluster of ours also loses its directory."""
+    if ray.is_initialized():
+        ray.shutdown()
+    top = _private.pop("dir", None)
+    if top is not None:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def engine_actor_name(index: int, driver_pid: int | None = None) -> str:
@@ -183,8 +225,8 @@ class RayInferencePool:
                 pass
             ray.kill(a, no_restart=True)
         self.actors.clear()
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
+        if self._started_ray:
+            shutdown_ray()
 
     def __enter__(self) -> RayInferencePool:
         return self
@@ -237,7 +279,7 @@ def start_inference_actors(
         for a in actors:
             ray.kill(a, no_restart=True)
         if started:
-            ray.shutdown()
+            shutdown_ray()
         raise RayBackendError(f"inference actors failed to start: {e}") from None
     return RayInferencePool(
         actors, [i["url"] for i in infos], [i["pid"] for i in infos], infos[0]["model"],

@@ -192,8 +192,10 @@ class RemoteTrainer:
         except Exception:  # already dead: nothing to close
             pass
         ray.kill(self.actor, no_restart=True)
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
+        if self.started_ray:
+            from agentrl.distributed.ray_backend import shutdown_ray
+
+            shutdown_ray()
 
 
 def _cause(e: BaseException) -> str:
@@ -210,7 +212,7 @@ def start_trainer_actor(
 ) -> Any:
     """Place the trainer actor (``cluster.trainer_cpus`` / ``trainer_gpus``) and wait for it to load; with
     ``trainer.world_size = N > 1``, N rank actors of the sharded trainer (:mod:`agentrl.distributed.trainer_ranks`)."""
-    from agentrl.distributed.ray_backend import ensure_ray
+    from agentrl.distributed.ray_backend import ensure_ray, shutdown_ray
 
     if cfg.trainer.world_size > 1:
         from agentrl.distributed.trainer_ranks import start_trainer_ranks
@@ -230,7 +232,7 @@ def start_trainer_actor(
     except BaseException:
         ray.kill(actor, no_restart=True)
         if started:
-            ray.shutdown()
+            shutdown_ray()
         raise
 
 

@@ -341,13 +341,15 @@ class RemoteShardedTrainer(ShardedTrainer):
 
     def close(self) -> None:
         super().close()
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
+        if self.started_ray:
+            from agentrl.distributed.ray_backend import shutdown_ray
+
+            shutdown_ray()
 
 
 def start_trainer_ranks(cfg: Any, model_dir: Path, run_dir: Path, threads: int) -> RemoteShardedTrainer:
     """Place ``trainer.world_size`` rank actors (``cluster.trainer_cpus`` / ``trainer_gpus`` each) and build them."""
-    from agentrl.distributed.ray_backend import ensure_ray
+    from agentrl.distributed.ray_backend import ensure_ray, shutdown_ray
 
     cc = cfg.cluster
     started = ensure_ray(cc.ray_address)
@@ -359,8 +361,8 @@ def start_trainer_ranks(cfg: Any, model_dir: Path, run_dir: Path, threads: int) 
     except BaseException:
         if ranks is not None:
             ranks.close()
-        if started and ray.is_initialized():
-            ray.shutdown()
+        if started:
+            shutdown_ray()
         raise
 
 

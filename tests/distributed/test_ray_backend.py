@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
@@ -162,3 +163,33 @@ def test_killed_engine_actor_is_restarted_and_the_run_completes(tmp_path, small_
     assert last["engine/0/version"] == last["engine/1/version"] == 6
     assert last["engine/0/requests"] > 0 and last["engine/1/requests"] > 0
     assert not ray.is_initialized()
+
+
+def test_a_local_cluster_keeps_its_sockets_logs_and_token_private(tmp_path, monkeypatch):
+    """Left to itself Ray makes /tmp/ray and the session's sockets and logs 0777 (any local user
+    could swap a socket or read the logs) and writes ~/.ray/auth_token with the umask's mode;
+    the cluster a run starts lives in a 0700 directory of its own, and its token is 0600."""
+    from agentrl.auth import key_files
+    from agentrl.distributed.ray_backend import ensure_ray, shutdown_ray
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    old_umask = os.umask(0o022)
+    try:
+        assert ensure_ray(None)
+        try:
+            session = ray._private.worker._global_node.get_session_dir_path()
+            chain = [session, *map(str, Path(session).parents)]
+            private = [p for p in chain if os.stat(p).st_mode & 0o077 == 0 and os.stat(p).st_uid == os.getuid()]
+            assert private, f"every directory above {session} is open to other users"
+            top = private[0]
+            token = tmp_path / ".ray" / "auth_token"
+            assert os.environ["RAY_AUTH_MODE"] == "token" and len(token.read_text()) == 64
+            assert os.stat(token).st_mode & 0o777 == 0o600 and os.stat(token.parent).st_mode & 0o777 == 0o700
+            assert token.resolve() in key_files()[0]  # masked for harness programs
+        finally:
+            shutdown_ray()
+    finally:
+        os.umask(old_umask)
+    assert not os.path.exists(top)
