@@ -18,6 +18,7 @@ import re
 import secrets
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -36,6 +37,8 @@ AGENT_SOURCE = (
 LABEL = "agentrl.sandbox"  # docker label / temp-dir prefix marking what prune may remove
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 MAX_FILE_BYTES = 64 << 20
+OOM_TOOK_THE_AGENT = ("agentrl: the sandbox ran out of memory and the kernel killed its agent with the command: "
+                      "the command's output is lost, and so is the sandbox with its files\n")  # fmt: skip
 
 
 class SandboxError(AgentrlError):
@@ -160,8 +163,10 @@ class ExecResult:
     timed_out: bool = False
     """The wall-clock timeout expired and every process of the exec was killed."""
     oom: bool = False
-    """The kernel's OOM killer killed a process of this exec (memory cgroup event).  Without a
-    memory cgroup an allocation simply fails (e.g. Python's MemoryError) and this stays False."""
+    """The kernel's OOM killer killed a process of this exec (memory cgroup event), or the
+    sandbox's agent during it (then the output is lost and the sandbox with it: ``alive`` is
+    False).  Without a memory cgroup an allocation simply fails (e.g. Python's MemoryError) and
+    this stays False."""
     cpu_exceeded: bool = False
     """The command died of the CPU-time limit's signal (SIGXCPU/SIGKILL, directly or as its
     shell reports it) and the kernel accounted at least ``cpu_s`` CPU seconds to it and the
@@ -225,7 +230,7 @@ class Sandbox(Protocol):
         env: dict[str, str] | None = None,
     ) -> ExecResult: ...
     async def write_file(self, path: str, data: bytes | str) -> None: ...
-    async def read_file(self, path: str) -> bytes: ...
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes: ...
     async def reset(self) -> None: ...
     async def close(self) -> None: ...
     async def __aenter__(self) -> Sandbox: ...
@@ -261,6 +266,7 @@ class AgentSandbox:
         self._lock = asyncio.Lock()
         self._started = False
         self._broken: str | None = None
+        self._oom_kills_when_broken: int | None = None  # the cgroup's counter as it broke (teardown removes it)
         self._closed = False
         self._close_lock = asyncio.Lock()
         register(self)  # before the first await: a cancelled start is still cleaned up
@@ -413,6 +419,7 @@ class AgentSandbox:
     async def _break(self, why: str) -> None:
         if self._broken is None:
             self._broken = why
+            self._oom_kills_when_broken = self._oom_kills()
         await asyncio.shield(self._stop())
 
     def _relpath(self, path: str) -> str:
@@ -457,7 +464,19 @@ class AgentSandbox:
             "output_bytes": self.limits.output_bytes,
         }
         oom0 = self._oom_kills()
-        r = await self._call(req, timeout=timeout + self.grace_s)
+        start = time.monotonic()
+        try:
+            r = await self._call(req, timeout=timeout + self.grace_s)
+        except SandboxError:
+            # The OOM killer took the agent, not the command: a command may lower its own oom_score_adj
+            # back to 0 and fill the cgroup with memory no process maps (memfds, files in tmpfs).  The
+            # command ran out of memory all the same: its failure (oom), not an infrastructure error
+            # the episode would be dropped for.  The sandbox is broken; a pool replaces it.
+            broke = self._oom_kills_when_broken
+            if oom0 is None or broke is None or broke <= oom0:
+                raise
+            return ExecResult(exit_code=128 + signal.SIGKILL, stdout="", stderr=OOM_TOOK_THE_AGENT, oom=True,
+                              wall_s=time.monotonic() - start, signal=int(signal.SIGKILL))  # fmt: skip
         oom1 = self._oom_kills()
         oom_kills = oom1 - oom0 if oom0 is not None and oom1 is not None else r.get("oom_kills")
         sig = r.get("signal")
@@ -496,9 +515,15 @@ class AgentSandbox:
                "data": base64.b64encode(data).decode()}  # fmt: skip
         await self._call(req, timeout=60.0)
 
-    async def read_file(self, path: str) -> bytes:
-        """A regular file beneath ``workdir`` (at most 64 MiB; no symlinks, FIFOs or devices)."""
-        req = {"op": "read", "base": self.workdir, "path": self._relpath(path), "max_bytes": MAX_FILE_BYTES}
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        """A regular file beneath ``workdir`` (no symlinks, FIFOs or devices).
+
+        At most ``max_bytes`` (default and ceiling: 64 MiB); a larger file raises
+        ``OSError(EFBIG)`` without being sent, so a caller reading model-written output can
+        bound what it costs.
+        """
+        limit = MAX_FILE_BYTES if max_bytes is None else max(0, min(int(max_bytes), MAX_FILE_BYTES))
+        req = {"op": "read", "base": self.workdir, "path": self._relpath(path), "max_bytes": limit}
         r = await self._call(req, 60.0)
         return base64.b64decode(r["data"])
 

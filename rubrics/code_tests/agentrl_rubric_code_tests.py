@@ -6,7 +6,9 @@ defines the entry point).  It runs in a fresh-or-reset sandbox (``agentrl.sandbo
 or docker; never the host) with the task's inputs only: the expected values never enter the
 sandbox, and the comparison happens here on the host, so printing fake results, exiting
 early or tampering with the harness cannot earn reward — only returning the right values
-can.  Values compare after a JSON round trip (tuples equal lists; floats within 1e-6).
+can.  Values compare after a JSON round trip (tuples equal lists; ints exactly, floats
+within 1e-6: see :func:`values_equal`).  Nothing the solution returns or writes can make
+the rubric raise: an unreadable, oversized or malformed report scores its tests failed.
 
 Reward ``tests_passed``: fraction of tests passed (weight 1).  Metrics (weight 0):
 ``all_tests_passed``, ``code_found``.  A sandbox that fails (infrastructure) raises, which
@@ -18,6 +20,7 @@ Entry point (group ``agentrl.rubrics``): ``code-tests = agentrl_rubric_code_test
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import math
 import re
@@ -28,7 +31,7 @@ from typing import Any
 from agentrl.rubrics import Rubric
 from agentrl.sandbox import SandboxLimits, SandboxPool
 
-__all__ = ["CodeTestsRubric", "TestReport", "extract_code", "load_rubric", "run_tests", "values_equal"]
+__all__ = ["CodeTestsRubric", "TestReport", "extract_code", "load_rubric", "report_cap", "run_tests", "values_equal"]
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.S)
 
@@ -68,11 +71,28 @@ def extract_code(completion: str) -> str | None:
 
 
 def values_equal(got: Any, expected: Any) -> bool:
-    """JSON-shaped equality; floats within 1e-6 (relative) so 0.1+0.2 == 0.3."""
+    """JSON-shaped equality of a returned value with an expected one; never raises.
+
+    - A bool equals only the same bool (``True`` is not ``1``).
+    - An int expected: a number exactly equal to it, as Python's ``==`` compares them (what
+      an ``assert f(x) == expected`` test accepts): ``3.0`` is ``3``, but no tolerance, so
+      near misses (``1307674368001`` for ``15!``) and float approximations of a large
+      integer do not pass.
+    - A float expected: an int or float within 1e-6 relative (1e-9 absolute), so
+      ``0.1 + 0.2`` equals ``0.3`` and ``3`` equals ``3.0``; an int too large for a float
+      is unequal.
+    - Lists element by element (a tuple comes back as a list), dicts by keys then values,
+      anything else with ``==``.
+    """
     if isinstance(expected, bool) or isinstance(got, bool):
         return type(got) is type(expected) and got == expected
-    if isinstance(expected, int | float) and isinstance(got, int | float):
-        return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-9)
+    if isinstance(expected, int):
+        return isinstance(got, int | float) and got == expected  # exact, and never raises (10**400 == 1e308)
+    if isinstance(expected, float) and isinstance(got, int | float):
+        try:
+            return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-9)
+        except OverflowError:  # an int beyond float range (10**400)
+            return False
     if isinstance(expected, list) and isinstance(got, list):
         return len(got) == len(expected) and all(values_equal(g, e) for g, e in zip(got, expected, strict=True))
     if isinstance(expected, dict) and isinstance(got, dict):
@@ -108,23 +128,63 @@ async def run_tests(code: str, entry_point: str, tests: list[dict[str, Any]], sa
     if r.timed_out or r.cpu_exceeded or r.oom:
         report.error = "timed out" if r.timed_out else ("CPU limit" if r.cpu_exceeded else "out of memory")
         return report
+    # the solution runs in the runner's interpreter, so the report is model-written: bounded
+    # in size, and any way it fails to read, parse or validate is a failed run, not an error
     try:
-        data = json.loads(await sandbox.read_file(out))
-    except (OSError, ValueError):
-        report.error = f"no report (exit {r.exit_code}): {r.stderr[-300:]}"
+        raw = await sandbox.read_file(out, max_bytes=report_cap(tests))
+    except OSError as e:  # missing, too large, not a regular file (SandboxError is not caught)
+        why = "report too large" if e.errno == errno.EFBIG else "no report"
+        report.error = f"{why} (exit {r.exit_code}): {r.stderr[-300:]}"
         return report
-    if not isinstance(data, dict) or data.get("error"):
-        report.error = str(data.get("error") if isinstance(data, dict) else "malformed report")
+    if len(raw) > _PARSE_INLINE_BYTES:  # a big report parses off the event loop
+        return await asyncio.to_thread(_check_report, raw, entry_point, tests, report)
+    return _check_report(raw, entry_point, tests, report)
+
+
+# What an honest runner writes per test beyond the value: the ok flag and, on failure, an
+# error of at most ~200 characters (plus the exception's type name).
+_REPORT_SLACK_BYTES = 1 << 20
+_REPORT_PER_TEST_BYTES = 512
+_PARSE_INLINE_BYTES = 64 << 10
+
+
+def report_cap(tests: list[dict[str, Any]]) -> int:
+    """The largest report an honest run of ``tests`` needs, in bytes.
+
+    1 MiB, plus 512 bytes a test, plus 8x the expected values as JSON: a right value is
+    about as long as the expected one (a float's repr at most ~8x a short literal like
+    ``0.3``), and a wrong value may be shorter or be an error message.  The sandbox caps
+    any read at 64 MiB.
+    """
+    try:
+        expected = len(json.dumps([t.get("expected") for t in tests], default=str))
+    except (TypeError, ValueError, RecursionError):
+        expected = 0
+    return _REPORT_SLACK_BYTES + _REPORT_PER_TEST_BYTES * len(tests) + 8 * expected
+
+
+def _check_report(raw: bytes, entry_point: str, tests: list[dict[str, Any]], report: TestReport) -> TestReport:
+    """Score the runner's report into ``report``; any malformed report scores every test failed."""
+    try:
+        data = json.loads(raw)
+        if not isinstance(data, dict) or data.get("error"):
+            report.error = str(data.get("error") if isinstance(data, dict) else "malformed report")[:300]
+            return report
+        results = data.get("results")
+        if not isinstance(results, list) or len(results) != len(tests):
+            report.error = "malformed report"
+            return report
+        passed, failures = 0, []
+        for test, res in zip(tests, results, strict=True):
+            if isinstance(res, dict) and res.get("ok") is True and values_equal(res.get("value"), test["expected"]):
+                passed += 1
+            else:
+                why = res.get("error") if isinstance(res, dict) else res
+                failures.append(f"{entry_point}(*{test['args']!r}): {str(why)[:300]}")
+    except Exception as e:  # RecursionError ('[' * 10**5), MemoryError, bad UTF-8, ...
+        report.error = f"malformed report ({type(e).__name__})"
         return report
-    results = data.get("results")
-    if not isinstance(results, list) or len(results) != len(tests):
-        report.error = "malformed report"
-        return report
-    for test, res in zip(tests, results, strict=True):
-        if isinstance(res, dict) and res.get("ok") and values_equal(res.get("value"), test["expected"]):
-            report.passed += 1
-        else:
-            report.failures.append(f"{entry_point}(*{test['args']!r}): {res.get('error') if isinstance(res, dict) else res}")
+    report.passed, report.failures = passed, failures
     return report
 
 

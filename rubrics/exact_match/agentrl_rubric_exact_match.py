@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 __all__ = [
     "completion_text",
     "extract_answer",
+    "last_boxed",
+    "tagged",
+    "has_tagged",
     "normalize_text",
     "parse_number",
     "match_exact",
@@ -44,31 +47,59 @@ Mode = Literal["auto", "exact", "numeric"]
 # ----------------------------------------------------------------------------- reading the reply
 
 
-_TAG_CACHE: dict[str, re.Pattern[str]] = {}
+# Reading the reply is linear in its length: a regex like <answer>(.*?)</answer>, or a brace
+# scan per \boxed{, rescans to the end from every unclosed opening, and a reply full of them
+# would stall the event loop for seconds to minutes.
+_TAG_CACHE: dict[str, tuple[re.Pattern[str], re.Pattern[str]]] = {}
 
 
-def _tag_pattern(tag: str) -> re.Pattern[str]:
+def _tag_patterns(tag: str) -> tuple[re.Pattern[str], re.Pattern[str]]:
     if tag not in _TAG_CACHE:
         t = re.escape(tag)
-        _TAG_CACHE[tag] = re.compile(rf"<{t}>(.*?)</{t}>", re.DOTALL | re.IGNORECASE)
+        _TAG_CACHE[tag] = (re.compile(rf"<{t}>", re.IGNORECASE), re.compile(rf"</{t}>", re.IGNORECASE))
     return _TAG_CACHE[tag]
+
+
+def tagged(text: str, tag: str) -> list[str]:
+    """Every ``<tag>...</tag>`` block's content, as ``re.findall(r"<tag>(.*?)</tag>")`` would
+    give (case-insensitive, across lines), in one pass."""
+    opening, closing = _tag_patterns(tag)
+    found, pos = [], 0
+    while (o := opening.search(text, pos)) is not None:
+        c = closing.search(text, o.end())
+        if c is None:  # no closing tag after this opening: none after any later one either
+            break
+        found.append(text[o.end() : c.start()])
+        pos = c.end()
+    return found
+
+
+def has_tagged(text: str, tag: str) -> bool:
+    """Whether ``text`` has a ``<tag>...</tag>`` block."""
+    opening, closing = _tag_patterns(tag)
+    o = opening.search(text)
+    return o is not None and closing.search(text, o.end()) is not None
 
 
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth, i = 1, start
-        while i < len(text):
-            c = text[i]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-            i += 1
-    return None
+    starts = {m.end() - 1 for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)}
+    if not starts:
+        return None
+    # one pass matching every brace: a box's content ends where its own "{" is closed
+    closes: dict[int, int] = {}
+    stack: list[int] = []
+    for m in re.finditer(r"[{}]", text):
+        if m[0] == "{":
+            stack.append(m.start())
+        elif stack:
+            opened = stack.pop()
+            if opened in starts:
+                closes[opened] = m.start()
+    if not closes:
+        return None
+    last = max(closes)
+    return text[last + 1 : closes[last]]
 
 
 def extract_answer(text: str, tag: str | None = "answer") -> str | None:
@@ -77,7 +108,7 @@ def extract_answer(text: str, tag: str | None = "answer") -> str | None:
     Order: last ``<tag>...</tag>``, last ``\\boxed{}``, last non-empty line.
     """
     if tag:
-        found = _tag_pattern(tag).findall(text)
+        found = tagged(text, tag)
         if found:
             return found[-1].strip()
     boxed = last_boxed(text)
@@ -97,15 +128,24 @@ _WRAPPERS = ("$", "`", '"', "'", "*", "**")
 def normalize_text(s: str, *, case_sensitive: bool = False) -> str:
     """Canonical form for string comparison (see module docstring)."""
     s = _TEXT_CMD.sub(r"\1", str(s)).strip()
-    changed = True
-    while changed and s:
+    # peel wrappers and full stops by moving the ends i, j inward (slicing each round would be
+    # quadratic in a reply of 100k dots)
+    i, j, changed = 0, len(s), True
+    while changed and i < j:
         changed = False
         for w in _WRAPPERS:
-            if len(s) >= 2 * len(w) and s.startswith(w) and s.endswith(w):
-                s, changed = s[len(w):-len(w)].strip(), True
-        if s.endswith("."):
-            s, changed = s[:-1].rstrip(), True
-    s = re.sub(r"\s+", " ", s)
+            n = len(w)
+            if j - i >= 2 * n and s.startswith(w, i, j) and s.endswith(w, i, j):
+                i, j, changed = i + n, j - n, True
+                while i < j and s[i].isspace():
+                    i += 1
+                while j > i and s[j - 1].isspace():
+                    j -= 1
+        if s.endswith(".", i, j):  # every trailing full stop (no wrapper can match before they go)
+            changed = True
+            while j > i and (s[j - 1] == "." or s[j - 1].isspace()):
+                j -= 1
+    s = re.sub(r"\s+", " ", s[i:j])
     return s if case_sensitive else s.casefold()
 
 
@@ -168,9 +208,8 @@ def last_number(s: str) -> Fraction | None:
 
 
 def _numbers_close(a: Fraction, b: Fraction, rel_tol: float, abs_tol: float) -> bool:
-    if a == b:
-        return True
-    return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=abs_tol)
+    """``math.isclose`` in exact arithmetic: no float conversion, so ``1e400`` cannot overflow."""
+    return abs(a - b) <= max(Fraction(rel_tol) * max(abs(a), abs(b)), Fraction(abs_tol))
 
 
 def _references(answer: Any) -> list[Any]:
@@ -249,7 +288,7 @@ def numeric_match(completion: Any, answer: Any) -> float:
 
 def has_answer(completion: Any) -> float:
     """Format metric: 1.0 if the reply wrote its answer inside ``<answer>...</answer>``."""
-    return 1.0 if _tag_pattern("answer").search(completion_text(completion)) else 0.0
+    return 1.0 if has_tagged(completion_text(completion), "answer") else 0.0
 
 
 def answer_reward(
@@ -262,7 +301,9 @@ def answer_reward(
     name: str | None = None,
 ) -> Callable[[Any, Any], float]:
     """A ``(completion, answer) -> float`` reward function with these matching options."""
-    match_answer("", None, mode=mode)  # validate mode now, not at scoring time
+    match_answer("", None, mode=mode)  # validate options now, not at scoring time
+    if not (0 <= rel_tol < math.inf and 0 <= abs_tol < math.inf):
+        raise ValueError(f"rel_tol and abs_tol must be finite and >= 0, not {rel_tol!r} and {abs_tol!r}")
 
     def reward(completion: Any, answer: Any) -> float:
         return float(
@@ -295,10 +336,9 @@ def load_rubric(
     ]
     weights = [1.0]
     if tag:
-        pattern = _tag_pattern(tag)
 
         def has_answer(completion: Any) -> float:
-            return 1.0 if pattern.search(completion_text(completion)) else 0.0
+            return 1.0 if has_tagged(completion_text(completion), tag) else 0.0
 
         funcs.append(has_answer)
         weights.append(float(format_weight))

@@ -9,10 +9,14 @@ this module only decides *which text* is the model's answer and *where* the chec
   expression itself).  A bare reference like ``x^2+1`` is retried as ``$x^2+1$`` when
   math-verify finds nothing in it without delimiters.
 - Where it runs: math-verify bounds its work with ``SIGALRM``, which only works on a main
-  thread, and sympy can take seconds on adversarial input.  The async reward function
-  therefore runs each check in a small process pool (each worker's main thread), so the
-  event loop never blocks and a pathological answer costs at most the timeout.  A check that
-  times out scores 0.0; a crashed worker raises (the episode is marked errored).
+  thread and never interrupts a computation inside C (a huge integer power), and sympy can
+  take seconds on adversarial input.  The async reward function therefore runs each check in
+  one of a few worker processes (each check on a worker's main thread), so the event loop
+  never blocks.  A check still running at its wall limit has its worker killed and scores
+  0.0; so does one whose worker dies or raises.  Other episodes' checks, queued or running
+  on other workers, are untouched: an answer that breaks the checker is a wrong answer, never
+  an errored episode (which would drop it, and its 0, from training).  Only a worker that
+  cannot start raises.
 
 Entry point (group ``agentrl.rubrics``): ``math-verify = agentrl_rubric_math_verify:load_rubric``.
 """
@@ -20,11 +24,12 @@ Entry point (group ``agentrl.rubrics``): ``math-verify = agentrl_rubric_math_ver
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import re
 import threading
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from agentrl.rubrics import completion_text
@@ -34,12 +39,28 @@ if TYPE_CHECKING:
 
 __all__ = ["completion_text", "answer_text", "is_equivalent", "math_equivalent", "has_answer", "load_rubric"]
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_OPEN_TAG = re.compile(r"<answer>", re.IGNORECASE)
+_CLOSE_TAG = re.compile(r"</answer>", re.IGNORECASE)
+
+
+def _answer_blocks(text: str, first_only: bool = False) -> list[str]:
+    """``re.findall(r"<answer>(.*?)</answer>", text, re.S | re.I)`` in one pass (the regex
+    rescans to the end from every unclosed tag: quadratic in a reply full of them)."""
+    found, pos = [], 0
+    while (o := _OPEN_TAG.search(text, pos)) is not None:
+        c = _CLOSE_TAG.search(text, o.end())
+        if c is None:  # no closing tag after this opening: none after any later one either
+            break
+        found.append(text[o.end() : c.start()])
+        if first_only:
+            break
+        pos = c.end()
+    return found
 
 
 def answer_text(text: str) -> str:
     """The part of a reply math-verify should read (see module docstring)."""
-    found = _ANSWER_TAG.findall(text)
+    found = _answer_blocks(text)
     return found[-1].strip() if found else text
 
 
@@ -69,28 +90,110 @@ def is_equivalent(prediction: str, reference: str, *, timeout: int | None = 5) -
     return bool(verify(gold, pred, timeout_seconds=timeout))
 
 
-# ----------------------------------------------------------------------------- process pool
+# ----------------------------------------------------------------------------- worker processes
+# Each of _POOL_WORKERS threads owns one spawn-started process and runs one check at a time
+# in it.  A check that overruns its wall limit kills that process only (the thread starts a
+# fresh one for its next check); checks waiting for a thread wait in the executor's queue,
+# which nothing cancels.  (A ProcessPoolExecutor cannot do this: killing one of its workers
+# breaks the pool and fails every pending check with it.)
 
-_POOL: ProcessPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
 _POOL_WORKERS = 2
+_START_TIMEOUT_S = 120.0  # spawning and importing math-verify + sympy, on a loaded machine
+_THREADS: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_LOCAL = threading.local()  # .worker: this thread's _Worker
+_WORKERS: set[_Worker] = set()
+log = logging.getLogger(__name__)
 
 
-def _pool() -> ProcessPoolExecutor:
-    global _POOL
+def _wall_limit_s(timeout: int) -> float:
+    """How long one check may run: math-verify's alarms bound up to four parses and a verify."""
+    return 5 * timeout + 5.0
+
+
+def _serve(conn: Connection) -> None:
+    """A worker process's loop: run ``(fn, args)`` jobs, answer ``(status, value)``."""
+    import math_verify  # noqa: F401  (imported before "ready": startup is not a check's time)
+
+    conn.send(("ready", None))
+    while True:
+        try:
+            fn, args = conn.recv()
+        except EOFError:
+            return
+        try:
+            result = ("ok", fn(*args))
+        except Exception as e:
+            result = ("error", f"{type(e).__name__}: {e}"[:500])
+        conn.send(result)
+
+
+class _Worker:
+    """One spawn-started process (spawn: never fork a process that may hold torch threads)."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child,), name="math-verify", daemon=True)
+        self.process.start()
+        child.close()
+        with _POOL_LOCK:
+            _WORKERS.add(self)
+        try:
+            ready = self.conn.poll(_START_TIMEOUT_S) and self.conn.recv()[0] == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            self.kill()
+            raise RuntimeError(f"a math-verify worker process did not start within {_START_TIMEOUT_S:.0f}s "
+                               f"(exit code {self.process.exitcode}); is math-verify installed?")  # fmt: skip
+
+    def run(self, fn: Any, args: tuple[Any, ...], limit_s: float) -> tuple[str, Any]:
+        """``("ok", value)``, ``("error", message)``, ``("timeout", None)`` or ``("died", None)``."""
+        try:
+            self.conn.send((fn, args))
+            if not self.conn.poll(limit_s):
+                return "timeout", None
+            return self.conn.recv()
+        except (EOFError, OSError):  # it died under this input (a crash, the OOM killer)
+            return "died", None
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+        with _POOL_LOCK:
+            _WORKERS.discard(self)
+
+
+def _run_on_this_thread(fn: Any, args: tuple[Any, ...], limit_s: float) -> tuple[str, Any]:
+    worker = getattr(_LOCAL, "worker", None)
+    if worker is None or not worker.process.is_alive():
+        if worker is not None:
+            worker.kill()
+        _LOCAL.worker = None
+        worker = _LOCAL.worker = _Worker()
+    status, value = worker.run(fn, args, limit_s)
+    if status in ("timeout", "died"):
+        worker.kill()  # a computation stuck in C ignores the alarm; only SIGKILL ends it
+        _LOCAL.worker = None
+    return status, value
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _THREADS
     with _POOL_LOCK:
-        if _POOL is None:
-            # spawn: never fork a process that may hold torch/engine threads
-            _POOL = ProcessPoolExecutor(_POOL_WORKERS, mp_context=multiprocessing.get_context("spawn"))
-        return _POOL
+        if _THREADS is None:
+            _THREADS = ThreadPoolExecutor(_POOL_WORKERS, thread_name_prefix="math-verify")
+        return _THREADS
 
 
 def _reset_pool() -> None:
-    global _POOL
+    """Kill every worker process; each thread starts a fresh one for its next check."""
     with _POOL_LOCK:
-        if _POOL is not None:
-            _POOL.shutdown(wait=False, cancel_futures=True)
-        _POOL = None
+        workers = list(_WORKERS)
+    for worker in workers:
+        worker.kill()
 
 
 def _check_in_worker(prediction: str, reference: str, timeout: int) -> bool:
@@ -98,18 +201,19 @@ def _check_in_worker(prediction: str, reference: str, timeout: int) -> bool:
 
 
 async def check_async(prediction: str, reference: str, *, timeout: int = 5) -> bool:
-    """:func:`is_equivalent` in a worker process; never blocks the event loop."""
+    """:func:`is_equivalent` in a worker process; never blocks the event loop.
+
+    False when the check raises, outlives its wall limit (its worker is killed) or kills its
+    worker; raises only if no worker process can start.
+    """
     loop = asyncio.get_running_loop()
-    future = loop.run_in_executor(_pool(), _check_in_worker, prediction, reference, timeout)
-    try:
-        # math-verify's own alarms bound parse and verify; this bounds a wedged worker.
-        return await asyncio.wait_for(future, timeout=4 * timeout + 30)
-    except BrokenProcessPool:
-        _reset_pool()
-        raise
-    except TimeoutError:
-        _reset_pool()  # the worker is stuck; start a fresh pool for the next check
-        return False
+    args = (prediction, reference, timeout)
+    status, value = await loop.run_in_executor(
+        _threads(), _run_on_this_thread, _check_in_worker, args, _wall_limit_s(timeout)
+    )
+    if status != "ok":
+        log.warning("math-verify check scored 0: %s", value if status == "error" else f"worker {status}")
+    return status == "ok" and bool(value)
 
 
 # ----------------------------------------------------------------------------- reward functions
@@ -137,7 +241,7 @@ async def math_equivalent(completion: Any, answer: Any) -> float:
 def has_answer(completion: Any) -> float:
     """Format metric: 1.0 if the reply marks an answer with ``\\boxed{}`` or ``<answer>``."""
     text = completion_text(completion)
-    return 1.0 if ("\\boxed" in text or _ANSWER_TAG.search(text)) else 0.0
+    return 1.0 if ("\\boxed" in text or _answer_blocks(text, first_only=True)) else 0.0
 
 
 def load_rubric(format_weight: float = 0.0) -> Rubric:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 
 import pytest
 
@@ -32,6 +33,18 @@ async def test_files_round_trip_and_persist_across_execs(backend, limits):
         assert await sb.read_file(f"{sb.workdir}/made.txt") == b"made-by-exec\n"
         with pytest.raises(FileNotFoundError):
             await sb.read_file("missing.txt")
+
+
+async def test_read_file_max_bytes_bounds_what_is_read(backend, limits):
+    # a caller reading model-written output caps it; the 64 MiB ceiling still holds above
+    async with make_sandbox(backend, limits) as sb:
+        await sb.write_file("out.txt", b"z" * 1000)
+        assert await sb.read_file("out.txt", max_bytes=1000) == b"z" * 1000
+        assert await sb.read_file("out.txt", max_bytes=1 << 40) == b"z" * 1000
+        with pytest.raises(OSError) as e:
+            await sb.read_file("out.txt", max_bytes=999)
+        assert e.value.errno == errno.EFBIG and not isinstance(e.value, SandboxError)
+        assert (await sb.exec("echo still usable")).ok
 
 
 async def test_large_stdin_and_output_cap(backend, limits):

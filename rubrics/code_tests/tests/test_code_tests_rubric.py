@@ -48,6 +48,23 @@ SOLUTIONS = {
         "def add(a, b):\n    forge()", 0.0),
     "hangs": ("def add(a, b):\n    while True: pass", 0.0),
     "kills_its_own_harness": ("import os\nos.system('kill -9 -1')\ndef add(a, b):\n    return a + b", 0.0),
+    # a value the checker cannot compare, or a report it cannot parse or should not read, is a
+    # failed test: an exception out of the rubric would drop the episode, escaping the 0
+    "returns_a_huge_int": ("def add(a, b):\n    return 10 ** 400", 0.0),
+    "returns_floats_for_ints": ("def add(a, b):\n    return float(a + b)", 1.0),  # 3.0 == 3, as an assert sees it
+    "off_by_a_little": ("def add(a, b):\n    return a + b + 1e-7", 0.25),  # no tolerance for an int: only 0.3 passes
+    "nests_the_report_too_deep": (
+        "import os, sys\n"
+        "def add(a, b):\n"
+        "    open(sys.modules['__main__'].req['out'], 'w').write('[' * 100000)\n"
+        "    os._exit(0)", 0.0),
+    "pads_the_report_past_the_cap": (  # right values, but 3 MB a report: never read
+        "import json, os, sys\n"
+        "def add(a, b):\n"
+        "    values = [3, 0, 30, 0.3]\n"
+        "    report = {'results': [{'ok': True, 'value': v} for v in values], 'error': None, 'pad': 'x' * 3_000_000}\n"
+        "    json.dump(report, open(sys.modules['__main__'].req['out'], 'w'))\n"
+        "    os._exit(0)", 0.0),
 }  # fmt: skip
 
 
@@ -55,9 +72,10 @@ async def test_rewards_by_solution(backend):
     rubric = load_rubric(backend=backend, timeout_s=2.0)
     trajs = {name: traj(fenced(code)) for name, (code, _) in SOLUTIONS.items()}
     await rubric.score_group(list(trajs.values()))
+    errored = {name: t.error[:80] for name, t in trajs.items() if t.error is not None}
+    assert errored == {}  # the code's faults are data, not errors
     got = {name: t.reward for name, t in trajs.items()}
     assert got == {name: want for name, (_, want) in SOLUTIONS.items()}
-    assert all(t.error is None for t in trajs.values())  # the code's faults are data, not errors
     assert trajs["correct"].metrics["all_tests_passed"] == 1.0 and trajs["partly"].metrics["all_tests_passed"] == 0.0
     await rubric.close()
 
@@ -74,7 +92,32 @@ def test_extract_code_and_value_equality():
     assert extract_code("a\n```python\nx = 1\n```\nb\n```py\ny = 2\n```") == "y = 2\n"
     assert extract_code("def f(x):\n    return x") == "def f(x):\n    return x"
     assert extract_code("no code") is None
-    assert values_equal([1, [2.0000000001]], [1, [2]]) and not values_equal(True, 1) and not values_equal([1], [1, 2])
+    assert values_equal([1, [2.0000000001]], [1, [2.0]]) and not values_equal([1, [2.0000000001]], [1, [2]]) and not values_equal([1], [1, 2])
+    assert not values_equal(True, 1) and not values_equal(1, True) and values_equal(False, False)
+
+
+def test_ints_compare_exactly_and_nothing_raises():
+    assert values_equal(1307674368000, 1307674368000)
+    assert not values_equal(1307674368001, 1307674368000)  # 15! off by one is wrong
+    assert values_equal(3.0, 3) and not values_equal(2.9999999, 3)  # an int is expected: exactly, as == compares
+    assert not values_equal(1.307674368001e12, 1307674368000) and not values_equal(float(2**60), 2**60 + 1)
+    assert values_equal(3, 3.0) and values_equal(0.30000000000000004, 0.3)  # a float is expected
+    assert values_equal(10**400, 10**400) and not values_equal(10**400, 10**400 + 1)
+    assert not values_equal(10**400, 3) and not values_equal(10**400, 0.3) and not values_equal(-(10**400), 1e308)
+    assert not values_equal(float("inf"), 10**400) and not values_equal(float("nan"), 0.5)
+
+
+async def test_a_large_honest_report_is_read_and_scored(backend):
+    # 20k floats a value: ~400 kB of report, parsed off the event loop, still within the cap
+    info = {"entry_point": "halves", "tests": [{"args": [20000], "expected": [i / 2 for i in range(20000)]},
+                                               {"args": [3], "expected": [0.0, 0.5, 1.0]}]}  # fmt: skip
+    task = Task(prompt=[Message("user", "write halves")], info=info)
+    t = Trajectory(task=task, messages=[*task.prompt, Message("assistant", fenced(
+        "def halves(n):\n    return [i / 2 for i in range(n)]"))])  # fmt: skip
+    rubric = load_rubric(backend=backend, timeout_s=5.0)
+    await rubric.score(t)
+    assert (t.reward, t.error) == (1.0, None)
+    await rubric.close()
 
 
 def test_entry_point_is_registered():

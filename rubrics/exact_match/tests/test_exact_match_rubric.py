@@ -1,6 +1,8 @@
 """exact-match rubric plugin: extraction, normalisation, numeric equality, the Rubric it builds."""
 
 import math
+import re
+import time
 
 import pytest
 from agentrl_rubric_exact_match import (
@@ -8,11 +10,14 @@ from agentrl_rubric_exact_match import (
     exact_match,
     extract_answer,
     has_answer,
+    has_tagged,
+    last_boxed,
     load_rubric,
     match_answer,
     normalize_text,
     numeric_match,
     parse_number,
+    tagged,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -90,6 +95,62 @@ def test_completion_may_be_messages():
 def test_reward_functions_never_raise(completion, answer):
     for fn in (exact_match, numeric_match, answer_reward()):
         assert fn(completion, answer) in (0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("reply", "answer", "matches"),
+    [
+        ("<answer>1e400</answer>", "3", False),  # float(10**400) would raise OverflowError
+        ("<answer>-1e400</answer>", 1e308, False),
+        ("<answer>" + "9" * 400 + "</answer>", "1e400", True),  # within 1e-6 relative
+        ("<answer>" + "9" * 400 + "</answer>", 2.5, False),
+        ("<answer>1e400</answer>", "1e400", True),
+        ("<answer>1e-400</answer>", "0", True),  # within 1e-9 absolute
+        ("<answer>" + "7" * 4000 + "/3</answer>", "3", False),
+        ("the count is " + "1" * 4400, "3", False),  # past int()'s digit limit: no number
+    ],
+)
+def test_huge_numbers_compare_without_raising(reply, answer, matches):
+    assert numeric_match(reply, answer) == float(matches)
+    assert answer_reward()(reply, answer) == float(matches)
+
+
+def _findall_tag(text, tag="answer"):  # the regex the tag reader replaced (quadratic on unclosed tags)
+    return re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.DOTALL | re.IGNORECASE)
+
+
+def _last_boxed_by_rescanning(text):  # the brace scan last_boxed replaced
+    for m in reversed(list(re.finditer(r"\\(?:boxed|fbox)\s*\{", text))):
+        depth = 1
+        for i in range(m.end(), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[m.end() : i]
+    return None
+
+
+_PIECES = st.sampled_from(["<answer>", "</answer>", "<ANSWER>", "\\boxed{", "\\fbox {", "{", "}", "x", " ", "\n", "."])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_PIECES, max_size=30).map("".join))
+def test_linear_readers_agree_with_the_regex_and_the_rescan(text):
+    assert tagged(text, "answer") == _findall_tag(text)
+    assert has_tagged(text, "answer") == bool(_findall_tag(text))
+    assert last_boxed(text) == _last_boxed_by_rescanning(text)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    ["\\boxed{" * 30_000, "<answer>" * 30_000, "<answer>x" + "." * 1_000_000 + "</answer>",
+     "<answer>" + "*" * 100_000 + "</answer>", "\\boxed{" + "{" * 100_000],
+    ids=["unclosed_boxes", "unclosed_tags", "full_stops", "wrappers", "unclosed_braces"],
+)
+def test_a_hostile_reply_is_read_in_linear_time(reply):
+    # the first three were quadratic: about 4 minutes, 30 s and 80 s at these sizes
+    start = time.perf_counter()
+    assert answer_reward()(reply, "3") == 0.0 and has_answer(reply) in (0.0, 1.0)
+    assert time.perf_counter() - start < 5.0
 
 
 async def test_load_rubric_scores_trajectories():

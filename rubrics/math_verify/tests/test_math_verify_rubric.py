@@ -1,7 +1,10 @@
 """math-verify rubric plugin: equivalence via math-verify, off the event loop, as a Rubric."""
 
 import asyncio
+import os
 import threading
+import time
+from pathlib import Path
 
 import pytest
 from agentrl_rubric_math_verify import answer_text, has_answer, is_equivalent, load_rubric, math_equivalent
@@ -61,6 +64,40 @@ async def test_load_rubric_scores_a_group():
     assert [round(t.reward, 6) for t in trajs] == [1.1, 1.0, 0.1]
     assert [t.metrics["has_answer"] for t in trajs] == [1.0, 0.0, 1.0]
     assert all(t.error is None for t in trajs)
+
+
+async def test_a_hung_check_scores_zero_alone_and_its_worker_is_killed(tmp_path, monkeypatch):
+    # a check deaf to SIGALRM on each worker, honest checks queued behind them: the hung ones
+    # score 0 and their processes die; the queued ones are neither cancelled nor failed
+    import agentrl_rubric_math_verify as mv
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # spawned workers import the job
+    import mv_worker_jobs
+
+    mv._reset_pool()  # workers started from here on see the path
+    monkeypatch.setattr(mv, "_check_in_worker", mv_worker_jobs.check_or_hang)
+    monkeypatch.setattr(mv, "_wall_limit_s", lambda timeout: 3.0, raising=False)
+    pid_files = [tmp_path / "hung-0", tmp_path / "hung-1"]
+    checks = [(f"HANG:{pid_files[0]}", "1"), (f"HANG:{pid_files[1]}", "1"), ("\\boxed{2}", "2"),
+              ("\\boxed{3}", "2"), ("<answer>1/2</answer>", "0.5"), ("\\boxed{x^2}", "x^2")]  # fmt: skip
+    try:
+        got = await asyncio.gather(*(mv.check_async(p, r) for p, r in checks), return_exceptions=True)
+        assert got == [False, False, True, False, True, True]
+        for f in pid_files:
+            with pytest.raises(ProcessLookupError):
+                os.kill(int(f.read_text()), 0)
+        assert await mv.check_async("\\boxed{4}", "4")  # fresh workers serve what comes next
+    finally:
+        mv._reset_pool()
+
+
+def test_answer_tags_are_read_in_linear_time():
+    # re.findall(r"<answer>(.*?)</answer>") rescans to the end from each unclosed tag
+    reply = "<answer>" * 30_000 + "\\boxed{2}"
+    start = time.perf_counter()
+    assert answer_text(reply) == reply and has_answer(reply) == 1.0 and has_answer("<answer>" * 30_000) == 0.0
+    assert answer_text("<ANSWER>1</answer> <answer>2</Answer> <answer>3") == "2"
+    assert time.perf_counter() - start < 5.0  # was about 30 s
 
 
 def test_has_answer():
