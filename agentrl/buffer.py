@@ -20,7 +20,8 @@ the trainer at ``v`` learns from them.  ``η = max_staleness`` bounds that lag t
   admission slot and its engine slots early instead of finishing doomed work.
 
 **Errored episodes and the baseline.**  An error the policy causes (``failure_rewards``: by
-default ``timeout`` and ``context_length``) keeps the episode in its group as a failure: its reward
+default ``timeout``, ``context_length`` and ``program``: an agent program that failed after the
+model replied) keeps the episode in its group as a failure: its reward
 is that kind's failure reward (0 by default), so it counts in the group's mean baseline and its
 sampled tokens train with its (negative) advantage.  Dropping it would baseline the group on
 the survivors and reward erroring (an arm that times out half the time would look better than it
@@ -55,7 +56,7 @@ from agentrl.ledger import Ledger, LedgerError
 from agentrl.types import Group, Task, Trajectory
 
 # Error kinds the policy causes, and the reward such an episode keeps in its group (buffer.failure_rewards)
-POLICY_ERRORS = {"timeout": 0.0, "context_length": 0.0}
+POLICY_ERRORS = {"timeout": 0.0, "context_length": 0.0, "program": 0.0}
 
 
 class BufferStalled(RuntimeError):
@@ -121,7 +122,8 @@ class _Untrainable:
                    "sandbox": "check `agentrl sandbox doctor`", "endpoint": "check the inference endpoint",
                    "timeout": "raise rollout.episode_timeout_s or the env's timeout",
                    "parse": "check the endpoint's response format", "context_length": "shorten the prompts or raise "
-                   "inference.max_model_len"}.get(kind, "see rollouts.jsonl")  # fmt: skip
+                   "inference.max_model_len", "program": "fix the agent program (its stderr is in the message), or "
+                   "HarnessEnv(failed_exit='error') if it never fails on the model's output"}.get(kind, "see rollouts.jsonl")  # fmt: skip
             return (f"the last {self.run} finished groups could not be trained: {sum(self.errored.values())}/"
                     f"{self.episodes} episodes errored, most in {kind}: {reason}; {fix}")
         if self.stale >= total / 2:

@@ -210,7 +210,7 @@ class BufferConfig(Section):
         0.0, ge=0, description="Admit this many extra groups (fraction of a batch); stragglers past η are dropped."
     )
     failure_rewards: dict[str, float] = Field(
-        default_factory=lambda: {"timeout": 0.0, "context_length": 0.0},
+        default_factory=lambda: {"timeout": 0.0, "context_length": 0.0, "program": 0.0},
         description="Error kinds the policy causes: such an episode stays in its group as a failure with this "
         "reward (in the baseline, trained); other kinds are infrastructure and leave the group.",
     )

@@ -15,7 +15,7 @@ Two families:
 from __future__ import annotations
 
 # The kinds an errored episode can have (README: "Fates, error kinds and exit codes").
-ERROR_KINDS = ("endpoint", "parse", "context_length", "env", "tool", "sandbox", "rubric", "timeout")
+ERROR_KINDS = ("endpoint", "parse", "context_length", "env", "tool", "sandbox", "rubric", "timeout", "program")
 
 
 class AgentrlError(Exception):
@@ -82,6 +82,22 @@ class ToolError(EpisodeError):
     error_kind = "tool"
 
 
+class EpisodeTimeout(EpisodeFailure):
+    """A wall limit passed while the policy was at work (an agent program's ``timeout_s`` after
+    its first model call): the policy's failure, like the episode's own wall limit."""
+
+    error_kind = "timeout"
+
+
+class ProgramFailed(EpisodeError):
+    """An agent program (``HarnessEnv``) exited non-zero, or its agent function raised, after the
+    model had replied to it: the model's output may be why (most agent programs crash on a
+    malformed tool call), so it is the policy's failure, kept in its group with
+    ``buffer.failure_rewards["program"]`` (``HarnessEnv(failed_exit="error")``: kind ``env``)."""
+
+    error_kind = "program"
+
+
 class EndpointError(EpisodeFailure):
     """The inference endpoint failed (after the client's retries) or rejected the request."""
 
@@ -132,7 +148,9 @@ __all__ = [
     "EnvironmentNotFound",
     "EpisodeError",
     "EpisodeFailure",
+    "EpisodeTimeout",
     "MalformedResponse",
+    "ProgramFailed",
     "RequestError",
     "RubricNotFound",
     "RunDirExists",

@@ -335,7 +335,7 @@ class _PolicyClient:
 
 
 # the env's own fault when an episode errors with one of these (not the endpoint's)
-_ENV_KINDS = {"env", "tool", "sandbox", "rubric", "timeout"}
+_ENV_KINDS = {"env", "tool", "sandbox", "rubric", "timeout", "program"}
 
 
 async def _check_episodes(

@@ -12,9 +12,13 @@ run's policy and recorded token-exactly, so the episode trains like any other.
 
 **Command form.**  ``command`` runs with agentrl's own environment (minus the run's
 ``AGENTRL_API_KEY``) plus ``OPENAI_BASE_URL`` (ending in ``/v1``), ``OPENAI_API_KEY`` (the
-episode's key) and ``AGENTRL_TASK`` (JSON ``{"id", "prompt", "info"}``: never the answer), in
-a session of its own, stdin closed.  Its final answer is the last non-empty line of its
-stdout.  After it exits (or at ``timeout_s``) every process still in its session is killed.
+episode's key) and ``AGENTRL_TASK`` (JSON ``{"id", "prompt", "info"}``: never the answer, and of
+``task.info`` only the keys named in ``task_info``, none by default: a dataset's other columns
+land in ``info``, tests and solutions included, and a program the model steers could print its
+environment), in a session of its own, stdin closed.  Its final answer is the last non-empty
+line of its stdout.  After it exits (or at ``timeout_s``) every process still in its session is
+killed, before the program itself is reaped: until then its pid, the session's number, can be
+no other process's.
 
 **Isolation.**  Programs of one run share a user, and a process can read the environment
 of any process of its user (``/proc/<pid>/environ``): one episode's program could take
@@ -33,21 +37,34 @@ a key is always bound to its episode's path, so a program's own key opens no oth
 episode's endpoint and the same task dict; its return value is the answer.
 
 Reward functions get the answer as ``result`` (besides ``completion``, ``messages``,
-``answer``, ``state``, ...).  Failures are the episode's, kind ``env``, with the program's
-stderr tail: a non-zero exit, ``timeout_s`` passed, or an exit without one model call.
+``answer``, ``state``, ...).  Failures are the episode's, with the program's stderr tail, and
+whose they are decides whether the episode trains (``agentrl.buffer``: a policy failure stays
+in its group with reward 0, infrastructure leaves it), so the policy cannot escape a wrong
+answer by making its program fail:
+
+- ``timeout_s`` passed after the program's first model call: kind ``timeout`` (the policy's:
+  it can make a program loop); before any call, kind ``env`` (a program stuck on its own).
+- a non-zero exit (in-process: an exception) after the model's first reply: most agent
+  programs crash on a malformed tool call, so with ``failed_exit="failure"`` (the default)
+  it is kind ``program``, the policy's failure; ``failed_exit="error"`` makes it kind ``env``
+  (for a program that handles any model output itself, so that a crash is its own bug).
+  Before the first reply nothing the model wrote can be why: kind ``env``, always.
+- an exit without one model call, or (exit 0) without one model reply (every call refused
+  or failed, the errors swallowed): kind ``env``; it has nothing to train on.
+
 When a call failed at the endpoint first, the episode carries that failure (kind
-``endpoint``) instead.  A program that ends well without one model reply (every call
-refused or failed, the errors swallowed) errors too: it has nothing to train on.
-``max_turns`` caps the model calls of one episode.
+``endpoint``) instead.  ``max_turns`` caps the model calls of one episode.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
+import subprocess
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -56,7 +73,7 @@ from typing import Any, Literal
 from agentrl.auth import KEY_ENV, key_files
 from agentrl.envs.base import Environment, State
 from agentrl.episode import error_text
-from agentrl.errors import EpisodeError, EpisodeFailure
+from agentrl.errors import EpisodeError, EpisodeFailure, EpisodeTimeout, ProgramFailed
 from agentrl.gateway import Gateway, Session
 from agentrl.types import Message, Task, json_default, messages_to_dicts
 
@@ -65,6 +82,7 @@ STDERR_KEEP = 300  # characters of stderr quoted in an error
 
 Agent = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 Isolate = Literal["auto", "pid", "none"]
+FailedExit = Literal["failure", "error"]
 # the host's files as they are, but a /proc and a /dev/shm of its own: the engines' weight
 # segments live in /dev/shm (same uid: a program could have rewritten the live policy); and no
 # key files (``mask_keys``: with the run's key a program could push weights over HTTP instead)
@@ -101,9 +119,11 @@ def why_no_pid_namespace() -> str | None:
     return _isolation["pid"]
 
 
-def task_view(task: Task) -> dict[str, Any]:
-    """What the program sees of a task (``AGENTRL_TASK``): id, prompt messages, info; no answer."""
-    return {"id": task.id, "prompt": messages_to_dicts(task.prompt), "info": task.info}
+def task_view(task: Task, info_keys: Sequence[str] = ()) -> dict[str, Any]:
+    """What the program sees of a task (``AGENTRL_TASK``): id, prompt messages, and of ``info``
+    only ``info_keys``; never the answer."""
+    return {"id": task.id, "prompt": messages_to_dicts(task.prompt),
+            "info": {k: task.info[k] for k in info_keys if k in task.info}}  # fmt: skip
 
 
 class HarnessEnv(Environment):
@@ -121,23 +141,36 @@ class HarnessEnv(Environment):
         env: dict[str, str] | None = None,
         max_turns: int = 32,
         isolate: Isolate = "auto",
+        task_info: Sequence[str] = (),
+        failed_exit: FailedExit = "failure",
         **kwargs: Any,
     ) -> None:
         """``command``: argv of the program; or ``agent``: ``async def agent(client, task) -> str``.
-        ``timeout_s``: the program's wall limit (then it is killed, the episode errors with kind
-        ``env``).  ``cwd``/``env``: its working directory and extra environment variables.
-        ``isolate``: ``"pid"`` runs each program in a pid namespace of its own (bwrap; an error
-        where that does not work), ``"auto"`` does so where it works (else warns), ``"none"``
-        never (module docstring)."""
+        ``timeout_s``: the program's wall limit (then it is killed; the episode errors with kind
+        ``timeout`` once the program had called the model, else ``env``).  ``cwd``/``env``: its
+        working directory and extra environment variables.  ``isolate``: ``"pid"`` runs each
+        program in a pid namespace of its own (bwrap; an error where that does not work),
+        ``"auto"`` does so where it works (else warns), ``"none"`` never.  ``task_info``: the
+        keys of ``task.info`` the program sees in its task (default none: the rest may hold the
+        tests or the solution).  ``failed_exit``: a non-zero exit (an exception) after the model's
+        first reply is the policy's failure, kind ``program`` (``"failure"``, default), or
+        infrastructure, kind ``env`` (``"error"``) (module docstring)."""
         if (command is None) == (agent is None):
             raise ValueError("HarnessEnv needs exactly one of command=[...] or agent=async_fn")
         if command is not None and (isinstance(command, str) or not command):
             raise ValueError(f"command must be a non-empty argv list, e.g. ['python', 'agent.py'], not {command!r}")
         if isolate not in ("auto", "pid", "none"):
             raise ValueError(f"isolate must be 'auto', 'pid' or 'none', not {isolate!r}")
+        if failed_exit not in ("failure", "error"):
+            raise ValueError(f"failed_exit must be 'failure' (the policy's, kind program) or 'error' (kind env), "
+                             f"not {failed_exit!r}")  # fmt: skip
+        if isinstance(task_info, str):
+            raise ValueError(f"task_info must be a list of info keys, e.g. [{task_info!r}], not a string")
         super().__init__(max_turns=max_turns, **kwargs)
         self.command = [str(c) for c in command] if command is not None else None
         self.isolate = isolate
+        self.task_info = tuple(str(k) for k in task_info)
+        self.failed_exit = failed_exit
         self._warned = False
         self.agent = agent
         self.program_timeout_s = float(timeout_s)
@@ -181,7 +214,7 @@ class HarnessEnv(Environment):
 
     async def run_program(self, state: State, session: Session) -> str:
         """Run the program against the episode's gateway session; returns its final answer."""
-        task = task_view(state.task)
+        task = task_view(state.task, self.task_info)
         if self.agent is not None:
             return await self._run_agent(task, session)
         return await self._run_command(task, session)
@@ -201,15 +234,33 @@ class HarnessEnv(Environment):
                 result = await self.agent(client, task)  # type: ignore[misc]
         except TimeoutError as e:
             if wall.expired():
-                raise EpisodeError(f"the agent {self.program} did not finish within timeout_s={self.program_timeout_s:g}s") from None
-            raise EpisodeError(f"the agent {self.program} raised {error_text(e)}") from e
+                raise self._timed_out(session, "agent", None) from None
+            raise self._failed(session, f"the agent {self.program} raised {error_text(e)}") from e
         except EpisodeFailure:
             raise
         except Exception as e:
-            raise EpisodeError(f"the agent {self.program} raised {error_text(e)}") from e
+            raise self._failed(session, f"the agent {self.program} raised {error_text(e)}") from e
         self._platform = self._platform or getattr(client, "_platform", None)
         self._check_replied(session, "agent", "returned without calling the model", None)
         return "" if result is None else str(result)
+
+    def _timed_out(self, session: Session, kind: str, stderr: str | None) -> EpisodeFailure:
+        """``timeout_s`` passed: the policy's failure once the model was called (it can make a
+        program loop forever, or wait forever on its own output); before, the program's own hang."""
+        tail = "" if stderr is None else f" (its processes were killed); stderr: {stderr}"
+        words = f"the {kind} {self.program} did not finish within timeout_s={self.program_timeout_s:g}s"
+        if session.calls:
+            return EpisodeTimeout(f"{words} after {session.calls} model call(s){tail}")
+        return EpisodeError(f"{words}, before calling the model{tail}")
+
+    def _failed(self, session: Session, words: str, stderr: str | None = None) -> EpisodeError:
+        """A non-zero exit or an exception: the policy's failure (kind ``program``) when the model's
+        output may be why (it had replied) and ``failed_exit="failure"``, else the program's (``env``)."""
+        tail = "" if stderr is None else f"; stderr: {stderr}"
+        if session.turns and self.failed_exit == "failure":
+            return ProgramFailed(f"{words} after {len(session.turns)} model reply(s), counted as the policy's failure "
+                                 f"(HarnessEnv(failed_exit='error') if it never fails on the model's output){tail}")  # fmt: skip
+        return EpisodeError(f"{words}{tail}")
 
     def _check_replied(self, session: Session, kind: str, never: str, stderr: str | None) -> None:
         """A program that ended well but got no model reply has nothing to train on: the episode
@@ -249,37 +300,37 @@ class HarnessEnv(Environment):
         env.update(OPENAI_BASE_URL=session.base_url, OPENAI_API_KEY=session.key,
                    AGENTRL_TASK=json.dumps(task, default=json_default))  # fmt: skip
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *launcher, *self.command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True,
-            )  # fmt: skip
+            # not asyncio's subprocess: its child watcher reaps the program the moment it exits, and a
+            # reaped program's pid (its session's number) is free for another process before the sweep
+            proc = subprocess.Popen([*launcher, *self.command], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True)  # fmt: skip
         except OSError as e:
             raise EpisodeError(f"cannot start the program {self.program}: {error_text(e)} (check command= and cwd=)") from None
+        exited = _exit_of(proc.pid)
         out, err = bytearray(), bytearray()
-        readers = [asyncio.ensure_future(_drain(proc.stdout, out, STDOUT_KEEP)),
-                   asyncio.ensure_future(_drain(proc.stderr, err, STDOUT_KEEP))]  # fmt: skip
+        readers = [asyncio.ensure_future(_drain_pipe(proc.stdout, out, STDOUT_KEEP)),
+                   asyncio.ensure_future(_drain_pipe(proc.stderr, err, STDOUT_KEEP))]  # fmt: skip
         wall = asyncio.timeout(self.program_timeout_s)
+        timed_out = False
         try:
             async with wall:
-                code = await proc.wait()
+                await asyncio.shield(exited)
         except TimeoutError:
-            code = None
+            timed_out = True
         finally:
-            kill_session(proc.pid)  # what it left behind, or all of it at the timeout
-            if proc.returncode is None:
-                try:
-                    await asyncio.wait_for(asyncio.shield(proc.wait()), 5)
-                except (TimeoutError, asyncio.CancelledError):
-                    pass
+            kill_session(proc.pid)  # what it left behind, or all of it at the timeout: before the reap
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(exited), 5)
+            _reap(proc, exited)
             done, pending = await asyncio.wait(readers, timeout=5)
             for r in pending:
                 r.cancel()
         tail = _tail(err)
-        if code is None:
-            raise EpisodeError(f"the program {self.program} did not finish within timeout_s={self.program_timeout_s:g}s "
-                               f"(its processes were killed); stderr: {tail}")  # fmt: skip
+        if timed_out:
+            raise self._timed_out(session, "program", tail)
+        code = proc.returncode
         if code != 0:
-            raise EpisodeError(f"the program {self.program} {exit_words(code, bool(launcher))}; stderr: {tail}")
+            raise self._failed(session, f"the program {self.program} {exit_words(code, bool(launcher))}", tail)
         self._check_replied(session, "program", "exited without calling the model at OPENAI_BASE_URL", tail)
         return last_line(out.decode(errors="replace"))
 
@@ -332,19 +383,60 @@ def _tail(err: bytes) -> str:
     return ("…" + text[-STDERR_KEEP:]) if len(text) > STDERR_KEEP else (text or "(empty)")
 
 
-async def _drain(stream: asyncio.StreamReader | None, keep: bytearray, limit: int) -> None:
+async def _drain_pipe(pipe: Any, keep: bytearray, limit: int) -> None:
     """Read a pipe to its end, keeping its last ``limit`` bytes (a chatty program cannot fill memory)."""
-    if stream is None:
+    if pipe is None:
         return
-    while chunk := await stream.read(1 << 16):
-        keep.extend(chunk)
-        if len(keep) > limit:
-            del keep[: len(keep) - limit]
+    stream = asyncio.StreamReader(limit=1 << 16)
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), pipe)
+    try:
+        while chunk := await stream.read(1 << 16):
+            keep.extend(chunk)
+            if len(keep) > limit:
+                del keep[: len(keep) - limit]
+    finally:
+        transport.close()
+
+
+def _exit_of(pid: int) -> asyncio.Future[None]:
+    """Done when our child ``pid`` has exited.  It is not reaped: a zombie keeps its pid, so its
+    session's and group's number cannot be another process's until :func:`_reap`."""
+    loop = asyncio.get_running_loop()
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): ask the kernel, without reaping, every 20 ms
+        async def poll() -> None:
+            with contextlib.suppress(ChildProcessError):  # reaped behind our back: gone all the same
+                while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                    await asyncio.sleep(0.02)
+
+        return asyncio.ensure_future(poll())
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:  # a pidfd polls readable once its process has exited
+        loop.remove_reader(fd)
+        os.close(fd)
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(fd, readable)
+    return exited
+
+
+def _reap(proc: subprocess.Popen, exited: asyncio.Future[None]) -> None:
+    """Collect the program's exit status (after :func:`kill_session`); one that outlived its SIGKILL
+    (stuck in the kernel) is collected when it does exit."""
+    if exited.done():
+        proc.wait()
+    else:
+        exited.add_done_callback(lambda _: proc.poll())
 
 
 def kill_session(sid: int) -> None:
     """SIGKILL every process of session ``sid`` (the program started it with itself as leader),
-    its orphans included: they keep the session id when the leader is gone."""
+    its orphans included: they keep the session id when the leader is gone.  Call it before the
+    leader is reaped: a reaped leader's pid, once its orphans are gone too, may be reused by a
+    new session's leader (another episode's program), whose group and session share the number."""
     for _ in range(5):  # again while it was forking during the sweep
         found = [pid for pid in _session_members(sid) if pid != os.getpid()]
         try:

@@ -169,7 +169,7 @@ async def test_tools_streaming_and_the_async_sdk_in_process():
     def correct(result, answer) -> float:
         return float(result.endswith(answer))
 
-    env = HarnessEnv(agent=agent, dataset=ROWS, rubric=Rubric([correct]))
+    env = HarnessEnv(agent=agent, dataset=ROWS, rubric=Rubric([correct]), task_info=["level"])
     client = ScriptedClient(tool_policy)
     traj = await run(env, client)
     assert traj.error is None, traj.error
@@ -248,11 +248,42 @@ async def test_the_program_gets_the_episode_key_never_the_runs_or_the_answer(tmp
         print(json.dumps({"run_key": os.environ.get("AGENTRL_API_KEY"), "task": TASK,
                           "base": os.environ["OPENAI_BASE_URL"], "key": os.environ["OPENAI_API_KEY"][:4]}))
     """)
-    traj = await run(HarnessEnv(cmd, dataset=ROWS), ScriptedClient(lambda p: "x"))
+    traj = await run(HarnessEnv(cmd, dataset=ROWS, task_info=["level"]), ScriptedClient(lambda p: "x"))
     seen = json.loads(traj.state["result"])
     assert seen["run_key"] is None and seen["key"] == "arl-"
     assert seen["task"] == {"id": "t1", "prompt": [{"role": "user", "content": "What is 2+3?"}], "info": {"level": 1}}
     assert seen["base"].endswith("/v1")
+
+
+@pytest.mark.parametrize("form", ["command", "agent"])
+async def test_a_program_cannot_find_the_tasks_hidden_fields(tmp_path, form):
+    """A dataset's other columns (tests with their expected outputs, the solution, a ground truth)
+    land in ``task.info`` for the rubric.  ``AGENTRL_TASK`` carried all of it, and a coding agent
+    the model steers can print its own environment: the program now sees only the info keys
+    named in ``task_info``, and the rubric still gets everything."""
+    rows = [{"id": "t1", "prompt": "Write f.", "answer": "SECRET-ANSWER", "solution": "SECRET-SOLUTION",
+             "tests": [{"input": "1", "expected": "SECRET-EXPECTED"}],
+             "info": {"ground_truth": "SECRET-TRUTH", "language": "python"}}]  # fmt: skip
+    cmd = program(tmp_path, """
+        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        environ = open("/proc/self/environ", "rb").read().decode(errors="replace")
+        print(json.dumps({"environ": environ, "task": TASK}))
+    """)
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="m", messages=task["prompt"])
+        return json.dumps({"task": task})
+
+    program_form = {"command": cmd} if form == "command" else {"agent": agent}
+    env = HarnessEnv(**program_form, dataset=rows, task_info=["language", "not_a_key"])
+    traj = await run(env, ScriptedClient(lambda p: "x"))
+    assert traj.error is None, traj.error
+    assert "SECRET" not in traj.state["result"] and "LEVEL" not in traj.state["result"]
+    assert json.loads(traj.state["result"])["task"]["info"] == {"language": "python"}
+    assert traj.task.info["solution"] == "SECRET-SOLUTION" and traj.task.info["ground_truth"] == "SECRET-TRUTH"
+    env = HarnessEnv(**program_form, dataset=rows)  # the default: no info at all
+    traj = await run(env, ScriptedClient(lambda p: "x"))
+    assert traj.error is None and json.loads(traj.state["result"])["task"]["info"] == {}, traj.error
 
 
 async def test_max_turns_caps_the_calls_of_an_episode(tmp_path):
@@ -368,16 +399,43 @@ async def test_many_threads_calling_past_the_limit_are_slowed_together(tmp_path)
 # ----------------------------------------------------------------------------- failures, named
 
 
-async def test_a_crashing_program_errors_the_episode_with_its_stderr(tmp_path):
+@pytest.mark.parametrize("failed_exit", ["failure", "error"])
+async def test_a_program_that_crashes_on_the_models_reply_is_the_policys_failure(tmp_path, failed_exit):
+    """Most agent programs crash on a malformed tool call: a crash after the model's reply, filed
+    as infrastructure (kind env), left the group, and the policy escaped a wrong answer by writing
+    one that crashes its program.  By default it is kind ``program``, a failure kept in its group;
+    ``failed_exit="error"`` (a program that handles any output itself) keeps it ``env``."""
+    from agentrl.buffer import POLICY_ERRORS
+
     cmd = program(tmp_path, """
-        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
-        print("Traceback: something broke in the harness", file=sys.stderr)
-        sys.exit(3)
+        reply = OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        json.loads(reply.choices[0].message.content)  # the model's output was to be JSON
     """)
-    traj = await run(HarnessEnv(cmd, dataset=ROWS), ScriptedClient(lambda p: "x"))
-    assert traj.error_kind == "env" and traj.stop_reason == "error"
-    assert "exited with code 3" in traj.error and "something broke in the harness" in traj.error
+    kwargs = {} if failed_exit == "failure" else {"failed_exit": "error"}
+    traj = await run(HarnessEnv(cmd, dataset=ROWS, **kwargs), ScriptedClient(lambda p: "{not json"))
+    assert traj.stop_reason == "error"
+    assert "exited with code 1" in traj.error and "JSONDecodeError" in traj.error, traj.error
     assert len(traj.turns) == 1  # what it did sample is kept on the episode
+    if failed_exit == "failure":
+        assert traj.error_kind == "program" and traj.error_kind in POLICY_ERRORS, (traj.error_kind, traj.error)
+        assert "counted as the policy's failure" in traj.error and "failed_exit='error'" in traj.error
+    else:
+        assert traj.error_kind == "env", (traj.error_kind, traj.error)
+
+
+@pytest.mark.parametrize("form", ["command", "agent"])
+async def test_a_program_that_fails_before_the_model_replied_is_the_programs(tmp_path, form):
+    """Nothing the model wrote can have made a program fail before its first reply: kind env
+    (never counted against the policy), whatever ``failed_exit`` says."""
+    cmd = program(tmp_path, "import no_such_module_here\n")
+
+    async def agent(client, task):
+        raise KeyError("no such field")
+
+    env = HarnessEnv(cmd, dataset=ROWS) if form == "command" else HarnessEnv(agent=agent, dataset=ROWS)
+    traj = await run(env, ScriptedClient(lambda p: "x"))
+    assert traj.error_kind == "env" and not traj.turns, (traj.error_kind, traj.error)
+    assert ("no_such_module_here" if form == "command" else "KeyError") in traj.error
 
 
 async def test_a_program_that_never_calls_the_model_is_named(tmp_path):
@@ -418,13 +476,41 @@ async def test_a_program_exit_code_over_128_is_its_own_not_a_signal(tmp_path, is
         own, killed = [await env.rollout(ScriptedClient(lambda p: "x"), t, SAMPLING) for t in env.dataset()]
     finally:
         await env.close()
-    assert own.error_kind == "env" and "giving up" in own.error
-    assert "exited with code 200;" in own.error and "signal" not in own.error, own.error
-    assert killed.error_kind == "env" and "giving up" in killed.error
+    assert own.error_kind == "program" and "giving up" in own.error  # after the model's reply: the policy's
+    assert "exited with code 200 after" in own.error and "signal" not in own.error, own.error
+    assert killed.error_kind == "program" and "giving up" in killed.error
     if isolate == "none":
-        assert "was killed by signal 9 (SIGKILL);" in killed.error, killed.error
+        assert "was killed by signal 9 (SIGKILL) after" in killed.error, killed.error
     else:
         assert "exited with code 137 (or was killed by signal 9 (SIGKILL)" in killed.error, killed.error
+
+
+@pytest.mark.parametrize("isolate", ["none", pytest.param("pid", marks=needs_pid_namespace)])
+async def test_the_programs_session_is_swept_before_its_pid_is_freed(tmp_path, monkeypatch, isolate):
+    """After the program exits, what it left in its session is killed by the session's number (its
+    pid).  The sweep ran after the program was reaped, when that number may already be another
+    process's: another episode's program, a session and group leader too, which ``killpg`` would
+    kill.  Every signal to the session must go while the program is unreaped (a zombie holds its pid)."""
+    from agentrl.envs import harness
+
+    real_killpg, sent = os.killpg, []
+
+    def killpg(pgid, sig):
+        try:
+            os.waitid(os.P_PID, pgid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            sent.append("held")  # our child, running or a zombie: the number is still its own
+        except ChildProcessError:
+            sent.append("reaped")  # the number is free: it may be anyone's by now
+        return real_killpg(pgid, sig)
+
+    monkeypatch.setattr(harness.os, "killpg", killpg)
+    cmd = program(tmp_path, """
+        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        print("done")
+    """)
+    traj = await run(HarnessEnv(cmd, dataset=ROWS, isolate=isolate), ScriptedClient(lambda p: "x"))
+    assert traj.error is None and traj.state["result"] == "done", traj.error
+    assert sent and set(sent) == {"held"}, sent
 
 
 @pytest.mark.slow
@@ -706,9 +792,41 @@ async def test_an_agent_that_raises_or_hangs_is_named():
         await asyncio.sleep(600)
 
     traj = await run(HarnessEnv(agent=raises, dataset=ROWS), ScriptedClient(lambda p: "x"))
-    assert traj.error_kind == "env" and "KeyError" in traj.error and "raises" in traj.error
+    assert traj.error_kind == "program" and "KeyError" in traj.error and "raises" in traj.error
+    traj = await run(HarnessEnv(agent=raises, dataset=ROWS, failed_exit="error"), ScriptedClient(lambda p: "x"))
+    assert traj.error_kind == "env" and "KeyError" in traj.error
     traj = await run(HarnessEnv(agent=hangs, dataset=ROWS, timeout_s=0.5), ScriptedClient(lambda p: "x"))
-    assert traj.error_kind == "env" and "timeout_s=0.5s" in traj.error
+    assert traj.error_kind == "env" and "timeout_s=0.5s" in traj.error and "before calling the model" in traj.error
+
+
+@pytest.mark.parametrize("form", ["command", "agent"])
+async def test_a_program_that_loops_after_the_models_reply_times_out_as_the_policys_failure(tmp_path, form):
+    """The model can make its program loop forever (a tool call that never ends, a retry loop on its
+    own output): ``timeout_s`` passing after a model call was filed as kind env, left its group, and
+    so was an escape from a wrong answer.  It is kind ``timeout``: a failure kept in the group."""
+    from agentrl.buffer import POLICY_ERRORS
+
+    cmd = program(tmp_path, """
+        import time
+        OpenAI().chat.completions.create(model="m", messages=TASK["prompt"])
+        print("looping on the reply", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(0.05)
+    """)
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="m", messages=task["prompt"])
+        while True:
+            await asyncio.sleep(0.05)
+
+    env = HarnessEnv(cmd, dataset=ROWS, timeout_s=15) if form == "command" else \
+        HarnessEnv(agent=agent, dataset=ROWS, timeout_s=0.5)  # fmt: skip
+    traj = await run(env, ScriptedClient(lambda p: "x"))
+    assert traj.error_kind == "timeout" and traj.error_kind in POLICY_ERRORS, (traj.error_kind, traj.error)
+    assert "did not finish within timeout_s=" in traj.error and "after 1 model call(s)" in traj.error
+    assert len(traj.turns) == 1
+    if form == "command":
+        assert "looping on the reply" in traj.error
 
 
 def test_bad_arguments_say_what_to_pass():
@@ -716,6 +834,10 @@ def test_bad_arguments_say_what_to_pass():
         HarnessEnv(dataset=ROWS)
     with pytest.raises(ValueError, match="argv list"):
         HarnessEnv("python agent.py", dataset=ROWS)
+    with pytest.raises(ValueError, match="failed_exit must be 'failure'"):
+        HarnessEnv(["true"], dataset=ROWS, failed_exit="zero")
+    with pytest.raises(ValueError, match=r"task_info must be a list of info keys, e.g. \['level'\]"):
+        HarnessEnv(["true"], dataset=ROWS, task_info="level")
 
 
 async def test_a_chat_only_endpoint_records_calls_without_token_ids():
