@@ -6,7 +6,10 @@ Each episode gets its own sandbox in :meth:`setup` (from a :class:`SandboxPool` 
 the environment: capped, pre-warmed, reset and reused between episodes) and gives it back
 in :meth:`cleanup`.  A command's own failure (non-zero exit, timeout, OOM) is tool output
 the model reads; a failure of the sandbox itself (:class:`SandboxError`) ends the episode
-as errored — recorded, never trained on.  Subclasses prepare the sandbox by overriding
+as errored — recorded, never trained on.  An OOM that took the sandbox's agent with the
+command (``ExecResult.oom``, the sandbox gone) is the command's failure too: the model reads
+it and the episode goes on in a fresh sandbox (:meth:`setup_sandbox` again; files written
+since are gone), so running out of memory on purpose is no way out of an episode.  Subclasses prepare the sandbox by overriding
 :meth:`setup_sandbox` (write files, install fixtures).
 """
 
@@ -80,7 +83,21 @@ class SandboxEnv(ToolEnv):
         state.count("sandbox_execs")
         if r.timed_out:
             state.count("sandbox_timeouts")
-        return r.as_text(self.max_result_chars) or "(no output)"
+        text = r.as_text(self.max_result_chars) or "(no output)"
+        if r.oom and not sb.alive:  # the OOM killer took the sandbox with the command
+            await self._replace_sandbox(state, sb)
+            text += "[the sandbox was replaced by a fresh one: files written in this episode are gone]\n"
+        return text
+
+    async def _replace_sandbox(self, state: State, old: AgentSandbox) -> None:
+        """A fresh sandbox for the rest of the episode, prepared like the first."""
+        state.count("sandbox_replaced")
+        del state["sandbox"]
+        pool = self.pool()
+        await pool.release(old)  # broken: destroyed, its place freed
+        sb = await pool.get()
+        state["sandbox"] = sb
+        await self.setup_sandbox(sb, state)
 
     # --- episode lifecycle
     def pool(self) -> SandboxPool:

@@ -231,7 +231,9 @@ class DockerSandbox(AgentSandbox):
         try:
             self._writer.write(encode_request(req))
             await self._writer.drain()
-            while b"\n" not in self._outbuf:
+            searched = 0  # the response line ends in a later frame: look for it in the new bytes only
+            while (end := self._outbuf.find(b"\n", searched)) < 0:
+                searched = len(self._outbuf)
                 header = await self._reader.readexactly(8)
                 stream, size = struct.unpack(">BxxxL", header)
                 payload = await self._reader.readexactly(size)
@@ -242,6 +244,6 @@ class DockerSandbox(AgentSandbox):
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             tail = b"".join(self._stderr_tail).decode("utf-8", "replace").strip()[-500:]
             raise SandboxError(f"sandbox {self.id}: container agent gone ({type(e).__name__}): {tail or 'no message'}") from e
-        line, _, rest = bytes(self._outbuf).partition(b"\n")
-        self._outbuf = bytearray(rest)
+        line = bytes(self._outbuf[:end])
+        del self._outbuf[: end + 1]
         return json.loads(line)

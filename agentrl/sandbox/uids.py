@@ -8,7 +8,8 @@ sandbox runs as a uid nobody else uses, leased here for its lifetime:
 
 - the range (default 1800000000-1800065535, inside the range systemd leaves to containers;
   ``AGENTRL_SANDBOX_UIDS=FIRST-LAST`` to change it) skips every uid with an account;
-- a lease is a ``flock`` on one empty file per uid in a lock directory shared by every
+- a lease is a ``flock`` on one empty file per uid (mode 0600: another user cannot open it, so
+  cannot flock it and hold every uid) in a lock directory shared by every
   agentrl process on the host, so two runs never hand out the same uid, and a killed run's
   leases end with it.  The lowest free uid is taken: the directory holds at most as many
   files as sandboxes ever ran at once.
@@ -83,8 +84,8 @@ def lease_uid() -> UidLease:
                 continue  # an account: not ours to use
             except KeyError:
                 pass
-            try:
-                fd = os.open(os.path.join(directory, str(uid)), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:  # 0600: another user who could open the file could flock it and hold the uid (every uid: no lease)
+                fd = os.open(os.path.join(directory, str(uid)), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             except OSError as e:
                 if e.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM):
                     raise SandboxError(f"cannot lease a sandbox uid in {directory}: {e.strerror}") from e
@@ -98,6 +99,9 @@ def lease_uid() -> UidLease:
                 os.close(fd)
                 unusable.append(str(uid))
                 continue
+            if os.fstat(fd).st_mode & 0o077:  # made 0644 by an older agentrl: others' opens end here
+                with contextlib.suppress(OSError):  # (root's file, opened by an ordinary user: not ours to change)
+                    os.fchmod(fd, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

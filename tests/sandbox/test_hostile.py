@@ -225,6 +225,39 @@ async def test_limits_hold_for_the_sandbox_not_each_process(isolating_backend, l
     assert_host_fine()
 
 
+# memory no process maps (memfds), after the command lowered its own oom_score_adj from the 1000
+# the sandbox gave it back to 0: the OOM killer then weighs the agent (the largest RSS) first
+OOM_THE_AGENT = ("import os\nopen('/proc/self/oom_score_adj', 'w').write('0')\n"
+                 "fds = [os.memfd_create('x')]\nchunk = b'x' * (4 << 20)\nwhile True:\n"
+                 "    try: os.write(fds[-1], chunk)\n    except OSError: fds.append(os.memfd_create('x'))")  # fmt: skip
+
+
+async def test_an_oom_that_takes_the_agent_is_still_the_commands_oom(limits):
+    """The attack: make the OOM killer take the sandbox's agent instead of the command.  The exec
+    raised SandboxError (kind ``sandbox``: the episode left its group, untrained): running out of
+    memory on purpose escaped a wrong answer.  The cgroup's OOM-kill counter moved during the exec,
+    so it is the command's ``oom`` (a counted failure); the broken sandbox is replaced by the pool."""
+    if why_unavailable("bwrap"):
+        pytest.skip("bwrap unavailable")
+    lim = dataclasses.replace(limits, timeout_s=20.0, cpu_s=10)
+    async with SandboxPool("bwrap", lim, max_live=1) as pool:
+        async with pool.acquire() as sb:
+            if not sb._memory_cgroup():
+                pytest.skip("no memory cgroup on this host: an allocation fails instead (see sandbox doctor)")
+            r = await run(sb, ["python3", "-c", OOM_THE_AGENT])
+            assert r.oom and r.exit_code == 128 + signal.SIGKILL and not r.ok, r
+            if sb.alive:
+                pytest.skip("the OOM killer took the command, not the agent, on this kernel: nothing to replace")
+            assert "ran out of memory" in r.stderr and "[killed: out of memory]" in r.as_text()
+            with pytest.raises(SandboxError):
+                await sb.exec("echo more")  # gone for good
+        assert pool.stats.destroyed == 1
+        async with pool.acquire() as fresh:
+            assert fresh is not sb
+            await assert_sandbox_fine(fresh)
+    assert_host_fine()
+
+
 async def test_inode_bomb_stops_at_the_file_limit(isolating_backend, limits):
     lim = dataclasses.replace(limits, files=2000)
     async with make_sandbox(isolating_backend, lim) as sb:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -22,6 +23,12 @@ def scripted(*texts: str) -> ScriptedClient:
         return texts[min(prompt.count("<|im_start|>assistant") - 1, len(texts) - 1)]
 
     return ScriptedClient(policy)
+
+
+# test_hostile.py's attack: back to oom_score_adj 0, then memory no process maps (memfds)
+OOM_THE_AGENT = ("import os\nopen('/proc/self/oom_score_adj', 'w').write('0')\n"
+                 "fds = [os.memfd_create('x')]\nchunk = b'x' * (4 << 20)\nwhile True:\n"
+                 "    try: os.write(fds[-1], chunk)\n    except OSError: fds.append(os.memfd_create('x'))")  # fmt: skip
 
 
 def make_env(backend: str, limits, **kw) -> SandboxEnv:
@@ -74,4 +81,38 @@ async def test_a_dead_sandbox_marks_the_episode_errored(limits):
     t = await rollout(env, call("bash", command="echo hi"), "done")
     assert t.stop_reason == "error" and "SandboxError" in t.error
     await env.close()
+    assert live_sandboxes() == []
+
+
+async def test_an_oom_that_takes_the_sandbox_goes_on_in_a_fresh_one(limits):
+    """A command that makes the OOM killer take the sandbox's agent (``test_hostile.py``'s attack)
+    ended the episode as errored (kind sandbox: dropped from its group, so an escape from a wrong
+    answer).  It is the command's OOM, tool output the model reads, and the episode goes on in a
+    fresh sandbox prepared by ``setup_sandbox`` again."""
+    from agentrl.sandbox import why_unavailable
+    from agentrl.sandbox.cgroup import detect
+
+    if why_unavailable("bwrap") or not detect().version:
+        pytest.skip("needs bwrap with a memory cgroup (see sandbox doctor)")
+    prepared = []
+
+    class Prepared(SandboxEnv):
+        async def setup_sandbox(self, sandbox, state):
+            prepared.append(sandbox.id)
+            await sandbox.write_file("task.txt", "the task's file")
+
+    env = Prepared(dataset=["go"], rubric=Rubric([lambda completion: 1.0]), sandbox_backend="bwrap",
+                   sandbox_limits=dataclasses.replace(limits, timeout_s=20.0, cpu_s=10), max_turns=5)  # fmt: skip
+    try:
+        t = await rollout(env, call("bash", command="echo mine > mine.txt"), call("python", code=OOM_THE_AGENT),
+                          call("bash", command="ls; echo end"), "done")  # fmt: skip
+        assert t.error is None, (t.error_kind, t.error)
+        out = [m.content for m in t.messages if m.role == "tool"]
+        assert "[killed: out of memory]" in out[1], out[1]
+        if "replaced by a fresh one" not in out[1]:
+            pytest.skip("the OOM killer took the command, not the agent, on this kernel: nothing to replace")
+        assert out[2] == "task.txt\nend\n", out[2]  # set up again; what the episode wrote is gone
+        assert t.metrics["sandbox_replaced"] == 1 and len(prepared) == 2 and prepared[0] != prepared[1]
+    finally:
+        await env.close()
     assert live_sandboxes() == []

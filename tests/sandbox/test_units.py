@@ -171,6 +171,32 @@ def test_a_readable_file_another_user_planted_is_not_leased(tmp_path, monkeypatc
     lease.release()
 
 
+def test_a_lease_file_is_ours_alone(tmp_path, monkeypatch):
+    """Lease files are 0600: one that another user could open (0644, in the shared dir) they
+    could flock, holding that uid, and every uid of the range in turn, so no sandbox would start.
+    A 0644 file an older agentrl made is made 0600 when it is next leased."""
+    import pwd
+    import stat
+
+    from agentrl.sandbox import uids
+
+    first = next(u for u in range(8000, 9000) if _no_account(pwd, u) and _no_account(pwd, u + 1))
+    monkeypatch.setenv("AGENTRL_SANDBOX_UIDS", f"{first}-{first + 1}")
+    monkeypatch.setattr(uids, "lock_dir", lambda: str(tmp_path))
+    old = os.umask(0)  # the mode is the file's own, not the umask's doing
+    try:
+        a = uids.lease_uid()
+        (tmp_path / str(first + 1)).touch(mode=0o644)
+        b = uids.lease_uid()
+    finally:
+        os.umask(old)
+    assert (a.uid, b.uid) == (first, first + 1)
+    for uid in (first, first + 1):
+        assert stat.S_IMODE(os.stat(tmp_path / str(uid)).st_mode) == 0o600
+    a.release()
+    b.release()
+
+
 def _no_account(pwd, uid: int) -> bool:  # noqa: ANN001
     try:
         pwd.getpwuid(uid)
@@ -188,3 +214,61 @@ def test_uid_range_setting_is_checked(monkeypatch):
     monkeypatch.setenv("AGENTRL_SANDBOX_UIDS", "many")
     with pytest.raises(uids.SandboxError, match="FIRST-LAST"):
         uids.uid_range()
+
+
+class _CountingBuffer(bytearray):
+    """A bytearray that counts the bytes its searches for a newline look at."""
+
+    scanned = 0
+
+    def __contains__(self, item: object) -> bool:
+        type(self).scanned += len(self)
+        return super().__contains__(item)  # type: ignore[operator]
+
+    def find(self, sub, start=0, *args):  # noqa: ANN001, ANN002
+        type(self).scanned += len(self) - (start or 0)
+        return super().find(sub, start, *args)
+
+
+async def test_docker_transport_reads_a_large_multi_frame_response_once():
+    """The attach stream cuts a response into frames (stderr frames between them); the host finds
+    the response's end in each new frame only, so a big response costs its length, not
+    frames x length (8 MiB in 16 KiB frames: 512 frames; rescanning the buffer per frame was
+    2 GiB of memchr).  Counted in bytes looked at, not in seconds."""
+    import asyncio
+    import json
+    import struct
+
+    from agentrl.sandbox import SandboxError
+    from agentrl.sandbox.docker import DockerSandbox
+
+    class Writer:
+        def write(self, data: bytes) -> None:
+            pass
+
+        async def drain(self) -> None:
+            pass
+
+    big = {"id": "a", "ok": True, "data": "x" * (8 << 20)}
+    small = {"id": "b", "ok": True, "data": "\u00e9"}
+    stream = (json.dumps(big) + "\n" + json.dumps(small) + "\n").encode()
+    frames = bytearray()
+    for i in range(0, len(stream), 16 << 10):  # the second response starts inside the first's last frame
+        chunk = stream[i : i + (16 << 10)]
+        frames += struct.pack(">BxxxL", 1, len(chunk)) + chunk
+        if i % (1 << 20) == 0:
+            frames += struct.pack(">BxxxL", 2, 5) + b"warn\n"
+    reader = asyncio.StreamReader(limit=1 << 20)
+    reader.feed_data(bytes(frames))
+    reader.feed_eof()
+    box = DockerSandbox(SandboxLimits())
+    try:
+        box._reader, box._writer, box._outbuf = reader, Writer(), _CountingBuffer()  # type: ignore[assignment]
+        assert await box._request({"op": "read"}, 10.0) == big
+        assert await box._request({"op": "read"}, 10.0) == small  # already buffered: no frame read
+        assert _CountingBuffer.scanned <= 2 * len(stream), _CountingBuffer.scanned
+        with pytest.raises(SandboxError, match="agent gone"):
+            await box._request({"op": "ping"}, 10.0)
+        assert b"".join(box._stderr_tail) == b"warn\n" * 9
+    finally:
+        unregister(box)
