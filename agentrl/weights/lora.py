@@ -78,7 +78,8 @@ class AdapterMerger:
             check_finite([(wname, self._merged(wname, w, a, b))])
         for wname, w, a, b in plan:
             w.data.copy_(self._merged(wname, w, a, b))
-            self._base.setdefault(wname, self._pending.pop(wname))
+            if wname in self._pending:  # its first adapter push: W0 is kept from now on
+                self._base[wname] = self._pending.pop(wname)
         return len(plan)
 
     def _merged(self, wname: str, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
