@@ -112,9 +112,25 @@ def check_private_path(path: Path) -> None:
         st = d.stat()
         if st.st_uid not in (uid, 0):
             raise PermissionError(f"{d} belongs to another user (uid {st.st_uid})")
-        if st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and below_ours):
+        others_write = st.st_mode & 0o002 or (st.st_mode & 0o020 and not _own_group(st.st_gid))
+        if others_write and not (st.st_mode & stat.S_ISVTX and below_ours):
             raise PermissionError(f"{d} is writable by others (mode {oct(st.st_mode & 0o7777)})")
         below_ours = st.st_uid == uid
+
+
+def _own_group(gid: int) -> bool:
+    """Whether ``gid`` is this user's private group (umask 002 makes files group-writable there):
+    no member listed but us, and no other account's primary group."""
+    import grp
+    import pwd
+
+    try:
+        me = pwd.getpwuid(os.getuid()).pw_name
+        if set(grp.getgrgid(gid).gr_mem) - {me}:
+            return False
+        return all(p.pw_uid == os.getuid() for p in pwd.getpwall() if p.pw_gid == gid)
+    except KeyError:  # a uid or gid with no entry: nothing says the group is ours alone
+        return False
 
 
 def read_key(path: str | Path) -> str:

@@ -223,6 +223,13 @@ class BufferConfig(Section):
         unknown = sorted(set(v) - set(ERROR_KINDS))
         if unknown:
             raise ValueError(f"unknown error kind(s) {', '.join(unknown)}; kinds: {', '.join(ERROR_KINDS)}")
+        left_out = [k for k in ("timeout", "context_length", "program") if k not in v]
+        if left_out:  # a config written before a kind existed would silently reopen a way out of a 0
+            import warnings
+
+            warnings.warn(f"buffer.failure_rewards leaves out {', '.join(left_out)}: episodes that end so leave their "
+                          "group untrained, so the policy is never penalised for causing them; add "
+                          f"{' = 0.0, '.join(left_out)} = 0.0 unless that is meant", stacklevel=2)  # fmt: skip
         if not all(math.isfinite(x) for x in v.values()):
             raise ValueError("failure rewards must be finite numbers")
         return v

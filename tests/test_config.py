@@ -136,3 +136,16 @@ def test_ray_placed_trainer_ranks_are_one_device_each():
         load_config([], [*ray_ranks, "--cluster.trainer_gpus=2"])
     with pytest.raises(ConfigError, match='backend = "nccl" needs a GPU per rank actor'):
         load_config([], [*ray_ranks, "--trainer.backend=nccl"])
+
+
+def test_failure_rewards_that_leave_out_a_policy_kind_warn():
+    """An episode of a kind left out leaves its group untrained: a config written before the
+    ``program`` kind existed would silently reopen a way out of a wrong answer's 0."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config([])  # the default names every kind the policy causes
+    with pytest.warns(UserWarning, match=r"leaves out program: .* add program = 0.0"):
+        cfg = load_config([], ['--buffer.failure_rewards={"timeout": 0.0, "context_length": -0.5}'])
+    assert cfg.buffer.failure_rewards == {"timeout": 0.0, "context_length": -0.5}

@@ -47,6 +47,7 @@ def ensure_ray(address: str | None) -> bool:
     we started it (end it with :func:`shutdown_ray`)."""
     if ray.is_initialized():
         return False
+    _hide_ray_token()
     try:
         if address:
             ray.init(address=address, log_to_driver=False)
@@ -67,8 +68,6 @@ def _private_cluster_dir() -> str:
     local user could swap a socket in or read the logs), and writes its token, ``~/.ray/auth_token``,
     with the umask's mode: the token is made here first, 0600 in a 0700 ``~/.ray`` (one already
     there is narrowed to 0600), unless ``RAY_AUTH_*`` names another."""
-    from agentrl.auth import hide_key_files
-
     top = Path(tempfile.mkdtemp(prefix="agentrl-ray-"))  # 0700
     _private["dir"] = top
     if not any(v in os.environ for v in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
@@ -82,8 +81,18 @@ def _private_cluster_dir() -> str:
         else:
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32))  # what Ray's own generator writes
-        hide_key_files([token])  # a harness program must not read it: it starts code on the cluster
+    _hide_ray_token()
     return str(top / "r")
+
+
+def _hide_ray_token() -> None:
+    """Ray's token files, joined cluster or our own, are masked from harness programs: the token
+    starts code on the cluster."""
+    from agentrl.auth import hide_key_files
+
+    named = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    hide_key_files(p for p in (Path.home() / ".ray" / "auth_token", Path(named) if named else None)
+                   if p is not None and p.is_file())  # fmt: skip
 
 
 def shutdown_ray() -> None:

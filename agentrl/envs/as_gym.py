@@ -281,6 +281,8 @@ def register_all_gymnasium() -> list[str]:
     ids = []
     for plugin in installed(ENV_GROUP):
         env_id = f"agentrl/{plugin.name}-v0"
+        if env_id in ids:  # a name two distributions register: one id (making it names both)
+            continue
         if env_id not in gymnasium.registry:
             register_gymnasium(plugin.name)
         ids.append(env_id)

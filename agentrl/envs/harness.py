@@ -44,11 +44,12 @@ answer by making its program fail:
 
 - ``timeout_s`` passed after the program's first model call: kind ``timeout`` (the policy's:
   it can make a program loop); before any call, kind ``env`` (a program stuck on its own).
-- a non-zero exit (in-process: an exception) after the model's first reply: most agent
-  programs crash on a malformed tool call, so with ``failed_exit="failure"`` (the default)
-  it is kind ``program``, the policy's failure; ``failed_exit="error"`` makes it kind ``env``
-  (for a program that handles any model output itself, so that a crash is its own bug).
-  Before the first reply nothing the model wrote can be why: kind ``env``, always.
+- a non-zero exit (in-process: an exception) after the program's first model call: most
+  agent programs crash on a malformed tool call (or on a reply the model drew out past the
+  program's own client timeout), so with ``failed_exit="failure"`` (the default) it is kind
+  ``program``, the policy's failure; ``failed_exit="error"`` makes it kind ``env`` (for a
+  program that handles any model output itself, so that a crash is its own bug).  Before the
+  first call nothing the model wrote can be why: kind ``env``, always.
 - an exit without one model call, or (exit 0) without one model reply (every call refused
   or failed, the errors swallowed): kind ``env``; it has nothing to train on.
 
@@ -81,6 +82,8 @@ STDOUT_KEEP = 64 << 10  # bytes of stdout kept (the answer is its last line)
 STDERR_KEEP = 300  # characters of stderr quoted in an error
 
 Agent = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+# never in a program's environment: the run's key (weight pushes), Ray's token (code on the cluster)
+_SECRET_ENV = frozenset({KEY_ENV, "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"})
 Isolate = Literal["auto", "pid", "none"]
 FailedExit = Literal["failure", "error"]
 # the host's files as they are, but a /proc and a /dev/shm of its own: the engines' weight
@@ -141,7 +144,7 @@ class HarnessEnv(Environment):
         env: dict[str, str] | None = None,
         max_turns: int = 32,
         isolate: Isolate = "auto",
-        task_info: Sequence[str] = (),
+        task_info: Sequence[str] | None = (),
         failed_exit: FailedExit = "failure",
         **kwargs: Any,
     ) -> None:
@@ -152,8 +155,8 @@ class HarnessEnv(Environment):
         program in a pid namespace of its own (bwrap; an error where that does not work),
         ``"auto"`` does so where it works (else warns), ``"none"`` never.  ``task_info``: the
         keys of ``task.info`` the program sees in its task (default none: the rest may hold the
-        tests or the solution).  ``failed_exit``: a non-zero exit (an exception) after the model's
-        first reply is the policy's failure, kind ``program`` (``"failure"``, default), or
+        tests or the solution).  ``failed_exit``: a non-zero exit (an exception) after the first model
+        call is the policy's failure, kind ``program`` (``"failure"``, default), or
         infrastructure, kind ``env`` (``"error"``) (module docstring)."""
         if (command is None) == (agent is None):
             raise ValueError("HarnessEnv needs exactly one of command=[...] or agent=async_fn")
@@ -164,6 +167,7 @@ class HarnessEnv(Environment):
         if failed_exit not in ("failure", "error"):
             raise ValueError(f"failed_exit must be 'failure' (the policy's, kind program) or 'error' (kind env), "
                              f"not {failed_exit!r}")  # fmt: skip
+        task_info = () if task_info is None else task_info
         if isinstance(task_info, str):
             raise ValueError(f"task_info must be a list of info keys, e.g. [{task_info!r}], not a string")
         super().__init__(max_turns=max_turns, **kwargs)
@@ -249,16 +253,17 @@ class HarnessEnv(Environment):
         program loop forever, or wait forever on its own output); before, the program's own hang."""
         tail = "" if stderr is None else f" (its processes were killed); stderr: {stderr}"
         words = f"the {kind} {self.program} did not finish within timeout_s={self.program_timeout_s:g}s"
-        if session.calls:
+        if _model_was_at_work(session):
             return EpisodeTimeout(f"{words} after {session.calls} model call(s){tail}")
         return EpisodeError(f"{words}, before calling the model{tail}")
 
     def _failed(self, session: Session, words: str, stderr: str | None = None) -> EpisodeError:
-        """A non-zero exit or an exception: the policy's failure (kind ``program``) when the model's
-        output may be why (it had replied) and ``failed_exit="failure"``, else the program's (``env``)."""
+        """A non-zero exit or an exception: the policy's failure (kind ``program``) when the model may
+        be why (it had been called: a reply can crash a program, and so can one the model drew out
+        past the program's own client timeout) and ``failed_exit="failure"``, else the program's (``env``)."""
         tail = "" if stderr is None else f"; stderr: {stderr}"
-        if session.turns and self.failed_exit == "failure":
-            return ProgramFailed(f"{words} after {len(session.turns)} model reply(s), counted as the policy's failure "
+        if _model_was_at_work(session) and self.failed_exit == "failure":
+            return ProgramFailed(f"{words} after {session.calls} model call(s), counted as the policy's failure "
                                  f"(HarnessEnv(failed_exit='error') if it never fails on the model's output){tail}")  # fmt: skip
         return EpisodeError(f"{words}{tail}")
 
@@ -295,7 +300,7 @@ class HarnessEnv(Environment):
     async def _run_command(self, task: dict[str, Any], session: Session) -> str:
         assert self.command is not None
         launcher = await self._launcher()
-        env = {k: v for k, v in os.environ.items() if k != KEY_ENV}  # the run's key stays with the run
+        env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}  # the run's keys stay with the run
         env.update(self.extra_env)
         env.update(OPENAI_BASE_URL=session.base_url, OPENAI_API_KEY=session.key,
                    AGENTRL_TASK=json.dumps(task, default=json_default))  # fmt: skip
@@ -376,6 +381,13 @@ def _signal_name(n: int) -> str:
 def last_line(text: str) -> str:
     """The last non-empty line of ``text`` (stripped), or ``""``."""
     return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+
+
+def _model_was_at_work(session: Session) -> bool:
+    """Whether the model may be why a program failed: it replied, or a call was admitted and not
+    refused (one still sampling when the program gave up on it counts; a request the gateway
+    refused, the program's own bad one, does not)."""
+    return bool(session.turns) or session.calls > session.refusals
 
 
 def _tail(err: bytes) -> str:

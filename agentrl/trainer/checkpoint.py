@@ -75,7 +75,7 @@ def save_checkpoint(
     if keep < 0:
         raise ValueError(f"keep must be >= 0 (0 = keep all), got {keep}")
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)  # weights and optimizer state: the run's alone
     _recover(root)
     for leftover in root.glob(TMP_PREFIX + "step_*"):  # one writer per run dir: a killed save's
         shutil.rmtree(leftover, ignore_errors=True)

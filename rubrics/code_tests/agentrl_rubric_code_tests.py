@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import inspect
 import json
 import math
 import re
@@ -116,6 +117,7 @@ class TestReport:
 async def run_tests(code: str, entry_point: str, tests: list[dict[str, Any]], sandbox: Any,
                     timeout_s: float | None = None) -> TestReport:  # fmt: skip
     """Run ``tests`` against ``code`` in ``sandbox`` (a started :mod:`agentrl.sandbox` sandbox)."""
+    _check_tests(tests)
     report = TestReport(total=len(tests))
     # both live in the work dir (the only place file I/O reaches); random names so code
     # written earlier in the episode cannot plant a runner or a report in advance
@@ -131,7 +133,7 @@ async def run_tests(code: str, entry_point: str, tests: list[dict[str, Any]], sa
     # the solution runs in the runner's interpreter, so the report is model-written: bounded
     # in size, and any way it fails to read, parse or validate is a failed run, not an error
     try:
-        raw = await sandbox.read_file(out, max_bytes=report_cap(tests))
+        raw = await _read_capped(sandbox, out, report_cap(tests))
     except OSError as e:  # missing, too large, not a regular file (SandboxError is not caught)
         why = "report too large" if e.errno == errno.EFBIG else "no report"
         report.error = f"{why} (exit {r.exit_code}): {r.stderr[-300:]}"
@@ -139,6 +141,25 @@ async def run_tests(code: str, entry_point: str, tests: list[dict[str, Any]], sa
     if len(raw) > _PARSE_INLINE_BYTES:  # a big report parses off the event loop
         return await asyncio.to_thread(_check_report, raw, entry_point, tests, report)
     return _check_report(raw, entry_point, tests, report)
+
+
+def _check_tests(tests: Any) -> None:
+    """The task's tests, before any model output is looked at: a dataset bug raises (the episode
+    errors, naming it) instead of hiding as a 0 behind the report's checks."""
+    if not isinstance(tests, list) or not all(isinstance(t, dict) and isinstance(t.get("args"), list)
+                                              and "expected" in t for t in tests):  # fmt: skip
+        raise ValueError('code-tests: task.info["tests"] must be a list of {"args": [...], "expected": value}')
+
+
+async def _read_capped(sandbox: Any, path: str, cap: int) -> bytes:
+    """``read_file`` with a size cap; a sandbox written to the older protocol (no ``max_bytes``)
+    is read whole and the cap applied after."""
+    if "max_bytes" in inspect.signature(sandbox.read_file).parameters:
+        return await sandbox.read_file(path, max_bytes=cap)
+    data = await sandbox.read_file(path)
+    if len(data) > cap:
+        raise OSError(errno.EFBIG, f"{path} is over {cap} bytes")
+    return data
 
 
 # What an honest runner writes per test beyond the value: the ok flag and, on failure, an

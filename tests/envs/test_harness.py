@@ -242,15 +242,18 @@ async def test_the_episode_key_guards_the_gateway_and_ends_with_the_episode(monk
 
 async def test_the_program_gets_the_episode_key_never_the_runs_or_the_answer(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTRL_API_KEY", "the-run-key")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "the-clusters-token")  # runs code on the cluster
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "token"))
     cmd = program(tmp_path, """
         client = OpenAI()
         client.chat.completions.create(model="m", messages=TASK["prompt"])
-        print(json.dumps({"run_key": os.environ.get("AGENTRL_API_KEY"), "task": TASK,
+        ray = [v for k, v in os.environ.items() if k.startswith("RAY_AUTH")]
+        print(json.dumps({"run_key": os.environ.get("AGENTRL_API_KEY"), "ray": ray, "task": TASK,
                           "base": os.environ["OPENAI_BASE_URL"], "key": os.environ["OPENAI_API_KEY"][:4]}))
     """)
     traj = await run(HarnessEnv(cmd, dataset=ROWS, task_info=["level"]), ScriptedClient(lambda p: "x"))
     seen = json.loads(traj.state["result"])
-    assert seen["run_key"] is None and seen["key"] == "arl-"
+    assert seen["run_key"] is None and seen["ray"] == [] and seen["key"] == "arl-"
     assert seen["task"] == {"id": "t1", "prompt": [{"role": "user", "content": "What is 2+3?"}], "info": {"level": 1}}
     assert seen["base"].endswith("/v1")
 

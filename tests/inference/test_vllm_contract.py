@@ -292,6 +292,11 @@ def test_a_vllm_cli_another_user_could_have_placed_is_refused(tmp_path, monkeypa
     exe.parent.chmod(0o777)
     with pytest.raises(EngineStartError, match=r"bin is writable by others .*inference.vllm_command"):
         find_vllm()
+    from agentrl.auth import _own_group
+
+    exe.parent.chmod(0o775)  # umask 002 with a private group (Ubuntu's default): only we are in it
+    if _own_group(exe.parent.stat().st_gid):
+        assert find_vllm() == [str(exe)]
     exe.parent.chmod(0o755)
     exe.chmod(0o757)
     with pytest.raises(EngineStartError, match="vllm is writable by others"):

@@ -124,3 +124,14 @@ def test_entry_point_is_registered():
     from importlib.metadata import entry_points
 
     assert "code-tests" in {ep.name for ep in entry_points(group="agentrl.rubrics")}
+
+
+async def test_a_malformed_test_in_the_dataset_errors_naming_it_not_a_silent_zero(backend):
+    """The report's checks turn anything the model writes into a failed test; a dataset's own bug
+    (a test without args or expected) must not hide behind them as a 0 on every episode."""
+    task = Task(prompt=[Message("user", "write add")], info={"entry_point": "add", "tests": [{"args": [1, 2]}]})
+    t = Trajectory(task=task, messages=[*task.prompt, Message("assistant", fenced("def add(a, b):\n    return a + b"))])
+    rubric = load_rubric(backend=backend, timeout_s=5.0)
+    await rubric.score(t)
+    assert t.error is not None and 'task.info["tests"] must be a list of' in t.error, t.error
+    await rubric.close()
