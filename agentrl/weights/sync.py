@@ -197,7 +197,7 @@ def map_segment(path: str, size: int) -> torch.Tensor:
     (``agentrl-*/w-<16 hex>.bin``), is mapped: the trainer never grows or follows a link, and an
     engine that is not ours cannot point the push at some other file of the trainer's."""
     p = Path(path)
-    if not (_SEGMENT_NAME.fullmatch(p.name) and p.parent.name.startswith("agentrl-")):
+    if not (p.is_absolute() and _SEGMENT_NAME.fullmatch(p.name) and p.parent.name.startswith("agentrl-")):
         raise WeightSyncError(f"the engine named {path} as its shared-memory segment: not an agentrl segment path")
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:

@@ -8,6 +8,7 @@ to them over HTTP only (no shared file: the engine never opens a path the traine
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
 import httpx
@@ -208,6 +209,8 @@ def test_the_trainer_maps_only_an_agentrl_segment_whatever_the_engine_answers(tm
         with pytest.raises(WeightSyncError, match="not an agentrl segment path"):
             map_segment(str(path), 64)
     assert victim.read_bytes() == b"x" * 64
+    with pytest.raises(WeightSyncError, match="not an agentrl segment path"):  # resolved against the trainer's cwd
+        map_segment(os.path.relpath(seg), 64)
     buf = map_segment(str(seg), 64)
     buf[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
     del buf
