@@ -971,3 +971,19 @@ async def test_an_isolated_program_has_a_dev_shm_of_its_own(tmp_path, isolate):
         assert traj.error is None and traj.state["result"] == str(isolate == "none"), (traj.error, traj.state)
     finally:
         os.rmdir(mark)
+
+
+async def test_a_program_that_gives_up_on_a_reply_the_model_drew_out_is_the_policys_failure(tmp_path):
+    """No reply was recorded, but the model was why: it sampled past the program's own client
+    timeout (a model rewarded for escaping can learn to ramble).  Kind program, not env."""
+
+    class Slow(ScriptedClient):
+        async def complete(self, *args, **kwargs):
+            await asyncio.sleep(3)
+            return await super().complete(*args, **kwargs)
+
+    cmd = program(tmp_path, """
+        OpenAI(timeout=0.5, max_retries=0).chat.completions.create(model="m", messages=TASK["prompt"])
+    """)
+    traj = await run(HarnessEnv(cmd, dataset=ROWS), Slow(lambda p: "x"))
+    assert traj.error_kind == "program" and "after 1 model call(s)" in traj.error, (traj.error_kind, traj.error)
