@@ -2,7 +2,6 @@
 
 import asyncio
 import os
-from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
@@ -165,31 +164,38 @@ def test_killed_engine_actor_is_restarted_and_the_run_completes(tmp_path, small_
     assert not ray.is_initialized()
 
 
-def test_a_local_cluster_keeps_its_sockets_logs_and_token_private(tmp_path, monkeypatch):
+def test_a_local_cluster_keeps_its_sockets_logs_and_token_private(tmp_path):
     """Left to itself Ray makes /tmp/ray and the session's sockets and logs 0777 (any local user
     could swap a socket or read the logs) and writes ~/.ray/auth_token with the umask's mode;
-    the cluster a run starts lives in a 0700 directory of its own, and its token is 0600."""
-    from agentrl.auth import key_files
-    from agentrl.distributed.ray_backend import ensure_ray, shutdown_ray
+    the cluster a run starts lives in a 0700 directory of its own, and its token is 0600.  In a
+    child with a home of its own: Ray keeps its token mode and token per process."""
+    import json
+    import subprocess
+    import sys
 
-    monkeypatch.setenv("HOME", str(tmp_path))
-    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        monkeypatch.delenv(name, raising=False)
-    old_umask = os.umask(0o022)
-    try:
-        assert ensure_ray(None)
-        try:
-            session = ray._private.worker._global_node.get_session_dir_path()
-            chain = [session, *map(str, Path(session).parents)]
-            private = [p for p in chain if os.stat(p).st_mode & 0o077 == 0 and os.stat(p).st_uid == os.getuid()]
-            assert private, f"every directory above {session} is open to other users"
-            top = private[0]
-            token = tmp_path / ".ray" / "auth_token"
-            assert os.environ["RAY_AUTH_MODE"] == "token" and len(token.read_text()) == 64
-            assert os.stat(token).st_mode & 0o777 == 0o600 and os.stat(token.parent).st_mode & 0o777 == 0o700
-            assert token.resolve() in key_files()[0]  # masked for harness programs
-        finally:
-            shutdown_ray()
-    finally:
-        os.umask(old_umask)
-    assert not os.path.exists(top)
+    child = """
+import json, os, ray
+from pathlib import Path
+from agentrl.auth import key_files
+from agentrl.distributed.ray_backend import ensure_ray, shutdown_ray
+os.umask(0o022)
+assert ensure_ray(None)
+session = ray._private.worker._global_node.get_session_dir_path()
+chain = [session, *map(str, Path(session).parents)]
+private = [p for p in chain if os.stat(p).st_mode & 0o077 == 0 and os.stat(p).st_uid == os.getuid()]
+token = Path.home() / ".ray" / "auth_token"
+seen = {"session": session, "private": private, "token_mode": oct(os.stat(token).st_mode & 0o777),
+        "ray_dir_mode": oct(os.stat(token.parent).st_mode & 0o777), "token_len": len(token.read_text()),
+        "masked": token.resolve() in key_files()[0], "auth_mode": os.environ.get("RAY_AUTH_MODE")}
+shutdown_ray()
+seen["top_left"] = bool(private) and os.path.exists(private[0])
+print(json.dumps(seen))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["private"], f"every directory above {seen['session']} is open to other users"
+    assert (seen["token_mode"], seen["ray_dir_mode"], seen["token_len"]) == ("0o600", "0o700", 64), seen
+    assert seen["masked"] and seen["auth_mode"] == "token", seen  # masked for harness programs
+    assert not seen["top_left"], seen  # the cluster's directory goes with it
