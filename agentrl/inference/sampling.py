@@ -164,7 +164,7 @@ def sample(
         tokens = logits.argmax(dim=-1) if tokens is None else torch.where(greedy, logits.argmax(dim=-1), tokens)
     for i, g in enumerate(generators):
         if g is not None and not is_greedy[i]:
-            tokens[i] = draw(probs[i : i + 1], g)[0]
+            tokens[i] = draw(probs[i : i + 1], g, sums[i : i + 1])[0]  # its block sums are already here
     chosen = scaled.gather(1, tokens[:, None]).squeeze(1).double() - lse
 
     tops = None
