@@ -21,6 +21,7 @@ shared memory).  Importing this module imports ``ray``; only ``backend = "ray"``
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import shutil
@@ -68,8 +69,12 @@ def _private_cluster_dir() -> str:
     local user could swap a socket in or read the logs), and writes its token, ``~/.ray/auth_token``,
     with the umask's mode: the token is made here first, 0600 in a 0700 ``~/.ray`` (one already
     there is narrowed to 0600), unless ``RAY_AUTH_*`` names another."""
+    old = _private.pop("dir", None)  # a cluster ended by a bare ray.shutdown(): Ray is down here
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     top = Path(tempfile.mkdtemp(prefix="agentrl-ray-"))  # 0700
     _private["dir"] = top
+    atexit.register(shutil.rmtree, top, True)  # a process that never called shutdown_ray
     if not any(v in os.environ for v in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
         token = Path.home() / ".ray" / "auth_token"  # where Ray's ray.init() looks for it
         token.parent.mkdir(mode=0o700, exist_ok=True)
