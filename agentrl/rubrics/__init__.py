@@ -8,6 +8,7 @@ from agentrl.rubrics.rubric import (
     episode_args,
     last_assistant_text,
     score_episodes,
+    tagged,
 )
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "episode_args",
     "last_assistant_text",
     "score_episodes",
+    "tagged",
 ]
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -318,3 +319,26 @@ class RubricGroup(Rubric):
                 error = error or res[i][1]
             merged.append((values, error))
         return merged
+
+
+_TAGS: dict[str, tuple[re.Pattern[str], re.Pattern[str]]] = {}
+
+
+def tagged(text: str, tag: str, *, first_only: bool = False) -> list[str]:
+    """Every ``<tag>...</tag>`` block's content (case-insensitive, across lines), as
+    ``re.findall(r"<tag>(.*?)</tag>", text, re.S | re.I)`` gives it, in one pass: that regex
+    rescans to the end from every unclosed tag, quadratic in a reply full of them."""
+    if tag not in _TAGS:
+        t = re.escape(tag)
+        _TAGS[tag] = (re.compile(rf"<{t}>", re.IGNORECASE), re.compile(rf"</{t}>", re.IGNORECASE))
+    opening, closing = _TAGS[tag]
+    found, pos = [], 0
+    while (o := opening.search(text, pos)) is not None:
+        c = closing.search(text, o.end())
+        if c is None:  # no closing tag after this opening: none after any later one either
+            break
+        found.append(text[o.end() : c.start()])
+        if first_only:
+            break
+        pos = c.end()
+    return found

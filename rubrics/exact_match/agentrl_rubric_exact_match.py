@@ -18,7 +18,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Literal
 
-from agentrl.rubrics import completion_text
+from agentrl.rubrics import completion_text, tagged
 
 if TYPE_CHECKING:
     from agentrl.rubrics import Rubric
@@ -50,35 +50,9 @@ Mode = Literal["auto", "exact", "numeric"]
 # Reading the reply is linear in its length: a regex like <answer>(.*?)</answer>, or a brace
 # scan per \boxed{, rescans to the end from every unclosed opening, and a reply full of them
 # would stall the event loop for seconds to minutes.
-_TAG_CACHE: dict[str, tuple[re.Pattern[str], re.Pattern[str]]] = {}
-
-
-def _tag_patterns(tag: str) -> tuple[re.Pattern[str], re.Pattern[str]]:
-    if tag not in _TAG_CACHE:
-        t = re.escape(tag)
-        _TAG_CACHE[tag] = (re.compile(rf"<{t}>", re.IGNORECASE), re.compile(rf"</{t}>", re.IGNORECASE))
-    return _TAG_CACHE[tag]
-
-
-def tagged(text: str, tag: str) -> list[str]:
-    """Every ``<tag>...</tag>`` block's content, as ``re.findall(r"<tag>(.*?)</tag>")`` would
-    give (case-insensitive, across lines), in one pass."""
-    opening, closing = _tag_patterns(tag)
-    found, pos = [], 0
-    while (o := opening.search(text, pos)) is not None:
-        c = closing.search(text, o.end())
-        if c is None:  # no closing tag after this opening: none after any later one either
-            break
-        found.append(text[o.end() : c.start()])
-        pos = c.end()
-    return found
-
-
 def has_tagged(text: str, tag: str) -> bool:
     """Whether ``text`` has a ``<tag>...</tag>`` block."""
-    opening, closing = _tag_patterns(tag)
-    o = opening.search(text)
-    return o is not None and closing.search(text, o.end()) is not None
+    return bool(tagged(text, tag, first_only=True))
 
 
 def last_boxed(text: str) -> str | None:

@@ -26,41 +26,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from agentrl.rubrics import completion_text
+from agentrl.rubrics import completion_text, tagged
 
 if TYPE_CHECKING:
     from agentrl.rubrics import Rubric
 
 __all__ = ["completion_text", "answer_text", "is_equivalent", "math_equivalent", "has_answer", "load_rubric"]
 
-_OPEN_TAG = re.compile(r"<answer>", re.IGNORECASE)
-_CLOSE_TAG = re.compile(r"</answer>", re.IGNORECASE)
-
-
-def _answer_blocks(text: str, first_only: bool = False) -> list[str]:
-    """``re.findall(r"<answer>(.*?)</answer>", text, re.S | re.I)`` in one pass (the regex
-    rescans to the end from every unclosed tag: quadratic in a reply full of them)."""
-    found, pos = [], 0
-    while (o := _OPEN_TAG.search(text, pos)) is not None:
-        c = _CLOSE_TAG.search(text, o.end())
-        if c is None:  # no closing tag after this opening: none after any later one either
-            break
-        found.append(text[o.end() : c.start()])
-        if first_only:
-            break
-        pos = c.end()
-    return found
-
-
 def answer_text(text: str) -> str:
     """The part of a reply math-verify should read (see module docstring)."""
-    found = _answer_blocks(text)
+    found = tagged(text, "answer")
     return found[-1].strip() if found else text
 
 
@@ -241,7 +221,7 @@ async def math_equivalent(completion: Any, answer: Any) -> float:
 def has_answer(completion: Any) -> float:
     """Format metric: 1.0 if the reply marks an answer with ``\\boxed{}`` or ``<answer>``."""
     text = completion_text(completion)
-    return 1.0 if ("\\boxed" in text or _answer_blocks(text, first_only=True)) else 0.0
+    return 1.0 if ("\\boxed" in text or tagged(text, "answer", first_only=True)) else 0.0
 
 
 def load_rubric(format_weight: float = 0.0) -> Rubric:
