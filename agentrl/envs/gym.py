@@ -24,7 +24,7 @@ import gymnasium
 from agentrl.envs.base import State
 from agentrl.envs.multiturn import MultiTurnEnv
 from agentrl.errors import AgentrlError
-from agentrl.rubrics import Rubric
+from agentrl.rubrics import Rubric, tagged
 from agentrl.types import Message, Task
 
 __all__ = ["GymEnv", "GymTextSpec", "parse_action", "ansi_to_text", "render_ansi", "episode_return", "solved"]
@@ -83,9 +83,6 @@ class GymTextSpec:
 
 # ----------------------------------------------------------------------------- action parsing
 
-_ACTION_TAG = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
-
-
 def parse_action(text: str, actions: Sequence[str]) -> int | None:
     """The action index a reply names, or ``None`` if it names none.  Never raises.
 
@@ -102,10 +99,10 @@ def parse_action(text: str, actions: Sequence[str]) -> int | None:
             return int(word)
         return None
 
-    tagged = _ACTION_TAG.findall(text)
-    if tagged:
-        found = lookup(tagged[-1])
-        return found if found is not None else _last_named(tagged[-1], names)
+    blocks = tagged(text, "action")  # linear: a reply full of unclosed tags must not stall the loop
+    if blocks:
+        found = lookup(blocks[-1])
+        return found if found is not None else _last_named(blocks[-1], names)
     found = lookup(text)
     return found if found is not None else _last_named(text, names)
 

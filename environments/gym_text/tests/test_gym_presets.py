@@ -236,3 +236,10 @@ def test_every_installed_environment_can_be_made_through_gymnasium():
     obs, _ = env.reset(seed=0)
     assert "Make your first guess." in obs
     env.close()
+
+
+@pytest.mark.timeout(60)  # a stall guard: linear takes milliseconds, the old regex about 10 minutes here
+def test_parse_action_reads_a_reply_full_of_unclosed_tags_in_linear_time():
+    """The regex ``<action>(.*?)</action>`` rescanned to the end from every unclosed tag: a reply
+    of 30,000 of them held the event loop for about 30 s, this one for minutes."""
+    assert parse_action("<action>" * 150_000 + "<action>right</action>", FROZEN) == FROZEN.index("right")

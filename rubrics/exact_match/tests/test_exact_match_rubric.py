@@ -2,7 +2,6 @@
 
 import math
 import re
-import time
 
 import pytest
 from agentrl_rubric_exact_match import (
@@ -146,11 +145,11 @@ def test_linear_readers_agree_with_the_regex_and_the_rescan(text):
      "<answer>" + "*" * 100_000 + "</answer>", "\\boxed{" + "{" * 100_000],
     ids=["unclosed_boxes", "unclosed_tags", "full_stops", "wrappers", "unclosed_braces"],
 )
+@pytest.mark.timeout(120)  # a stall guard, not a speed test: linear takes well under a second
 def test_a_hostile_reply_is_read_in_linear_time(reply):
-    # the first three were quadratic: about 4 minutes, 30 s and 80 s at these sizes
-    start = time.perf_counter()
+    # the first three were quadratic: about 4 minutes, 30 s and 80 s at these sizes (x4 below: 16x that)
+    reply = reply if reply.startswith("<answer>x") else reply * 4
     assert answer_reward()(reply, "3") == 0.0 and has_answer(reply) in (0.0, 1.0)
-    assert time.perf_counter() - start < 5.0
 
 
 async def test_load_rubric_scores_trajectories():

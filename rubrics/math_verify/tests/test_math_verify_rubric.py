@@ -3,7 +3,6 @@
 import asyncio
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -91,13 +90,13 @@ async def test_a_hung_check_scores_zero_alone_and_its_worker_is_killed(tmp_path,
         mv._reset_pool()
 
 
+@pytest.mark.timeout(60)  # a stall guard: linear takes milliseconds
 def test_answer_tags_are_read_in_linear_time():
-    # re.findall(r"<answer>(.*?)</answer>") rescans to the end from each unclosed tag
-    reply = "<answer>" * 30_000 + "\\boxed{2}"
-    start = time.perf_counter()
-    assert answer_text(reply) == reply and has_answer(reply) == 1.0 and has_answer("<answer>" * 30_000) == 0.0
+    # re.findall(r"<answer>(.*?)</answer>") rescans to the end from each unclosed tag: about 30 s
+    # for 30,000 of them, minutes for these 120,000
+    reply = "<answer>" * 120_000 + "\\boxed{2}"
+    assert answer_text(reply) == reply and has_answer(reply) == 1.0 and has_answer("<answer>" * 120_000) == 0.0
     assert answer_text("<ANSWER>1</answer> <answer>2</Answer> <answer>3") == "2"
-    assert time.perf_counter() - start < 5.0  # was about 30 s
 
 
 def test_has_answer():
