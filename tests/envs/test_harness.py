@@ -247,7 +247,7 @@ async def test_the_program_gets_the_episode_key_never_the_runs_or_the_answer(tmp
     cmd = program(tmp_path, """
         client = OpenAI()
         client.chat.completions.create(model="m", messages=TASK["prompt"])
-        ray = [v for k, v in os.environ.items() if k.startswith("RAY_AUTH")]
+        ray = [v for k, v in os.environ.items() if k.startswith("RAY_AUTH_TOKEN")]  # RAY_AUTH_MODE is no secret
         print(json.dumps({"run_key": os.environ.get("AGENTRL_API_KEY"), "ray": ray, "task": TASK,
                           "base": os.environ["OPENAI_BASE_URL"], "key": os.environ["OPENAI_API_KEY"][:4]}))
     """)
