@@ -13,7 +13,7 @@ version at once, so admission never stops.
 Reports episodes/s, peak RSS and RSS over time; and, after everything was stopped and closed
 (episodes still running at the end are cancelled, as when a run stops), what leaked compared
 with a baseline taken after a warm-up: file descriptors (``/proc/self/fd``), asyncio tasks,
-Python threads, live sandboxes (``agentrl.sandbox.base.live_sandboxes``) and child processes
+Python threads, live sandboxes (``agentrl.sandbox.live.live_sandboxes``) and child processes
 (``/proc``).  Last line: JSON.
 
     python benchmarks/soak.py [--seconds 180 --concurrency 1000 --latency-ms 5]
@@ -214,7 +214,7 @@ class Holdings:
 
     @classmethod
     def now(cls) -> Holdings:
-        from agentrl.sandbox.base import live_sandboxes
+        from agentrl.sandbox.live import live_sandboxes
 
         return cls(open_fds(), sorted(t.name for t in threading.enumerate()), child_pids(),
                    sorted(sb.id for sb in live_sandboxes()))

@@ -21,7 +21,8 @@ import shutil
 import threading
 from typing import Literal
 
-from agentrl.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits, install_cleanup_hooks
+from agentrl.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
+from agentrl.sandbox.live import install_cleanup_hooks
 from agentrl.sandbox.pool import SandboxPool
 
 Backend = Literal["auto", "bwrap", "docker", "local"]

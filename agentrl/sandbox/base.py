@@ -9,7 +9,6 @@ what a SIGKILL leaves behind).
 from __future__ import annotations
 
 import asyncio
-import atexit
 import base64
 import errno
 import json
@@ -17,13 +16,13 @@ import os
 import re
 import secrets
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from agentrl.errors import AgentrlError
+from agentrl.sandbox.live import register, unregister
 
 # The agent runs as one script: part 1 (protocol, init, serving) ends by calling main(), so
 # part 2 (running a command) and part 3 (processes, files, reset) are inserted before that call.
@@ -555,63 +554,3 @@ class AgentSandbox:
 
 def encode_request(req: dict[str, Any]) -> bytes:
     return (json.dumps(req) + "\n").encode()
-
-
-# ----------------------------------------------------------------------------- cleanup registry
-
-_LIVE: dict[str, AgentSandbox] = {}
-_LIVE_LOCK = threading.Lock()
-_HOOKS_INSTALLED = False
-
-
-def register(sb: AgentSandbox) -> None:
-    with _LIVE_LOCK:
-        _LIVE[sb.id] = sb
-
-
-def unregister(sb: AgentSandbox) -> None:
-    with _LIVE_LOCK:
-        _LIVE.pop(sb.id, None)
-
-
-def live_sandboxes() -> list[AgentSandbox]:
-    with _LIVE_LOCK:
-        return list(_LIVE.values())
-
-
-def kill_all_sync() -> None:
-    """Synchronously destroy every sandbox this process still holds (atexit / signals)."""
-    for sb in live_sandboxes():
-        try:
-            sb.kill_sync()
-        except Exception:
-            pass
-        unregister(sb)
-
-
-def install_cleanup_hooks() -> None:
-    """atexit + SIGTERM/SIGHUP handlers that destroy live sandboxes, then die as before.
-
-    SIGINT needs nothing extra: it raises KeyboardInterrupt, the async context managers
-    unwind, and atexit catches the rest.  Handlers are chained, never replaced silently,
-    and only installed from the main thread.
-    """
-    global _HOOKS_INSTALLED
-    if _HOOKS_INSTALLED or threading.current_thread() is not threading.main_thread():
-        return
-    _HOOKS_INSTALLED = True
-    atexit.register(kill_all_sync)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        previous = signal.getsignal(sig)
-        if previous is signal.SIG_IGN:
-            continue
-
-        def handler(signum: int, frame: Any, previous: Any = previous) -> None:
-            kill_all_sync()
-            if callable(previous):
-                previous(signum, frame)
-            else:  # SIG_DFL: die by the same signal, as if we had never been here
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-
-        signal.signal(sig, handler)

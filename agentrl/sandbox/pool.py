@@ -24,7 +24,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from agentrl.sandbox.base import AgentSandbox, SandboxError, SandboxLimits, install_cleanup_hooks
+from agentrl.sandbox.base import AgentSandbox, SandboxError, SandboxLimits
+from agentrl.sandbox.live import install_cleanup_hooks
 
 
 @dataclass

@@ -46,7 +46,7 @@ def isolating_backend(request: pytest.FixtureRequest) -> str:
 
 def sandbox_leftovers() -> list[str]:
     """What this test process left behind: sandbox processes, containers, temp dirs."""
-    from agentrl.sandbox.base import live_sandboxes
+    from agentrl.sandbox.live import live_sandboxes
 
     left = [f"registered sandbox {sb.id}" for sb in live_sandboxes()]
     for pid in descendants(os.getpid()):

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from agentrl.sandbox import SandboxError, SandboxPool, why_unavailable
-from agentrl.sandbox.base import live_sandboxes
 from agentrl.sandbox.bwrap import BwrapSandbox
+from agentrl.sandbox.live import live_sandboxes
 
 
 @pytest.fixture

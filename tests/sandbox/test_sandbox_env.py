@@ -10,7 +10,7 @@ import pytest
 from agentrl.envs.check import ScriptedClient
 from agentrl.envs.sandbox_env import SandboxEnv
 from agentrl.rubrics import Rubric
-from agentrl.sandbox.base import live_sandboxes
+from agentrl.sandbox.live import live_sandboxes
 from agentrl.types import SamplingParams
 
 

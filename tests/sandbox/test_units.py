@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from agentrl.sandbox import SandboxLimits
-from agentrl.sandbox.base import AgentSandbox, ExecResult, escape_controls, unregister
+from agentrl.sandbox.base import AgentSandbox, ExecResult, escape_controls
+from agentrl.sandbox.live import unregister
 
 seccomp = pytest.importorskip("agentrl.sandbox.seccomp")
 

@@ -9,7 +9,7 @@ from agentrl_env_code import PROBLEMS, load_environment
 
 from agentrl.envs.check import ScriptedClient, check_environment
 from agentrl.sandbox import why_unavailable
-from agentrl.sandbox.base import live_sandboxes
+from agentrl.sandbox.live import live_sandboxes
 from agentrl.types import SamplingParams
 
 
