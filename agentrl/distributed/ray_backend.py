@@ -48,7 +48,6 @@ def ensure_ray(address: str | None) -> bool:
     we started it (end it with :func:`shutdown_ray`)."""
     if ray.is_initialized():
         return False
-    _hide_ray_token()
     try:
         if address:
             ray.init(address=address, log_to_driver=False)
@@ -57,6 +56,7 @@ def ensure_ray(address: str | None) -> bool:
     except Exception as e:  # ConnectionError, RuntimeError, ... — all mean "no cluster"
         shutdown_ray()
         raise RayBackendError(f"could not start or join a Ray cluster ({address or 'local'}): {e}") from None
+    _hide_ray_token()  # joined or ours: its token file exists now
     return True
 
 
@@ -86,7 +86,6 @@ def _private_cluster_dir() -> str:
         else:
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32))  # what Ray's own generator writes
-    _hide_ray_token()
     return str(top / "r")
 
 
