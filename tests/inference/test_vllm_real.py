@@ -148,9 +148,9 @@ def test_a_request_spanning_a_push_tags_each_token_with_its_version(vllm, model_
     weights = load_file(str(Path(model_dir) / "model.safetensors"))
     headers = {"Authorization": f"Bearer {KEY}"}
 
-    async def go(old: int, delay: float):
-        """One request; ``delay`` s after it starts the server is paused (requests stay in flight) and
-        version old+1 pushed.  None when the request ended before the pause (a fast host)."""
+    async def go(old: int):
+        """One request whose server is paused (requests stay in flight) and given version old+1 once a streamed
+        twin of it, batched in the same steps, has shown tokens.  None when the request ended before the pause."""
         sync = VLLMWeightSync(vllm.base_url, api_key=KEY)
         await sync.set_version(old)
         async with httpx.AsyncClient(base_url=vllm.root_url, headers=headers, timeout=300) as http:
@@ -158,24 +158,32 @@ def test_a_request_spanning_a_push_tags_each_token_with_its_version(vllm, model_
                 "max_tokens": max_model_len - len(ids) - 1, "temperature": 1.0, "seed": 0, "ignore_eos": True,
                 "logprobs": 0, "detokenize": True}}  # fmt: skip
             request = asyncio.create_task(http.post("/inference/v1/generate", json=body))
-            await asyncio.sleep(delay)
-            (await http.post("/pause", params={"mode": "keep"})).raise_for_status()  # frozen mid-generation
+            await asyncio.sleep(0)  # its POST goes out first
+            # no fixed delay: how long a request takes depends on the host; the twin's first tokens say "decoding"
+            async with http.stream("POST", "/inference/v1/generate", json={**body, "stream": True}) as twin:
+                assert twin.status_code == 200, (await twin.aread())[:500]
+                async for line in twin.aiter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("token_ids"):
+                        break
+                (await http.post("/pause", params={"mode": "keep"})).raise_for_status()  # frozen mid-generation
             if request.done():
+                reply = await request
                 await http.post("/resume")
-                await request
                 await sync.close()
+                assert reply.status_code == 200, f"/inference/v1/generate: {reply.status_code} {reply.text[:500]}"
                 return None
             await sync.push(weights, old + 1)  # pauses (already), reloads, resumes
-            reply = (await request).json()
+            reply = await request
         await sync.close()
-        return from_generate(reply["choices"][0], start_version=-1)
+        assert reply.status_code == 200, f"/inference/v1/generate: {reply.status_code} {reply.text[:500]}"
+        return from_generate(reply.json()["choices"][0], start_version=-1)
 
-    # how long a request takes depends on the host: try pauses from late to early until one lands mid-request
-    # (a pause before the first token gives every token the new version: also tried again)
+    # a pause before the request's first step gives every token the new version, one after its last step none:
+    # both are tried again
     tried = []
-    for k, delay in enumerate((0.3, 0.1, 0.03, 0.01, 0.003, 0.001)):
+    for k in range(5):
         old = 5 + 2 * k
-        ch = asyncio.run(go(old, delay))
+        ch = asyncio.run(go(old))
         tried.append(None if ch is None else sorted(set(ch["token_versions"])))
         if ch is not None and set(ch["token_versions"]) == {old, old + 1}:
             break
