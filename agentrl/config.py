@@ -289,7 +289,10 @@ class TrainerConfig(Section):
     )
     minibatches: int = Field(1, ge=1, description="Optimizer updates per batch (the groups split evenly).")
     epochs: int = Field(1, ge=1, description="Passes over the batch; updates per step = epochs × minibatches.")
-    lr: float = Field(2e-4, gt=0, description="AdamW learning rate.")
+    lr: float | None = Field(
+        None, gt=0, description="AdamW learning rate. Unset: chosen from the model's size when the run starts "
+        "(and logged): 1e-4 under 10M parameters (the tiny model), else 1e-6, or 1e-5 with LoRA.",
+    )
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up steps.")
@@ -344,7 +347,9 @@ class SFTConfig(Section):
     enabled: bool = Field(True, description="Warm-start with SFT on the env's demonstrations (cached).")
     steps: int = Field(120, ge=0, description="SFT optimizer steps.")
     batch_size: int = Field(64, ge=1, description="Demonstrations per SFT step.")
-    lr: float = Field(1e-3, gt=0, description="SFT learning rate.")
+    lr: float | None = Field(
+        None, gt=0, description="SFT learning rate. Unset: 1e-3 under 10M parameters (the tiny model), else 2e-5."
+    )
     num_demos: int = Field(4096, ge=1, description="Demonstrations drawn from the environment.")
     demo_args: dict[str, Any] = Field(default_factory=dict, description="Extra kwargs for env.demonstrations().")
     target_reward: float | None = Field(

@@ -139,6 +139,7 @@ def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: flo
     from trl import GRPOConfig, GRPOTrainer
 
     from agentrl.plugins import load_environment
+    from agentrl.trainer.trainer import resolve_lr
 
     torch.set_num_threads(threads)
     env = load_environment(cfg.env.name, **cfg.env.args)
@@ -150,7 +151,7 @@ def run_trl(cfg: Config, warm: Path, seconds: float, out_dir: Path, every_s: flo
 
     ro, tc = cfg.rollout, cfg.trainer
     args = GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, seed=cfg.run.seed, max_steps=100_000, learning_rate=tc.lr,
+        output_dir=str(out_dir), use_cpu=True, seed=cfg.run.seed, max_steps=100_000, learning_rate=resolve_lr(tc, warm),
         adam_beta1=tc.betas[0], adam_beta2=tc.betas[1], weight_decay=0.0, warmup_steps=tc.warmup_steps,
         lr_scheduler_type="constant_with_warmup", max_grad_norm=tc.grad_clip,
         num_generations=ro.group_size, per_device_train_batch_size=ro.group_size * tc.batch_groups,

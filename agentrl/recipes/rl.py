@@ -240,8 +240,14 @@ def make_buffer(bc: BufferConfig, batch_groups: int, std_normalize: bool = False
 def build_state(
     cfg: Config, start_model: Path, train_tasks: list[Task], run_dir: Path, resume: bool, live: LiveProgress
 ) -> RLState:
-    from agentrl.trainer.trainer import Trainer
+    from agentrl.trainer.trainer import TINY_PARAMS, Trainer, param_count, resolve_lr
 
+    if cfg.trainer.lr is None:  # one value for every rank and actor, chosen once from the model's size
+        n = param_count(start_model)
+        lr = resolve_lr(cfg.trainer, start_model)
+        kind = "the tiny kind" if n < TINY_PARAMS else "pretrained" + (", LoRA" if cfg.trainer.lora_rank else "")
+        live.note(f"trainer.lr unset: {lr:g} for a {n / 1e6:.3g}M-parameter model ({kind}); set --trainer.lr to choose")
+        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"lr": lr})})
     if cfg.cluster.trainer_actor:  # its own Ray actor(s); the same calls reach it (agentrl.distributed.trainer_actor)
         from agentrl.distributed.trainer_actor import start_trainer_actor
 

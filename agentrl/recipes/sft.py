@@ -265,7 +265,7 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     from agentrl.heap import HeapBudget
     from agentrl.metrics import StepProgress
     from agentrl.precision import use_bf16
-    from agentrl.trainer.trainer import adamw, resolve_device
+    from agentrl.trainer.trainer import adamw, default_sft_lr, resolve_device
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -280,7 +280,8 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     bf16 = use_bf16(dtype, model.config.get_text_config().hidden_size, dev.type)
     if bf16 and dev.type == "cpu":
         float32_attention(model)  # CPU flash attention is faster in float32 (agentrl.cpu_attention)
-    opt = adamw(list(model.parameters()), lr=sft.lr, betas=(0.9, 0.99), weight_decay=0.0)  # fused where it can
+    lr = sft.lr if sft.lr is not None else default_sft_lr(sum(p.numel() for p in model.parameters()))
+    opt = adamw(list(model.parameters()), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)  # fused where it can
     pad = model.config.pad_token_id or 0
     warmup = max(1, sft.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))

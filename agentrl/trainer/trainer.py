@@ -84,6 +84,44 @@ def adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, fused=fused or None, **kwargs)
 
 
+# A model under this many parameters is of the tiny kind agentrl builds: trained from near scratch
+# (an SFT warm start), it needs learning rates two orders above a pretrained model's.
+TINY_PARAMS = 10_000_000
+
+
+def param_count(model_dir: str | Path) -> int:
+    """Parameters in a checkpoint: from its safetensors headers, else from its config on the meta device."""
+    from agentrl.trainer.shard_load import weight_files
+
+    stored = weight_files(model_dir)
+    if stored:
+        return sum(math.prod(s.shape) for s in stored.values())
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
+
+
+def default_lr(n_params: int, *, lora: bool) -> float:
+    """``trainer.lr`` when unset.  The tiny model: 1e-4 (the quickstart's; 2e-4 swung by ±0.1 and 3e-4
+    collapsed: README, "The learning rate").  A pretrained model: 1e-6, the usual full fine-tuning RL
+    rate (TRL's and verl's GRPO default); LoRA 1e-5, since only the adapters move and B starts at zero."""
+    if n_params < TINY_PARAMS:
+        return 1e-4
+    return 1e-5 if lora else 1e-6
+
+
+def default_sft_lr(n_params: int) -> float:
+    """``sft.lr`` when unset: 1e-3 for the tiny model (its calibrated warm start), 2e-5 for a pretrained one."""
+    return 1e-3 if n_params < TINY_PARAMS else 2e-5
+
+
+def resolve_lr(cfg: TrainerConfig, model_dir: str | Path) -> float:
+    """The learning rate a trainer of ``model_dir`` uses: ``cfg.lr`` if set, else :func:`default_lr`."""
+    return cfg.lr if cfg.lr is not None else default_lr(param_count(model_dir), lora=cfg.lora_rank > 0)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -148,7 +186,8 @@ class Trainer:
             route_linears(self.model)  # float32 products through oneDNN (agentrl.cpu_gemm)
         self.model.eval()  # dropout off everywhere: RL trains on the distribution that was sampled
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = adamw(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.lr = resolve_lr(cfg, model_dir)
+        self.optimizer = adamw(params, lr=self.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, cfg.steps)
         )

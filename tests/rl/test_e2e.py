@@ -65,6 +65,7 @@ def test_staleness_is_a_bound_and_the_ledger_adds_up(tiny_model, tmp_path, eta):
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(5))
     assert all(r["buffer/staleness_max"] <= eta for r in rows)
+    assert {r["train/lr"] for r in rows} == {1e-4}  # trainer.lr unset: the tiny model's rate
     _ledger_adds_up(rows[-1])
     trained = _trained_ids(run_dir)
     assert len(trained) == len(set(trained)) == rows[-1]["ledger/trained"] == 5 * 2 * 4
