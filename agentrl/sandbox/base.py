@@ -266,6 +266,7 @@ class AgentSandbox:
         self._started = False
         self._broken: str | None = None
         self._oom_kills_when_broken: int | None = None  # the cgroup's counter as it broke (teardown removes it)
+        self._agent_oom_killed = False  # the backend saw the agent itself die of the OOM killer (docker)
         self._closed = False
         self._close_lock = asyncio.Lock()
         register(self)  # before the first await: a cancelled start is still cleaned up
@@ -395,8 +396,8 @@ class AgentSandbox:
             except TimeoutError:
                 await self._break(f"agent did not answer '{req['op']}' within {timeout:.1f}s")
                 raise SandboxError(f"sandbox {self.id}: {self._broken}") from None
-            except SandboxError as e:
-                await self._break(str(e))
+            except SandboxError as e:  # the transport lost the agent
+                await self._break(str(e), agent_gone=True)
                 raise
             except Exception as e:  # transport failure of any kind is the sandbox's
                 await self._break(f"{type(e).__name__}: {e}")
@@ -415,11 +416,18 @@ class AgentSandbox:
             raise exc_type.get(kind, OSError)(no, msg, req.get("path"))
         return resp
 
-    async def _break(self, why: str) -> None:
+    async def _break(self, why: str, *, agent_gone: bool = False) -> None:
         if self._broken is None:
             self._broken = why
             self._oom_kills_when_broken = self._oom_kills()
+            if agent_gone:  # asked before teardown removes what would tell
+                self._agent_oom_killed = await self._agent_died_of_oom()
         await asyncio.shield(self._stop())
+
+    async def _agent_died_of_oom(self) -> bool:
+        """Whether the OOM killer took the agent, for a backend without a host-side counter
+        (:meth:`_oom_kills` None).  Called once, as the agent is found gone, before teardown."""
+        return False
 
     def _relpath(self, path: str) -> str:
         """``path`` relative to the work dir; anything that could leave it is refused."""
@@ -464,6 +472,7 @@ class AgentSandbox:
         }
         oom0 = self._oom_kills()
         start = time.monotonic()
+        intact = self._broken is None
         try:
             r = await self._call(req, timeout=timeout + self.grace_s)
         except SandboxError:
@@ -472,7 +481,8 @@ class AgentSandbox:
             # command ran out of memory all the same: its failure (oom), not an infrastructure error
             # the episode would be dropped for.  The sandbox is broken; a pool replaces it.
             broke = self._oom_kills_when_broken
-            if oom0 is None or broke is None or broke <= oom0:
+            counted = oom0 is not None and broke is not None and broke > oom0
+            if not intact or not (counted or self._agent_oom_killed):  # an OOM during this exec only
                 raise
             return ExecResult(exit_code=128 + signal.SIGKILL, stdout="", stderr=OOM_TOOK_THE_AGENT, oom=True,
                               wall_s=time.monotonic() - start, signal=int(signal.SIGKILL))  # fmt: skip

@@ -30,6 +30,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -79,6 +80,29 @@ def client() -> Any:
                 raise SandboxError(f"no Docker engine answers at DOCKER_HOST={host}: {e}") from e
             _clients[host] = c
         return _clients[host]
+
+
+def _killed_by_sigkill(cid: str) -> bool:
+    """The container's pid 1 (the agent) was OOM-killed.  Docker says so (``OOMKilled``); podman
+    reports false for an OOM kill, so there a SIGKILL (exit 137) that agentrl did not send (it asks
+    before its own teardown) counts: a command cannot signal the agent (it runs in a pid namespace
+    below), so only the kernel or the engine's owner can.  Waits up to 2 s for the exit to show."""
+    try:
+        client().api.wait(cid, timeout=2)
+        state = client().api.inspect_container(cid)["State"]
+    except Exception:  # still running, gone, or the engine unreachable: not known to be an OOM kill
+        return False
+    if state.get("Status") != "exited" or state.get("ExitCode") != 137:
+        return False
+    return bool(state.get("OOMKilled")) or _is_podman()
+
+
+@functools.cache
+def _is_podman() -> bool:
+    try:
+        return any("podman" in str(c.get("Name", "")).lower() for c in client().version().get("Components", []))
+    except Exception:
+        return False
 
 
 def process_start_time(pid: int) -> str:
@@ -223,6 +247,13 @@ class DockerSandbox(AgentSandbox):
 
     def kill_sync(self) -> None:
         self._stop_sync()
+
+    async def _agent_died_of_oom(self) -> bool:
+        with self._tlock:
+            cid, stopping = self._cid, self._stopping
+        if cid is None or stopping:
+            return False
+        return await self._in_thread(_killed_by_sigkill, cid)
 
     # --- transport: multiplexed frames (8-byte header: stream id, 3 zero bytes, size)
     async def _request(self, req: dict[str, Any], timeout: float) -> dict[str, Any]:

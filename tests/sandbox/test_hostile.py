@@ -232,15 +232,14 @@ OOM_THE_AGENT = ("import os\nopen('/proc/self/oom_score_adj', 'w').write('0')\n"
                  "    try: os.write(fds[-1], chunk)\n    except OSError: fds.append(os.memfd_create('x'))")  # fmt: skip
 
 
-async def test_an_oom_that_takes_the_agent_is_still_the_commands_oom(limits):
+async def test_an_oom_that_takes_the_agent_is_still_the_commands_oom(isolating_backend, limits):
     """The attack: make the OOM killer take the sandbox's agent instead of the command.  The exec
     raised SandboxError (kind ``sandbox``: the episode left its group, untrained): running out of
-    memory on purpose escaped a wrong answer.  The cgroup's OOM-kill counter moved during the exec,
-    so it is the command's ``oom`` (a counted failure); the broken sandbox is replaced by the pool."""
-    if why_unavailable("bwrap"):
-        pytest.skip("bwrap unavailable")
+    memory on purpose escaped a wrong answer.  bwrap: the cgroup's OOM-kill counter moved during the
+    exec; docker: the container's pid 1 died of a SIGKILL agentrl did not send.  Either way it is the
+    command's ``oom`` (a counted failure); the broken sandbox is replaced by the pool."""
     lim = dataclasses.replace(limits, timeout_s=20.0, cpu_s=10)
-    async with SandboxPool("bwrap", lim, max_live=1) as pool:
+    async with SandboxPool(isolating_backend, lim, max_live=1) as pool:
         async with pool.acquire() as sb:
             if not sb._memory_cgroup():
                 pytest.skip("no memory cgroup on this host: an allocation fails instead (see sandbox doctor)")
@@ -256,6 +255,29 @@ async def test_an_oom_that_takes_the_agent_is_still_the_commands_oom(limits):
             assert fresh is not sb
             await assert_sandbox_fine(fresh)
     assert_host_fine()
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+async def test_an_agent_killed_from_outside_is_the_sandboxes_failure_not_an_oom(limits, sig):
+    """The other side of the OOM rule: a container stopped by a signal, with no OOM kill, stays a
+    sandbox error (the episode is not the command's failure).  A SIGKILL from outside reads as an
+    OOM only where the engine cannot tell (podman: exit 137, OOMKilled false, see _killed_by_sigkill)."""
+    from agentrl.sandbox.docker import _is_podman, client
+
+    if why_unavailable("docker"):
+        pytest.skip("docker unavailable")
+    async with make_sandbox("docker", limits) as sb:
+        job = asyncio.ensure_future(sb.exec(["sleep", "2"]))
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(client().api.kill, sb._cid, sig)
+        if sig == "SIGKILL" and _is_podman():
+            r = await job
+            assert r.oom, r
+        else:
+            with pytest.raises(SandboxError, match="container agent gone"):
+                await job
+        assert not sb.alive
 
 
 async def test_inode_bomb_stops_at_the_file_limit(isolating_backend, limits):
