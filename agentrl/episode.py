@@ -150,6 +150,7 @@ class _Episode:
         self.seq: TokenSequence | None = None
         self.sampled_total = 0
         self._latency = 0.0
+        self._deadline: float | None = None  # loop time the wall limit ends
         self.tool_parser = DEFAULT_PARSER
 
     async def run(self, limit: float | None) -> None:
@@ -157,6 +158,7 @@ class _Episode:
         wall = asyncio.timeout(limit)
         try:
             async with wall:
+                self._deadline = wall.when()
                 t0 = time.perf_counter()
                 self.state = await self.env.setup(traj.task)
                 traj.timing["setup_s"] = time.perf_counter() - t0
@@ -209,6 +211,7 @@ class _Episode:
             self.client, self.sampling, tool_parser=self.tool_parser, max_calls=self.max_turns,
             max_total_tokens=env.max_total_tokens, max_seq_len=env.max_seq_len, token_exact=self.token_exact,
         )  # fmt: skip
+        session.deadline = self._deadline  # the program's own limit ends before it, so its env names why
         try:
             state["result"] = await program(state, session)
         except EpisodeFailure:

@@ -21,7 +21,12 @@ the same episode; every sequence after the first counts in ``template_breaks``. 
 calls never share a sequence, so interleaved calls stay apart.
 
 **Sampling.**  Temperature, top-p, top-k, min-p and the seed are the run's (the trainer
-rebuilds μ from them); the program's values are ignored.  ``max_tokens`` /
+rebuilds μ from them); the program's values are ignored, as are its penalties and its
+bookkeeping fields (``user``, ``metadata``, ``store``, ...).  A field whose effect or reply shape
+the gateway cannot give (``logprobs``, ``response_format`` other than text, the legacy
+``functions``, ``logit_bias``, ``chat_template_kwargs``, ...) is a 400 that names it, and so is a
+field the OpenAI API does not know (as the API answers it); a 400 before the model was called
+is the program's failure, never the policy's.  ``max_tokens`` /
 ``max_completion_tokens`` and ``stop`` are honoured within the run's per-turn budget and the
 episode's token limits; past ``max_calls`` a call is a 400 (its body unparsed), each further one answered a little
 later, one episode's refusals one after another (a retry loop, or many threads, would otherwise spin on the
@@ -57,7 +62,25 @@ from agentrl.tool_format import get_parser
 from agentrl.types import Completion, SamplingParams, TokenSequence, ToolCall, Turn, new_id
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_BODY = 32 << 20  # bytes of one request (a long conversation with tool results)
+MAX_BODY = 8 << 20  # bytes of one request (a 128k-token conversation is ~1 MB of JSON)
+MAX_IN_FLIGHT = 8  # one episode's calls read and served at once; more wait (their bodies unread)
+# request fields: served; the run's own instead (sampling, bookkeeping); refused, with why
+SERVED = frozenset({"messages", "model", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "stop", "n",
+                    "stream", "stream_options"})  # fmt: skip
+IGNORED = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "user", "metadata", "store", "parallel_tool_calls", "service_tier",
+                     "reasoning_effort", "safety_identifier", "prompt_cache_key", "verbosity"})  # fmt: skip
+UNSERVED = {
+    "logprobs": "the gateway returns no logprobs (the run records the sampled ones itself)",
+    "top_logprobs": "the gateway returns no logprobs (the run records the sampled ones itself)",
+    "response_format": "decoding is not constrained: ask for the format in the prompt",
+    "functions": "the legacy functions API is not served: pass tools=[{'type': 'function', ...}]",
+    "function_call": "the legacy functions API is not served: pass tool_choice",
+    "logit_bias": "the run's sampling is what the trainer rebuilds μ from: token biases cannot be applied",
+    "chat_template_kwargs": "prompts are rendered with the model's chat template as the run configures it",
+    "modalities": "text only", "audio": "text only", "prediction": "predicted outputs are not served",
+    "web_search_options": "no web search",
+}  # values that ask for nothing (false, null, text) pass; see _unserved
 JSON, EVENTS = "application/json", "text/event-stream"
 ENDED_KEPT = 4096  # ended episodes remembered, so a late call hears "ended" rather than 401
 OVER_LIMIT_WAIT_S, OVER_LIMIT_WAIT_MAX_S = 0.02, 1.0  # the k-th refusal past max_calls waits (k-1) x 20 ms, at most 1 s
@@ -120,7 +143,10 @@ class Session:
         self.generation_s = self.tokenize_s = 0.0
         self.failure: EpisodeFailure | None = None
         self.refusals = 0  # calls answered with an error (the program may have swallowed them)
+        self.admitted_refusals = 0  # of those, calls refused after they were admitted (counted in calls)
         self.first_refusal: str | None = None
+        self.deadline: float | None = None  # loop time the episode's wall limit ends (set by the episode loop)
+        self.slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         self.hit_limit = False
         self.over_limit = 0  # calls refused for max_calls
         self.closed = False
@@ -164,9 +190,18 @@ class Session:
         await self.refuse_if_spent()
         messages, tools, max_tokens, stop, parse_tools = _read_request(body)
         self.calls += 1
-        if not self.token_exact:
-            return await self._chat_untracked(messages, tools, max_tokens, stop, parse_tools)
+        try:
+            if not self.token_exact:
+                return await self._chat_untracked(messages, tools, max_tokens, stop, parse_tools)
+            return await self._chat_tracked(messages, tools, max_tokens, stop, parse_tools)
+        except Exception:  # refused after admission (a cancelled call, whose client left, is not)
+            self.admitted_refusals += 1
+            raise
 
+    async def _chat_tracked(
+        self, messages: list[dict], tools: list[dict] | None, max_tokens: int | None, stop: list[str] | None,
+        parse_tools: bool,
+    ) -> tuple[dict[str, Any], str, dict[str, int]]:
         async with self._lock:  # choosing a sequence and claiming it is one step for concurrent calls
             branch, prompt = await self._place(messages, tools)
         try:
@@ -176,7 +211,10 @@ class Session:
                 latency = time.perf_counter() - t0
                 if self.closed:
                     raise Refused(410, "the episode ended while this call was sampling")
-                return self._record(branch, messages, tools, prompt, completion, latency, parse_tools)
+                # a turn that may have ended on a stop string has no end-of-turn token of its own: its
+                # ids hold the stop string the reply drops, so the next call cannot continue it
+                joinable = completion.finish_reason == "stop" and not sampling.stop
+                return self._record(branch, messages, tools, prompt, completion, latency, parse_tools, joinable)
         finally:
             branch.busy = False
             if branch.seq is None:  # its first call failed: nothing to extend
@@ -256,7 +294,7 @@ class Session:
 
     def _record(
         self, br: _Branch, messages: list[dict], tools: list[dict] | None, prompt: list[int], c: Completion,
-        latency: float, parse_tools: bool,
+        latency: float, parse_tools: bool, joinable: bool,
     ) -> tuple[dict[str, Any], str, dict[str, int]]:
         ids, versions = list(c.token_ids or []), list(c.versions or [])
         if br.seq is None:
@@ -270,7 +308,7 @@ class Session:
         self.turns.append(Turn(len(prompt), ids, c.text, c.finish_reason, versions, latency, len(ids)))
         reply, finish = self._reply(c.text or "", c.finish_reason, parse_tools)
         br.messages, br.tools = [*messages, reply], tools
-        br.sampled = ids if c.finish_reason != "length" else []  # a cut-off turn has no end-of-turn token
+        br.sampled = ids if joinable else []  # a cut-off turn has no end-of-turn token either
         self.transcript = br.messages
         return reply, finish, {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
                                "total_tokens": len(prompt) + len(ids)}  # fmt: skip
@@ -334,6 +372,20 @@ def _read_request(body: Any) -> tuple[list[dict], list[dict] | None, int | None,
     """Check a chat request: (messages, tools, max_tokens, stop, whether to parse tool calls)."""
     if not isinstance(body, dict):
         raise Refused(400, "the request body must be a JSON object")
+    for key, value in body.items():
+        if key in SERVED or key in IGNORED:
+            continue
+        if key not in UNSERVED:
+            raise Refused(400, f"Unrecognized request argument supplied: {key}"[:300])
+        if _asks_for_something(key, value):
+            raise Refused(400, f"'{key}' is not supported by the agentrl gateway: {UNSERVED[key]}")
+    if not isinstance(body.get("model"), (str, type(None))):
+        raise Refused(400, "'model' must be a string")
+    if body.get("stream") not in (None, True, False):
+        raise Refused(400, "'stream' must be a boolean")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and options.get("include_usage") in (None, True, False)):
+        raise Refused(400, "'stream_options' must be an object like {'include_usage': true}")
     if body.get("n", 1) not in (1, None):
         raise Refused(400, "n must be 1: the gateway samples one reply per call", "invalid_request_error")
     raw = body.get("messages")
@@ -354,6 +406,18 @@ def _read_request(body: Any) -> tuple[list[dict], list[dict] | None, int | None,
     if choice not in (None, "auto", "none", "required") and not isinstance(choice, dict):
         raise Refused(400, "'tool_choice' must be 'auto', 'none', 'required' or a named function")
     return messages, tools, max_tokens, stop, tools is not None and choice != "none"
+
+
+def _asks_for_something(key: str, value: Any) -> bool:
+    """Whether an :data:`UNSERVED` field asks for what the gateway does not give (false, null, empty,
+    a text response format and text-only modalities ask for nothing)."""
+    if value is None or value is False or value in ("", [], {}):
+        return False
+    if key == "response_format":
+        return not (isinstance(value, dict) and value.get("type") == "text")
+    if key == "modalities":
+        return value != ["text"]
+    return True
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:
@@ -460,7 +524,11 @@ class Gateway:
         if route == ("POST", "chat/completions"):
             if len(body) > MAX_BODY:
                 return _error_body(Refused(413, f"the request body is over {MAX_BODY} bytes"))
-            return await self._answer(parts[2], authorization, body)
+
+            async def read() -> bytes:
+                return body
+
+            return await self._answer(parts[2], authorization, read)
         if route == ("GET", "models"):
             return self._list_models(parts[2], authorization)
         return _error_body(Refused(404, f"no route {method} {path}: the gateway serves POST .../v1/chat/completions "
@@ -486,17 +554,19 @@ class Gateway:
         model = {"id": str(getattr(session.client, "model", "policy")), "object": "model", "owned_by": "agentrl"}
         return 200, JSON, json.dumps({"object": "list", "data": [model]}).encode()
 
-    async def _answer(self, eid: str, authorization: str | None, raw: bytes) -> tuple[int, str, bytes]:
-        """A chat completion: JSON, or the finished reply as server-sent events (``stream``)."""
+    async def _answer(self, eid: str, authorization: str | None, read: Any) -> tuple[int, str, bytes]:
+        """A chat completion: JSON, or the finished reply as server-sent events (``stream``).  ``read()``
+        gives the body: only once the call is under the limit and holds one of its episode's slots."""
         session = None
         try:
             session = self._session(eid, authorization)
-            await session.refuse_if_spent()  # a flood past the limit: no body of it is parsed
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                raise Refused(400, "the request body is not JSON") from None
-            message, finish, usage = await session.chat(body)
+            await session.refuse_if_spent()  # a flood past the limit: no body of it is read
+            async with session.slots:  # many calls at once wait here, their bodies unread
+                try:
+                    body = json.loads(await read())
+                except ValueError:
+                    raise Refused(400, "the request body is not JSON") from None
+                message, finish, usage = await session.chat(body)
         except Exception as e:  # a bug here must reach the program as an error, not a hang
             refusal = e if isinstance(e, Refused) else Refused(
                 500, f"the gateway failed: {type(e).__name__}: {e}"[:500], "server_error")  # fmt: skip
@@ -526,7 +596,16 @@ class Gateway:
             refused = _response(_error_body(e))
             refused.force_close()  # its body unread: the connection goes with the answer
             return refused
-        return _response(await self._answer(eid, authorization, await request.read()))
+        read = [False]
+
+        async def body() -> bytes:
+            read[0] = True
+            return await request.read()
+
+        answer = _response(await self._answer(eid, authorization, body))
+        if not read[0]:
+            answer.force_close()  # refused with its body unread: the connection goes with the answer
+        return answer
 
 
 def _response(answer: tuple[int, str, bytes]) -> web.Response:

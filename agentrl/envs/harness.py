@@ -44,6 +44,8 @@ answer by making its program fail:
 
 - ``timeout_s`` passed after the program's first model call: kind ``timeout`` (the policy's:
   it can make a program loop); before any call, kind ``env`` (a program stuck on its own).
+  Where the episode's wall limit comes first, the program's time ends :data:`KILL_MARGIN_S`
+  before it, so that the same rule, not the episode loop's blanket ``timeout``, decides.
 - a non-zero exit (in-process: an exception) after the program's first model call: most
   agent programs crash on a malformed tool call (or on a reply the model drew out past the
   program's own client timeout), so with ``failed_exit="failure"`` (the default) it is kind
@@ -80,6 +82,9 @@ from agentrl.types import Message, Task, json_default, messages_to_dicts
 
 STDOUT_KEEP = 64 << 10  # bytes of stdout kept (the answer is its last line)
 STDERR_KEEP = 300  # characters of stderr quoted in an error
+# a program whose time ends with the episode's wall limit is stopped this much earlier: its kill,
+# reap and the error that names it must finish before the episode's limit cuts them short
+KILL_MARGIN_S = 1.5
 
 Agent = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 # never in a program's environment: the run's key (weight pushes), Ray's token (code on the cluster)
@@ -232,27 +237,47 @@ class HarnessEnv(Environment):
             # the SDK finds its platform headers in a worker thread on a client's first request: a
             # thread hop per episode, which queued behind the default executor under load
             client._platform = self._platform
-        wall = asyncio.timeout(self.program_timeout_s)
+        seconds, limit = self._time_of(session)
+        wall = asyncio.timeout(seconds)
         try:
             async with wall:
                 result = await self.agent(client, task)  # type: ignore[misc]
         except TimeoutError as e:
             if wall.expired():
-                raise self._timed_out(session, "agent", None) from None
+                raise self._timed_out(session, "agent", None, limit) from None
             raise self._failed(session, f"the agent {self.program} raised {error_text(e)}") from e
         except EpisodeFailure:
             raise
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # sys.exit() in an agent ends its episode, never the run
             raise self._failed(session, f"the agent {self.program} raised {error_text(e)}") from e
+        except asyncio.CancelledError as e:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # this episode is being cancelled
+            # the agent's own (it awaited a task it had cancelled): its bug, not the episode's end
+            raise self._failed(session, f"the agent {self.program} raised CancelledError of its own") from e
         self._platform = self._platform or getattr(client, "_platform", None)
         self._check_replied(session, "agent", "returned without calling the model", None)
         return "" if result is None else str(result)
 
-    def _timed_out(self, session: Session, kind: str, stderr: str | None) -> EpisodeFailure:
-        """``timeout_s`` passed: the policy's failure once the model was called (it can make a
+    def _time_of(self, session: Session) -> tuple[float, str]:
+        """The program's time, and its name in words: ``timeout_s``, or what the episode's wall limit
+        leaves of it (less :data:`KILL_MARGIN_S`) where that ends first, so that this env, which can
+        tell a program's own hang from the policy's, is the one that stops it."""
+        own = self.program_timeout_s
+        if session.deadline is None:
+            return own, f"timeout_s={own:g}s"
+        left = session.deadline - asyncio.get_running_loop().time() - KILL_MARGIN_S
+        if left >= own:
+            return own, f"timeout_s={own:g}s"
+        return max(left, 0.0), (f"the {max(left, 0.0):.3g}s its episode's wall limit left it (rollout.episode_timeout_s "
+                                f"or the env's timeout_s, shorter than HarnessEnv timeout_s={own:g}s)")  # fmt: skip
+
+    def _timed_out(self, session: Session, kind: str, stderr: str | None, limit: str) -> EpisodeFailure:
+        """Its time passed: the policy's failure once the model was called (it can make a
         program loop forever, or wait forever on its own output); before, the program's own hang."""
         tail = "" if stderr is None else f" (its processes were killed); stderr: {stderr}"
-        words = f"the {kind} {self.program} did not finish within timeout_s={self.program_timeout_s:g}s"
+        words = f"the {kind} {self.program} did not finish within {limit}"
         if _model_was_at_work(session):
             return EpisodeTimeout(f"{words} after {session.calls} model call(s){tail}")
         return EpisodeError(f"{words}, before calling the model{tail}")
@@ -315,7 +340,8 @@ class HarnessEnv(Environment):
         out, err = bytearray(), bytearray()
         readers = [asyncio.ensure_future(_drain_pipe(proc.stdout, out, STDOUT_KEEP)),
                    asyncio.ensure_future(_drain_pipe(proc.stderr, err, STDOUT_KEEP))]  # fmt: skip
-        wall = asyncio.timeout(self.program_timeout_s)
+        seconds, limit = self._time_of(session)
+        wall = asyncio.timeout(seconds)
         timed_out = False
         try:
             async with wall:
@@ -332,7 +358,7 @@ class HarnessEnv(Environment):
                 r.cancel()
         tail = _tail(err)
         if timed_out:
-            raise self._timed_out(session, "program", tail)
+            raise self._timed_out(session, "program", tail, limit)
         code = proc.returncode
         if code != 0:
             raise self._failed(session, f"the program {self.program} {exit_words(code, bool(launcher))}", tail)
@@ -352,8 +378,16 @@ def gateway_transport(gateway: Gateway) -> Any:
     class GatewayTransport(httpx.AsyncBaseTransport):  # type: ignore[name-defined,misc]
         async def handle_async_request(self, request: Any) -> Any:
             body = await request.aread()
-            status, content_type, data = await gateway.call(request.method, request.url.path,
-                                                            request.headers.get("authorization"), body)  # fmt: skip
+            # the client's read timeout (``client.with_options(timeout=30)``) as over HTTP: the call
+            # is cancelled (it records nothing) and the SDK sees its own timeout error
+            read_s = (request.extensions.get("timeout") or {}).get("read")
+            try:
+                async with asyncio.timeout(read_s):
+                    status, content_type, data = await gateway.call(request.method, request.url.path,
+                                                                    request.headers.get("authorization"), body)  # fmt: skip
+            except TimeoutError:
+                raise httpx.ReadTimeout(f"no reply within the client's read timeout of {read_s:g}s",
+                                        request=request) from None  # fmt: skip
             return httpx.Response(status, headers={"content-type": content_type}, content=data, request=request)
 
     return GatewayTransport()
@@ -387,7 +421,7 @@ def _model_was_at_work(session: Session) -> bool:
     """Whether the model may be why a program failed: it replied, or a call was admitted and not
     refused (one still sampling when the program gave up on it counts; a request the gateway
     refused, the program's own bad one, does not)."""
-    return bool(session.turns) or session.calls > session.refusals
+    return bool(session.turns) or session.calls > session.admitted_refusals
 
 
 def _tail(err: bytes) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from agentrl.envs import ScriptedClient
 from agentrl.gateway import Gateway
-from agentrl.types import SamplingParams
+from agentrl.types import Completion, SamplingParams
 
 SAMPLING = SamplingParams(max_tokens=200)
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 2+3?"}]}
@@ -118,5 +118,120 @@ async def test_calls_sampling_at_once_share_the_episodes_token_budget(reply):
         else:
             assert statuses == [200] * 5 and s.sampled_total == 10, (statuses, s.sampled_total)
         assert s._reserved == 0  # every claim released
+    finally:
+        await gateway.close()
+
+
+async def _open(gateway: Gateway, client: ScriptedClient, max_calls: int = 8):
+    return await gateway.open(client, SAMPLING, tool_parser="hermes", max_calls=max_calls, max_total_tokens=None,
+                              max_seq_len=None, token_exact=True)  # fmt: skip
+
+
+async def test_fields_the_gateway_cannot_honour_are_named_and_unknown_ones_refused_before_any_sampling():
+    """``logprobs: true`` got ``"logprobs": null`` back (the program then crashed on it, filed as the
+    policy's failure), ``functions=`` rendered no tools, ``stream_options: "usage"`` raised after the
+    turn was sampled and recorded (a 500, retried twice by the SDK: three recorded turns).  Each is now
+    a 400 that names the field, before admission (no call counted, nothing sampled); fields the run
+    overrides (temperature, seed, ...) and ones that ask for nothing (logprobs false) are served."""
+    gateway = Gateway()
+    try:
+        client = ScriptedClient(lambda p: "x")
+        s = await _open(gateway, client)
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {s.key}"}) as http:
+
+            async def post(extra: dict) -> tuple[int, str]:
+                async with http.post(s.base_url + "/chat/completions", json={**BODY, **extra}) as r:
+                    body = await r.json()
+                    return r.status, (body.get("error") or {}).get("message", "")
+
+            refused = {"logprobs": True, "top_logprobs": 3, "response_format": {"type": "json_object"},
+                       "functions": [{"name": "f", "parameters": {}}], "logit_bias": {"5": -100},
+                       "chat_template_kwargs": {"enable_thinking": False}, "stream_options": "usage",
+                       "stream": "yes", "model": 7, "best_of": 2, "temprature": 0.5}  # fmt: skip
+            for key, value in refused.items():
+                status, message = await post({key: value})
+                assert status == 400 and key in message, (key, status, message)
+            assert "Unrecognized request argument supplied: temprature" == (await post({"temprature": 0.5}))[1]
+            assert s.calls == 0 and s.turns == [] and client.prompts == [] and s.admitted_refusals == 0
+            served = {"temperature": 0.1, "top_p": 0.5, "seed": 3, "user": "u", "metadata": {"a": "b"},
+                      "logprobs": False, "response_format": {"type": "text"}, "parallel_tool_calls": True,
+                      "stream": False, "stream_options": None, "max_completion_tokens": 20}  # fmt: skip
+            assert await post(served) == (200, "")
+        assert s.calls == 1 and len(s.turns) == 1
+    finally:
+        await gateway.close()
+
+
+async def test_a_turn_ended_by_a_stop_string_is_not_continued_with_the_reply_the_program_saw():
+    """A ReAct program stops its calls at "Observation:".  The engine keeps the stop string's ids (the
+    reply's text drops it), so the turn has no end-of-turn token; the next call was joined to it
+    anyway (its last id, ":", also sits in the re-rendered reply's tail): the sequence held
+    "...Observation:" then the glue, tokens the program never sent.  Such a turn now ends its
+    sequence, and the next call starts a fresh, counted one."""
+    from agentrl.envs.check import IM_END, decode, encode
+
+    class Stops(ScriptedClient):  # what the engine does with a stop string: ids through it, text before it
+        async def complete(self, prompt_ids, sampling, n=1):
+            self.prompts.append(list(prompt_ids))
+            text = self.policy(decode(prompt_ids))
+            for stop in sampling.stop or []:
+                if stop in text:
+                    cut = text.index(stop)
+                    ids = encode(text[: cut + len(stop)])
+                    return [Completion(text[:cut], ids, [-0.5] * len(ids), [0] * len(ids), "stop")]
+            ids = [*encode(text), IM_END]
+            return [Completion(text, ids, [-0.5] * len(ids), [0] * len(ids), "stop")]
+
+    replies = iter(["Action: 2+3\nObservation: 5", "The answer is 5"])
+    gateway = Gateway()
+    try:
+        s = await _open(gateway, Stops(lambda p: next(replies)))
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {s.key}"}) as http:
+            url = s.base_url + "/chat/completions"
+            async with http.post(url, json={**BODY, "stop": ["Observation:"]}) as r:
+                first = (await r.json())["choices"][0]["message"]
+            assert first["content"] == "Action: 2+3\n"
+            messages = [*BODY["messages"], first, {"role": "user", "content": "Observation: 5"}]
+            async with http.post(url, json={"model": "m", "messages": messages, "stop": ["Observation:"]}) as r:
+                assert r.status == 200
+        assert len(s.sequences) == 2 and s.template_breaks == 1, [decode(q.token_ids) for q in s.sequences]
+        assert decode(s.sequences[0].token_ids).endswith("assistant\nAction: 2+3\nObservation:")
+        fresh = await s.client.tokenize(messages=messages)
+        assert s.sequences[1].token_ids[: len(fresh)] == fresh  # the program's conversation, as it sent it
+    finally:
+        await gateway.close()
+
+
+async def test_one_episodes_calls_are_served_a_few_at_a_time_their_bodies_unread_meanwhile():
+    """Nothing bounded one episode's calls in flight: a program's threads could hold up to the
+    server's connection cap of bodies (32 MiB each) in memory at once, and their sampling.  At most
+    MAX_IN_FLIGHT are read and served at once; the rest wait, and all are answered."""
+    from agentrl.gateway import MAX_IN_FLIGHT
+
+    running, most = 0, 0
+
+    class Counting(ScriptedClient):
+        async def complete(self, prompt_ids, sampling, n=1):
+            nonlocal running, most
+            running += 1
+            most = max(most, running)
+            try:
+                await asyncio.sleep(0.2)
+                return await super().complete(prompt_ids, sampling, n)
+            finally:
+                running -= 1
+
+    gateway = Gateway()
+    try:
+        s = await _open(gateway, Counting(lambda p: "x"), max_calls=3 * MAX_IN_FLIGHT)
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {s.key}"}) as http:
+
+            async def call() -> int:
+                async with http.post(s.base_url + "/chat/completions", json=BODY) as r:
+                    return r.status
+
+            statuses = await asyncio.wait_for(asyncio.gather(*(call() for _ in range(3 * MAX_IN_FLIGHT))), 60)
+        assert statuses == [200] * (3 * MAX_IN_FLIGHT)
+        assert most == MAX_IN_FLIGHT, most
     finally:
         await gateway.close()

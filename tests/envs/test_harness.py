@@ -8,6 +8,7 @@ engine in ``test_harness_engine.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -893,22 +894,97 @@ async def test_a_langchain_program_trains_unchanged(tmp_path):
 
 
 @pytest.mark.slow
-async def test_the_episodes_own_wall_limit_also_kills_the_program(tmp_path):
-    """``rollout.episode_timeout_s`` shorter than the program's ``timeout_s``: the episode ends
-    as ``timeout`` and the program's processes die with it."""
+@pytest.mark.parametrize("calls_first", [False, True], ids=["stuck-before-calling", "stuck-after-a-reply"])
+async def test_the_episodes_own_wall_limit_also_kills_the_program(tmp_path, calls_first):
+    """``rollout.episode_timeout_s`` shorter than the program's ``timeout_s`` (the defaults: 120 s and
+    300 s): the episode's limit fired first and filed every hang as kind ``timeout``, the policy's
+    failure, a program stuck before its first call included, without its name or its stderr.  The
+    program's time now ends just before the episode's, so HarnessEnv tells the two apart: before
+    any model call kind ``env``, after one ``timeout``; either way its processes die with it."""
     token, script = f"sleeper-{os.getpid()}-{time.monotonic_ns()}", tmp_path / "sleeper.py"
-    script.write_text("import time\ntime.sleep(600)\n")
+    call = "OpenAI().chat.completions.create(model='m', messages=TASK['prompt'])\n" if calls_first else ""
+    script.write_text("import json, os, sys, time\nfrom openai import OpenAI\nTASK = json.loads(os.environ['AGENTRL_TASK'])\n"
+                      f"{call}print('stuck here', file=sys.stderr, flush=True)\ntime.sleep(600)\n")  # fmt: skip
     env = HarnessEnv([sys.executable, str(script), token], dataset=ROWS, timeout_s=600)
     try:
         traj = await env.rollout(ScriptedClient(lambda p: "x"), env.dataset()[0], SAMPLING, timeout_s=8)
     finally:
         await env.close()
-    assert traj.error_kind == "timeout"
+    assert traj.error_kind == ("timeout" if calls_first else "env"), (traj.error_kind, traj.error)
+    assert "episode's wall limit left it" in traj.error and "timeout_s=600s" in traj.error, traj.error
+    assert "stuck here" in traj.error and traj.error.startswith(("EpisodeTimeout: the program", "EpisodeError: the program")), traj.error
+    assert ("after 1 model call(s)" if calls_first else "before calling the model") in traj.error, traj.error
     for _ in range(50):  # the kill is sent as the episode ends; the process goes a moment later
         if not alive(token):
             break
         await asyncio.sleep(0.1)
     assert alive(token) == []
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_an_agent_that_calls_sys_exit_ends_its_episode_not_the_run(when):
+    """``sys.exit()`` in an in-process agent (a CLI's main() wrapped as the agent) raised SystemExit
+    through the episode and the rollout: the run ended, exit code 0, no fate recorded.  It is the
+    agent's failure, named; after a model call the policy's (kind program), before it kind env."""
+
+    async def agent(client, task):
+        if when == "after":
+            await client.chat.completions.create(model="m", messages=task["prompt"])
+        sys.exit(0)
+
+    traj = await run(HarnessEnv(agent=agent, dataset=ROWS), ScriptedClient(lambda p: "x"))
+    assert traj.error_kind == ("program" if when == "after" else "env"), (traj.error_kind, traj.error)
+    assert "SystemExit" in traj.error and "agent" in traj.error, traj.error
+
+
+async def test_an_agents_own_cancelled_error_is_its_failure_not_the_groups_cancellation():
+    """An agent that awaits a task it cancelled itself raises CancelledError: the episode re-raised it,
+    the rollout manager abandoned the whole group, and its episodes stayed in flight until shutdown,
+    then counted as interrupted with no cause.  It is the agent's failure, named."""
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="m", messages=task["prompt"])
+        helper = asyncio.ensure_future(asyncio.sleep(60))
+        helper.cancel()
+        await helper
+
+    traj = await run(HarnessEnv(agent=agent, dataset=ROWS), ScriptedClient(lambda p: "x"))
+    assert traj.error_kind == "program" and "CancelledError of its own" in traj.error, (traj.error_kind, traj.error)
+
+    async def hangs(client, task):  # a real cancellation still cancels
+        await asyncio.sleep(600)
+
+    env = HarnessEnv(agent=hangs, dataset=ROWS)
+    episode = asyncio.ensure_future(env.rollout(ScriptedClient(lambda p: "x"), env.dataset()[0], SAMPLING))
+    await asyncio.sleep(0.3)
+    episode.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await episode
+    await env.close()
+
+
+async def test_an_in_process_agents_client_timeout_holds_and_a_refused_first_call_does_not_hide_the_policy():
+    """``client.with_options(timeout=...)`` never fired in-process (the transport ignored it), so an
+    agent waited to the wall limit.  And the "was the model at work" rule compared admitted calls with
+    every refusal: one refused before admission (an image part) plus one admitted call the model
+    drew out past the client's timeout read as "model not at work", kind env, an escape."""
+    import openai
+
+    class Slow(ScriptedClient):
+        async def complete(self, prompt_ids, sampling, n=1):
+            await asyncio.sleep(30)
+            return await super().complete(prompt_ids, sampling, n)
+
+    async def agent(client, task):
+        image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+        with contextlib.suppress(openai.BadRequestError):
+            await client.chat.completions.create(model="m", messages=image)  # refused before admission
+        await client.with_options(timeout=0.5).chat.completions.create(model="m", messages=task["prompt"])
+
+    t0 = time.monotonic()
+    traj = await run(HarnessEnv(agent=agent, dataset=ROWS, timeout_s=60), Slow(lambda p: "x"))
+    assert time.monotonic() - t0 < 20, "the client's timeout did not hold"
+    assert traj.error_kind == "program" and "APITimeoutError" in traj.error, (traj.error_kind, traj.error)
 
 
 async def test_closing_the_env_does_not_wait_for_calls_of_ended_episodes():
