@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from agentrl.errors import ConfigError
 from agentrl.inference.engine_args import EngineArgs
@@ -22,6 +23,34 @@ from agentrl.overrides import deep_merge, non_finite, parse_overrides
 from agentrl.types import SamplingParams
 
 _ENGINE = EngineArgs()  # the embedded engine's defaults, in one place
+
+
+def _device_name(v: str) -> str:
+    # a field validator's body: a typo ('gpu', 'cuda0') is refused when the config loads (--dry-run too)
+    from agentrl.devices import NAMES, USE
+
+    if not NAMES.fullmatch(v):
+        raise PydanticCustomError("device", f"not a device; {USE}")
+    return v
+
+
+def check_device(name: str, setting: str) -> None:
+    """Raise :class:`ConfigError` (one line naming ``setting``) for a device name that is not
+    auto, cpu, cuda or cuda:N, or that asks for a CUDA GPU torch cannot see on this host.  For the
+    checks before anything starts (``preflight``, ``agentrl serve``)."""
+    from agentrl.devices import resolve_device
+
+    resolve_device(name, ConfigError, setting)
+
+
+def check_devices(cfg: Config) -> None:
+    """:func:`check_device` for the devices a run uses on this host: ``trainer.device`` unless the
+    trainer is a Ray actor, ``inference.device`` when agentrl starts embedded engines here."""
+    if not cfg.cluster.trainer_actor:
+        check_device(cfg.trainer.device, "trainer.device")
+    ic = cfg.inference
+    if ic.engine == "embedded" and not ic.base_url and cfg.cluster.backend == "local":
+        check_device(ic.device, "inference.device")
 
 
 class Section(BaseModel):
@@ -146,6 +175,11 @@ class InferenceConfig(Section):
         from dataclasses import fields
 
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
+
+    @field_validator("device")
+    @classmethod
+    def _a_device(cls, v: str) -> str:
+        return _device_name(v)
 
     @field_validator("base_url", mode="before")
     @classmethod
@@ -313,6 +347,12 @@ class TrainerConfig(Section):
         "engine (r*(in+out) numbers per matrix); merged = the merged matrices (vLLM always gets these).",
     )
     device: str = Field("auto", description="Trainer device: auto | cpu | cuda | cuda:N (auto/cuda: GPU 0).")
+
+    @field_validator("device")
+    @classmethod
+    def _a_device(cls, v: str) -> str:
+        return _device_name(v)
+
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Trainer and SFT compute: bfloat16 = autocast over float32 weights; auto = bfloat16 for a "
         "model with hidden size >= 512 on a CPU with native bf16 (agentrl/precision.py), else float32.",

@@ -21,7 +21,7 @@ def serve(
     host: Host = "127.0.0.1",
     max_batch_size: Annotated[int, typer.Option(min=1, help="Sequences decoded together.")] = _ENGINE.max_batch_size,
     max_model_len: Annotated[int, typer.Option(min=16, help="Longest prompt+completion in tokens.")] = _ENGINE.max_model_len,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:i].")] = _ENGINE.device,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N.")] = _ENGINE.device,
     served_model_name: Annotated[str | None, typer.Option(help="Model name in the API (default: dir name).")] = None,
     tool_call_parser: Annotated[
         str, typer.Option(help="How the chat route splits tool calls: hermes | llama3_json | mistral | pythonic | auto.")
@@ -38,14 +38,14 @@ def serve(
     --api-key guards every route but /health; without one, a new key guards the control and
     weight routes and is written to --key-file.
     """
+    from agentrl.config import check_device
     from agentrl.tool_format import get_parser
 
     if tool_call_parser != "auto":
         get_parser(tool_call_parser)
     if not (Path(model_dir) / "config.json").is_file():
         raise AgentrlError(f"no model at {model_dir!r} (expected a HF model dir; try `agentrl model init tiny DIR`)")
-    if device not in ("auto", "cpu") and not device.startswith("cuda"):
-        raise AgentrlError(f"unknown device {device!r}; use auto, cpu or cuda")
+    check_device(device, "--device")  # a name torch refuses, or a GPU this host lacks: one line before any load
     from agentrl.guard import split_names
     from agentrl.inference.server_process import serve as run_server
 

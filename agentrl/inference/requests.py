@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentrl.errors import RequestError
+from agentrl import devices
+from agentrl.errors import EngineStartError, RequestError
 from agentrl.inference.sampling import Draw, EngineSampling
 
 
@@ -47,9 +48,10 @@ TokenCallback = Callable[[list[TokenEvent]], None]
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """The torch device an engine runs on; :class:`~agentrl.errors.EngineStartError` (one line, which
+    an engine's server prints as its refused start) for a name that is not a device or a CUDA
+    device this host lacks (:mod:`agentrl.devices`)."""
+    return devices.resolve_device(device, EngineStartError, "inference.device")
 
 
 def check_request(prompt_ids: list[int], n: int, vocab_size: int, max_model_len: int, max_batch_size: int) -> None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agentrl import devices
 from agentrl.cpu_attention import float32_attention
 from agentrl.cpu_gemm import route_linears
 from agentrl.heap import HeapBudget
@@ -123,9 +124,9 @@ def resolve_lr(cfg: TrainerConfig, model_dir: str | Path) -> float:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """The torch device the trainer runs on (``auto``: GPU 0 if torch sees one, else the CPU); one
+    :class:`~agentrl.errors.AgentrlError` line for a bad name or a GPU this host lacks."""
+    return devices.resolve_device(name, setting="trainer.device")
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
