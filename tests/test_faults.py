@@ -167,7 +167,7 @@ def test_a_task_that_json_cannot_hold_is_logged_and_trained(small_model, faulty_
 def test_a_wrong_model_name_is_one_line_exit_2_before_any_episode(small_model, faulty_env, engine, tmp_path):
     r = run(small_model, faulty_env, tmp_path / "run", "none", engine.base_url, "nope", engine.api_key)
     assert r.returncode == 2
-    assert f"pass --model {engine.model}" in one_line(r)
+    assert f'set inference.model_name = "{engine.model}"' in one_line(r)
     assert not (tmp_path / "run/rollouts.jsonl").exists() or not read_jsonl(tmp_path / "run/rollouts.jsonl")
 
 

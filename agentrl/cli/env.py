@@ -23,6 +23,12 @@ from agentrl.cli.app import (
 
 BaseUrl = Annotated[str | None, typer.Option("--base-url", "-b", help="OpenAI-compatible endpoint (…/v1).")]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-t", min=1, help="Sampled tokens per turn.")]
+#: the key a client sends to --base-url (engines a command starts itself have their own)
+ClientKey = Annotated[
+    str | None,
+    typer.Option("--api-key", envvar=["AGENTRL_API_KEY", "OPENAI_API_KEY"], show_envvar=True,
+                 help="The endpoint's API key (an agentrl engine's: RUN_DIR/api_key or the file `agentrl serve` printed)."),
+]
 
 
 @app.command("eval")
@@ -30,11 +36,7 @@ def eval_cmd(
     env: EnvName,
     model: Annotated[str, typer.Option("--model", "-m", help="Model name at --base-url, or a local model dir.")],
     base_url: BaseUrl = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option("--api-key", envvar=["AGENTRL_API_KEY", "OPENAI_API_KEY"], show_envvar=True,
-                     help="The endpoint's API key (an agentrl engine's: RUN_DIR/api_key or the file `agentrl serve` printed)."),
-    ] = None,
+    api_key: ClientKey = None,
     num_tasks: Annotated[int, typer.Option("--num-tasks", "-n", min=1, help="Held-out tasks to run.")] = 5,
     rollouts: Annotated[int, typer.Option("--rollouts", "-r", min=1, help="Episodes per task.")] = 3,
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, help="Episodes in flight.")] = 32,
@@ -177,10 +179,15 @@ def env_test(
     num_episodes: Annotated[int, typer.Option("--num-episodes", "-n", min=1, help="Episodes to run.")] = 3,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (local dir, or name at --base-url).")] = None,
     base_url: BaseUrl = None,
+    api_key: ClientKey = None,
     env_args: EnvArgs = None,
     max_tokens: MaxTokens = 128,
 ) -> None:
-    """Run the contract checklist (a scripted policy unless --model is given). Exit 1 on failure."""
+    """Run the contract checklist (a scripted policy unless --model is given). Exit 1 on failure.
+
+    With --model the endpoint is checked first (as `agentrl eval` does): one that cannot be
+    reached, refuses the key or does not serve the model is one line and exit 2, not a checklist
+    that blames the environment."""
     import asyncio
 
     from rich.table import Table
@@ -201,9 +208,12 @@ def env_test(
         if policy is not None:
             from agentrl.inference import PolicyClient
 
+            # engines started here have their own key; --api-key (else AGENTRL_API_KEY) is for --base-url
             client = PolicyClient(policy.base_urls, policy.model, tool_parser=policy.tool_parser,
-                                  api_key=policy.api_key)
+                                  api_key=policy.api_key if policy.started else api_key)
         try:
+            if client is not None:
+                await client.probe(token_path=True)  # the token path, as the checklist samples it
             return await check_environment(
                 environment, client, num_episodes=num_episodes, sampling=SamplingParams(max_tokens=max_tokens)
             )

@@ -64,6 +64,31 @@ from agentrl.types import Completion, Message, SamplingParams
 T = TypeVar("T")
 
 
+#: files one of which a HF tokenizer dir holds (fast, sentencepiece, BPE, WordPiece vocabularies)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """``text`` on one line, at most about ``limit`` characters: cut at a word boundary with an
+    ellipsis, never mid-word."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0] if " " in text[:limit] else text[:limit]
+    return cut.rstrip(" ,;:(") + "…"
+
+
+def no_tokenizer(path: str | os.PathLike) -> str | None:
+    """The one-line reason when the dir ``path`` holds no tokenizer (None when it holds one)."""
+    from pathlib import Path
+
+    d = Path(path)
+    if any((d / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    missing = " / ".join(f for f in ("tokenizer.json", "tokenizer_config.json") if not (d / f).is_file())
+    return f"no tokenizer in {str(path)!r} ({missing} missing): copy the base model's tokenizer files into it"
+
+
 def load_tokenizer(path: str | os.PathLike) -> Any:
     """A local HF tokenizer; a one-line :class:`~agentrl.errors.AgentrlError` when there is none."""
     from pathlib import Path
@@ -75,9 +100,15 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
 
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
-        raise AgentrlError(f"cannot load a tokenizer from {str(path)!r}: {type(e).__name__}: {str(e)[:200]}") from None
+        if (reason := no_tokenizer(path)) is not None:
+            raise AgentrlError(f"{reason}, or use the base model's dir instead (eval: --tokenizer DIR)") from None
+        raise AgentrlError(f"cannot load a tokenizer from {str(path)!r}: {type(e).__name__}: {clip(str(e))}") from None
     if not getattr(tok, "chat_template", None):
-        raise AgentrlError(f"the tokenizer in {str(path)!r} has no chat template to render prompts with")
+        raise AgentrlError(
+            f"the tokenizer in {str(path)!r} has no chat template to render prompts with: add one (chat_template "
+            "in its tokenizer_config.json, or a chat_template.jinja beside it) or use a tokenizer dir that has one; "
+            f"`agentrl model check-template {path}` checks it"
+        )
     return tok
 
 
@@ -112,6 +143,10 @@ class PolicyClient:
         if not urls:
             raise ValueError("PolicyClient needs at least one base_url")
         self.model = model
+        # whether a key was given (else the probe says so on an HTTP 401, not "a wrong key")
+        self.key_given = bool(api_key or client_key())
+        # the settings the probe's messages name (agentrl.inference.probe.Settings); None: the CLI's --base-url ...
+        self.probe_settings: Any = None
         self.api_key = api_key or client_key() or "EMPTY"  # rollout workers build their clients with it
         self.max_retries = max_retries
         # used when a server does not report per-token versions (plain vLLM)

@@ -38,8 +38,9 @@ SELF_CHECK_TOL = {torch.float32: 1e-3, torch.bfloat16: 1.5, torch.float16: 0.25}
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+    from agentrl.inference.client import clip
+
+    return f"{type(e).__name__}: {clip(str(e), 300)}"
 
 
 CPU_LINEAR = ("packed", "onednn", "torch")
@@ -63,6 +64,10 @@ def load_model(model_dir: Path, dtype: str, device: torch.device, cpu_linear: st
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES.get(dtype, "auto"))
     except (OSError, ValueError, KeyError, ImportError) as e:
+        from agentrl.inference.client import no_tokenizer
+
+        if "tokenizer" in str(e).lower() and (reason := no_tokenizer(model_dir)) is not None:
+            raise EngineStartError(reason) from e  # HF's own text stops at "from one of:"
         raise EngineStartError(f"cannot load {str(model_dir)!r} as a causal LM: {_one_line(e)}") from e
     if dtype == "auto" and model.dtype == torch.float32:
         from agentrl.precision import use_bf16

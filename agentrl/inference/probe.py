@@ -7,11 +7,14 @@ option, another endpoint).  :meth:`~agentrl.inference.client.PolicyClient.probe`
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import aiohttp
 
-from agentrl.errors import EndpointError, EndpointProbeError, MalformedResponse
+from agentrl.errors import EndpointError, EndpointProbeError
 from agentrl.inference.completions import choices_of
 from agentrl.inference.endpoint import Endpoint, HTTPStatusError, error_message
 from agentrl.types import SamplingParams
@@ -20,7 +23,88 @@ if TYPE_CHECKING:
     from agentrl.inference.client import PolicyClient
 
 
-async def probe(client: PolicyClient, *, token_path: bool, training: bool = False) -> None:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the user sets, as the command at hand names it: every probe message says which
+    setting to change (``agentrl eval`` has ``--base-url``; ``agentrl run``, ``inference.base_url``).
+
+    ``base_url``: where the endpoints came from ("" for engines agentrl started itself).
+    ``no_key`` / ``wrong_key``: what an HTTP 401 means when no key was given / when one was;
+    ``key_fix``: how to give the endpoint's key.  ``model_fix``: how to name the served model
+    (``{name}``: one it serves).  ``tokenize_fix``: what to do where the endpoint has no
+    ``/tokenize``.  ``tokenizer_fix``: what to do where the local tokenizer is not the served
+    model's.
+    """
+
+    base_url: str = "--base-url"
+    no_key: str = "no API key was given"
+    wrong_key: str = "it refused the API key given"
+    key_fix: str = "pass --api-key or set AGENTRL_API_KEY to that server's key"
+    model_fix: str = "pass --model {name}"
+    tokenize_fix: str = "pass --chat to use /v1/chat/completions, or --tokenizer DIR to render prompts locally"
+    tokenizer_fix: str = "pass --tokenizer with the served model's tokenizer dir"
+
+
+#: ``agentrl eval`` and ``agentrl env test``
+CLI = Settings()
+#: ``agentrl run`` against ``inference.base_url`` (its key: ``AGENTRL_API_KEY``, else a new one)
+RUN = Settings(
+    base_url="inference.base_url",
+    no_key="it refused this run's API key (AGENTRL_API_KEY is not set)",
+    wrong_key="it refused this run's API key (AGENTRL_API_KEY)",
+    key_fix="set AGENTRL_API_KEY to that server's key (the file `agentrl serve` printed)",
+    model_fix="set inference.model_name = \"{name}\"",
+    tokenize_fix="serve the model with `agentrl serve` or vLLM, or keep its tokenizer files in model.path",
+    tokenizer_fix="serve model.path's model at inference.base_url",
+)
+#: ``agentrl run`` on the engines it started itself
+STARTED = dataclasses.replace(RUN, base_url="")
+
+
+def settings_of(client: PolicyClient) -> Settings:
+    """The settings a client's endpoints came from: its ``probe_settings`` where its maker set
+    them (``agentrl run``), else the command line's (``--base-url``)."""
+    return getattr(client, "probe_settings", None) or CLI
+
+
+def _where(root: str, settings: Settings) -> str:
+    return f"{root} ({settings.base_url})" if settings.base_url else f"the engine at {root}"
+
+
+def _reason(e: BaseException) -> str:
+    """Why a connection failed, in a few words (aiohttp's own text repeats the address)."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        err = e.os_error
+        if not isinstance(err, socket.gaierror) and err.errno and err.errno > 0:
+            return os.strerror(err.errno).lower()  # "connection refused", not asyncio's "Connect call failed (...)"
+        return (err.strerror or str(err) or type(err).__name__).lower()
+    if isinstance(e, TimeoutError | aiohttp.ServerTimeoutError):
+        return "no answer before the timeout"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def explain(e: BaseException, root: str, settings: Settings, *, key_given: bool) -> EndpointProbeError | None:
+    """The one-line :class:`~agentrl.errors.EndpointProbeError` for a failed request to ``root``
+    (unreachable, a refused key, another HTTP error); None for any other exception."""
+    where = _where(root, settings)
+    if isinstance(e, HTTPStatusError):
+        if e.status == 401:
+            why = settings.wrong_key if key_given else settings.no_key
+            return EndpointProbeError(f"{where} answered HTTP 401: {why}; {settings.key_fix}")
+        if e.status == 403:
+            return EndpointProbeError(f"{where} answered HTTP 403 ({error_message(e.text)}); {settings.key_fix}")
+        return EndpointProbeError(f"{where} answered HTTP {e.status}: {error_message(e.text)}")
+    if isinstance(e, aiohttp.ClientError | OSError | TimeoutError):
+        fix = (f"start the server there or fix {settings.base_url}" if settings.base_url
+               else "it stopped; see its log above")  # fmt: skip
+        return EndpointProbeError(f"cannot reach {where}: {_reason(e)}; {fix}")
+    if isinstance(e, EndpointError):  # MalformedResponse too
+        return EndpointProbeError(f"{where}: {e}")
+    return None
+
+
+async def probe(client: PolicyClient, *, token_path: bool, training: bool = False,
+                settings: Settings | None = None) -> None:
     """Check once, before a run, that every endpoint can serve the chosen path; raise
     :class:`~agentrl.errors.EndpointProbeError` saying what to change.
 
@@ -29,32 +113,65 @@ async def probe(client: PolicyClient, *, token_path: bool, training: bool = Fals
     Token path: prompts are rendered by the local tokenizer, else by ``/tokenize`` (then
     required); where both exist they must agree.  ``training``: ``/v1/completions`` must
     return token ids and sampling logprobs for a token-id prompt (what the loss needs).
+    ``settings``: the names the messages give (default :func:`settings_of` the client).
     """
+    settings = settings or settings_of(client)
     for ep in client.endpoints:
         try:
-            await _probe_models(client, ep)
+            await _probe_models(client, ep, settings)
             if token_path:
-                await _probe_tokenize(client, ep)
+                await _probe_tokenize(client, ep, settings)
             else:
                 await _probe_chat_route(client, ep)
             if training:
                 await _probe_training(client, ep)
-        except HTTPStatusError as e:
-            hint = " (check --api-key)" if e.status in (401, 403) else ""
-            raise EndpointProbeError(f"{ep.root} answered HTTP {e.status}{hint}: {error_message(e.text)}") from None
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            raise EndpointProbeError(
-                f"cannot reach {ep.root} ({type(e).__name__}: {e or 'no answer'}); is the server running at --base-url?"
-            ) from None
-        except (MalformedResponse, EndpointError) as e:
-            raise EndpointProbeError(f"{ep.root}: {e}") from None
+        except (HTTPStatusError, aiohttp.ClientError, OSError, TimeoutError, EndpointError) as e:
+            err = explain(e, ep.root, settings, key_given=getattr(client, "key_given", True))
+            raise (err or e) from None
 
-async def _probe_models(client: PolicyClient, ep: Endpoint) -> None:
-    listed = await ep.get("/v1/models")
-    served = [m.get("id") for m in (listed.get("data") or []) if isinstance(m, dict)] if isinstance(listed, dict) else []
+
+async def reachable(base_urls: Sequence[str], api_key: str | None, *, settings: Settings,
+                    control_route: str | None = None, model: str | None = None, timeout: float = 10.0) -> None:
+    """Before anything starts: every endpoint answers ``GET /v1/models`` with ``api_key``
+    (None: no key was given) within ``timeout`` seconds, lists ``model`` where one is named, and,
+    where ``control_route`` is given, does not refuse the key there (an agentrl engine guards its
+    weight routes even when its OpenAI routes are open).  Raises a one-line
+    :class:`~agentrl.errors.EndpointProbeError` (:func:`explain`)."""
+    for url in base_urls:
+        ep = Endpoint(url, api_key or "EMPTY", timeout)
+        try:
+            listed = await ep.get("/v1/models")
+            served = _served(listed)
+            if model is not None and served and model not in served:
+                raise EndpointProbeError(
+                    f"{_where(ep.root, settings)} does not serve model {model!r}; it serves {served}: "
+                    + settings.model_fix.format(name=served[0])
+                )
+            if control_route is not None:
+                try:
+                    await ep.get(control_route)
+                except HTTPStatusError as e:  # another server's routes (404) are the later probe's to judge
+                    if e.status in (401, 403):
+                        raise
+        except (HTTPStatusError, aiohttp.ClientError, OSError, TimeoutError, EndpointError) as e:
+            raise (explain(e, ep.root, settings, key_given=api_key is not None) or e) from None
+        finally:
+            await ep.close()
+
+
+def _served(listed: object) -> list[str]:
+    """The model ids a ``/v1/models`` reply lists."""
+    if not isinstance(listed, dict):
+        return []
+    return [m.get("id") for m in (listed.get("data") or []) if isinstance(m, dict)]
+
+
+async def _probe_models(client: PolicyClient, ep: Endpoint, settings: Settings) -> None:
+    served = _served(await ep.get("/v1/models"))
     if served and client.model not in served:
         raise EndpointProbeError(
-            f"{ep.root} does not serve model {client.model!r}; it serves {served}: pass --model {served[0]}"
+            f"{_where(ep.root, settings)} does not serve model {client.model!r}; it serves {served}: "
+            + settings.model_fix.format(name=served[0])
         )
 
 async def _probe_chat_route(client: PolicyClient, ep: Endpoint) -> None:
@@ -69,7 +186,7 @@ async def _probe_chat_route(client: PolicyClient, ep: Endpoint) -> None:
             f"{ep.root}/v1/chat/completions answered HTTP {e.status}: {error_message(e.text)}"
         ) from None
 
-async def _probe_tokenize(client: PolicyClient, ep: Endpoint) -> None:
+async def _probe_tokenize(client: PolicyClient, ep: Endpoint, settings: Settings) -> None:
     sample = "Hello, world: 12+30 = 42."
     try:
         remote = await ep.post("/tokenize", {"model": client.model, "prompt": sample, "add_special_tokens": False})
@@ -78,8 +195,7 @@ async def _probe_tokenize(client: PolicyClient, ep: Endpoint) -> None:
             return  # prompts are rendered locally; /tokenize is only a fallback
         if e.status in (404, 405):
             raise EndpointProbeError(
-                f"{ep.root} has no /tokenize route (a chat-only endpoint): pass --chat to use "
-                "/v1/chat/completions, or --tokenizer DIR to render prompts locally"
+                f"{_where(ep.root, settings)} has no /tokenize route (a chat-only endpoint): {settings.tokenize_fix}"
             ) from None
         raise
     if client.tokenizer is not None and isinstance(remote, dict) and isinstance(remote.get("tokens"), list):
@@ -87,7 +203,7 @@ async def _probe_tokenize(client: PolicyClient, ep: Endpoint) -> None:
         if remote["tokens"] != local:
             raise EndpointProbeError(
                 f"the local tokenizer does not match the served model's ({sample!r} is {local[:6]}... here, "
-                f"{remote['tokens'][:6]}... at {ep.root}): pass --tokenizer with the served model's tokenizer dir"
+                f"{remote['tokens'][:6]}... at {_where(ep.root, settings)}): {settings.tokenizer_fix}"
             )
 
 async def _probe_training(client: PolicyClient, ep: Endpoint) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import Config, InferenceConfig
+from agentrl.config import Config, InferenceConfig, check_devices
 from agentrl.errors import AgentrlError, WeightSyncError
 from agentrl.metrics import LiveProgress
 from agentrl.protocols import TrainingBuffer
@@ -168,15 +168,48 @@ def open_engines(cfg: Config, start_model: Path, threads: int, api_key: str | No
         tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
         requests_per_s=cfg.rollout.requests_per_s, tool_parser=ic.tool_parser, api_key=policy.api_key,
     )
+    client.probe_settings = probe_settings(cfg)  # its probe names inference.base_url, not --base-url
     return Engines(policy, client, sync, False, make_sync, sync_args)
 
 
+def probe_settings(cfg: Config) -> Any:
+    """The names the run's endpoint probes give (:class:`agentrl.inference.probe.Settings`):
+    ``inference.base_url`` and ``AGENTRL_API_KEY``, or the engines the run started."""
+    from agentrl.inference import probe
+
+    return probe.RUN if cfg.inference.base_url else probe.STARTED
+
+
 def preflight(cfg: Config) -> None:
-    """What must hold before anything starts (the warm start takes minutes): an engine and weight
-    transfer that can run here.  Raises :class:`AgentrlError`, one line."""
+    """What must hold before anything starts (the warm start takes minutes): devices this host
+    has, endpoints at ``inference.base_url`` that answer and take the run's key, an engine and
+    weight transfer that can run here.  Raises :class:`AgentrlError`, one line."""
+    check_devices(cfg)  # a CUDA device this host lacks: one line naming the setting
     ic = cfg.inference
-    if ic.engine != "vllm":
-        return
+    if ic.base_url:
+        check_endpoints(cfg)
+    if ic.engine == "vllm":
+        _vllm_preflight(cfg)
+
+
+def check_endpoints(cfg: Config, timeout: float = 10.0) -> None:
+    """Every ``inference.base_url`` answers ``GET /v1/models`` within ``timeout`` seconds and does
+    not refuse the run's key (``AGENTRL_API_KEY``) on its weight routes; ``inference.model_name``,
+    where set, is a model it serves.  Before the warm start, so a typo costs seconds, not the SFT."""
+    import asyncio
+
+    from agentrl.auth import client_key
+    from agentrl.inference import probe
+
+    ic = cfg.inference
+    asyncio.run(probe.reachable(ic.base_url, client_key(), settings=probe.RUN, control_route="/get_weight_version",
+                                model=ic.model_name or None, timeout=timeout))  # fmt: skip
+
+
+def _vllm_preflight(cfg: Config) -> None:
+    """vLLM's part of :func:`preflight`: a weight transfer that can run here, and vLLM's CLI when
+    agentrl starts the servers."""
+    ic = cfg.inference
     from agentrl.inference.vllm import find_vllm
     from agentrl.weights.vllm import choose_transfer
 
@@ -207,7 +240,7 @@ def open_vllm(cfg: Config, start_model: Path, threads: int, api_key: str | None 
     from agentrl.weights.vllm import choose_transfer
 
     ic = cfg.inference
-    preflight(cfg)
+    _vllm_preflight(cfg)  # the endpoints were checked before the warm start (preflight)
     transfer = choose_transfer(ic.vllm_weight_transfer)
     local_tok = start_model if (start_model / "tokenizer_config.json").is_file() else None
     parser = resolve_tool_parser(ic.tool_parser, chat_template_of(local_tok) if local_tok else None).name
@@ -249,6 +282,7 @@ def open_vllm(cfg: Config, start_model: Path, threads: int, api_key: str | None 
         support_logprobs=VLLMArgs.max_logprobs,  # K of a top-p/min-p sample (vLLM reports no token_support)
         vllm_generate=policy.started,  # servers agentrl started tag every token with its weight version
     )  # fmt: skip
+    client.probe_settings = probe_settings(cfg)
     return Engines(policy, client, make_sync(policy), True, make_sync, sync_args)
 
 

@@ -65,7 +65,8 @@ async def test_dead_endpoint_fails_over_and_all_dead_raises(engine):
     async with PolicyClient([dead_url(), engine.base_url], engine.model, max_retries=2) as pc:
         for _ in range(4):  # round robin hits the dead one; each call still succeeds
             (c,) = await pc.complete([1, 2, 3], SamplingParams(max_tokens=3))
-            assert len(c.token_ids) == 3
+            # 3 tokens, or fewer ending in a sampled end of sequence (the random model's p ~ 1/500 a token)
+            assert len(c.token_ids) == 3 or (c.finish_reason == "stop" and 1 <= len(c.token_ids) < 3), c
     async with PolicyClient([dead_url()], engine.model, max_retries=1, timeout=5) as pc:
         with pytest.raises(EndpointError, match="failed after 2 attempts"):
             await pc.complete([1, 2, 3], SamplingParams(max_tokens=3))
