@@ -14,7 +14,7 @@ from agentrl.errors import AgentrlError
 @model_app.command("init")
 def model_init(
     kind: Annotated[str, typer.Argument(help="'tiny' (built here, ~1M parameters) or a packaged model: smollm2-135m.")],
-    out_dir: Annotated[str, typer.Argument(help="Directory to write the HF model into.")],
+    out_dir: Annotated[str, typer.Argument(help="Directory to write the HF model into (new or empty).")],
     layers: Annotated[int, typer.Option(min=1, help="Tiny model: decoder layers.")] = 4,
     hidden: Annotated[int, typer.Option(min=8, help="Tiny model: hidden width.")] = 128,
     heads: Annotated[int, typer.Option(min=1, help="Tiny model: attention heads.")] = 4,
@@ -28,10 +28,14 @@ def model_init(
     from agentrl.metrics import busy
 
     if kind != "tiny":
-        from agentrl.models import KNOWN, init_known
+        from agentrl.models import KNOWN
 
         if kind not in KNOWN:
             raise AgentrlError(f"unknown model kind {kind!r}; available: tiny, {', '.join(KNOWN)}")
+    check_new_dir(Path(out_dir))
+    if kind != "tiny":
+        from agentrl.models import init_known
+
         with busy(f"importing {kind} into {out_dir} (about a minute) ..."):
             typer.echo(str(init_known(kind, out_dir, dtype=dtype)))
         return
@@ -43,6 +47,17 @@ def model_init(
     except ValueError as e:
         raise AgentrlError(str(e)) from e
     typer.echo(str(path))
+
+
+def check_new_dir(out: Path) -> None:
+    """A model is written only into a new or empty directory (as `import-gguf` and `export`): never over
+    another model or beside other files, nor where a file stands."""
+    from agentrl.recipes.rl import file_in_the_way
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise AgentrlError(f"{out} exists and is not an empty directory; pick a new one")
+    if (blocker := file_in_the_way(out)) is not None:
+        raise AgentrlError(f"{out}: {blocker} is a file, not a directory; pick a new one")
 
 
 @model_app.command("import-gguf")

@@ -17,12 +17,13 @@ from agentrl.cli.app import (
     bind_errors,
     print_table,
 )
+from agentrl.errors import AgentrlError
 
 
 @app.command()
 def view(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (`agentrl run`) or an `agentrl eval --out` directory.")],
-    rollouts: Annotated[int, typer.Option("--rollouts", help="How many recent rollouts to show.")] = 3,
+    rollouts: Annotated[int, typer.Option("--rollouts", min=1, help="How many recent rollouts to show.")] = 3,
     serve: Annotated[bool, typer.Option("--serve", help="Serve the browser viewer (curves, episodes, tokens, diff).")] = False,
     port: Annotated[int, typer.Option(min=0, max=65535, help="--serve: port (0 = a free one).")] = 8765,
     host: Host = "127.0.0.1",
@@ -38,6 +39,10 @@ def view(
     --host, --api-key and --allowed-* apply to --serve: every route needs the key (default: a
     new one, in the printed URL).
     """
+    if tokenizer is not None and not (tokenizer / "tokenizer.json").is_file():  # else the viewer falls back silently
+        what = "does not exist" if not tokenizer.exists() else "holds no tokenizer.json"
+        raise AgentrlError(f"--tokenizer {tokenizer} {what}; pass a model or tokenizer dir, or leave it out to use "
+                           "the run's own")
     if serve:
         from agentrl.guard import split_names
         from agentrl.viewer.server import serve as serve_viewer

@@ -171,12 +171,24 @@ def exit_status(summary: EvalSummary, max_error_rate: float) -> int:
     return 1 if summary.error_rate > max_error_rate else 0
 
 
+def check_out_dir(out_dir: str | Path, resume: bool) -> None:
+    """--out can take results: not a file (nor under one), and not a finished eval's directory without
+    --resume.  Runs before the env loads or an engine starts; one line."""
+    from agentrl.recipes.rl import file_in_the_way
+
+    out = Path(out_dir)
+    if (blocker := file_in_the_way(out)) is not None:
+        where = f"--out {out}" if blocker == out else f"--out {out}: {blocker}"
+        raise AgentrlError(f"{where} is a file, not a directory; choose another --out")
+    if not resume and (out / RESULTS).exists():
+        raise AgentrlError(f"{out} already holds results; pass --resume to continue them or choose another --out")
+
+
 def _check_meta(out_dir: Path, meta: dict[str, Any], resume: bool) -> None:
+    check_out_dir(out_dir, resume)
     path = out_dir / META
     if path.exists():
         old = json.loads(path.read_text())
-        if not resume and (out_dir / RESULTS).exists():
-            raise AgentrlError(f"{out_dir} already holds results; pass --resume to continue them or choose another --out")
         for key in ("env", "env_args", "model"):
             if old.get(key) != meta.get(key):
                 raise AgentrlError(
@@ -318,6 +330,7 @@ def run(
     from agentrl.plugins import load_environment
     from agentrl.tool_format import get_parser
 
+    check_out_dir(out_dir, resume)  # 2) before anything starts: a bad --out would be found only after the engine
     # 1) env
     if tool_parser not in (None, "auto"):
         get_parser(tool_parser)  # a misspelt name fails before anything starts

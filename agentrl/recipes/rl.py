@@ -35,7 +35,7 @@ from agentrl.auth import run_key
 from agentrl.buffer import AdaptiveStaleness, Batch, BufferStalled, StalenessBuffer
 from agentrl.config import BufferConfig, Config
 from agentrl.episode import settle_cleanups
-from agentrl.errors import AgentrlError, RunDirExists
+from agentrl.errors import AgentrlError, CheckpointError, RunDirExists
 from agentrl.metrics import LiveProgress
 from agentrl.protocols import RolloutSource, TrainingBuffer
 from agentrl.recipes.engines import Engines, Supervisor, WeightPusher, open_engines, preflight
@@ -166,13 +166,89 @@ def torch_threads(cfg: Config) -> int:
 
 
 def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
+    """Phase 1: make RUN_DIR and write its config.toml; refuse (one line, before anything starts) a
+    path that cannot be a directory, a run without --resume, and a --resume whose config does not
+    match the run's checkpoints (:func:`check_resume`).  On --resume of a run that has a
+    config.toml, it is rewritten only once the checkpoint has loaded (:func:`write_config`)."""
+    if (blocker := file_in_the_way(run_dir)) is not None:
+        where = f"run dir {run_dir}" if blocker == run_dir else f"run dir {run_dir}: {blocker}"
+        raise AgentrlError(f"{where} is a file, not a directory; choose another --run.dir or --run.name")
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise RunDirExists(
             f"{run_dir} already holds a run; pass --resume to continue it, or choose another --run.name / --run.dir"
         )
+    if resume:
+        check_resume(run_dir, cfg)
     # private: checkpoints hold the weights and optimizer state, episodes the tasks, and the
     # config any secrets in env.args (a run dir made elsewhere keeps its mode; the config is 0600)
-    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise AgentrlError(f"cannot create the run dir {run_dir}: {e.strerror or e}; "
+                           "choose another --run.dir or --run.name") from None
+    if not (resume and (run_dir / "config.toml").is_file()):
+        write_config(run_dir, cfg)
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """``path`` itself or the nearest existing folder above it, when that is not a directory."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+        if p.is_symlink():  # a dangling link: mkdir cannot make a directory there either
+            return p
+    return None
+
+
+# what a checkpoint's tensors were made for: resuming under other values cannot load them (or would
+# silently train something else); trainer.world_size has its own check where the checkpoint is read
+SHAPES_CHECKPOINT = ("model.path", "trainer.lora_rank", "trainer.lora_alpha")
+
+
+def check_resume(run_dir: Path, cfg: Config) -> None:
+    """--resume: the settings that shape a checkpoint must be the ones the run's config.toml records
+    (before config.toml is touched); one line naming each difference."""
+    import tomllib
+
+    from agentrl.trainer.checkpoint import latest_checkpoint
+
+    saved_path = run_dir / "config.toml"
+    if not saved_path.is_file() or latest_checkpoint(run_dir) is None:
+        return  # nothing to resume from: the run starts at step 0 (resume_note says so)
+    try:
+        saved = tomllib.loads(saved_path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return  # unreadable: the checkpoint's own load (_restore) still refuses a mismatch in one line
+    new = cfg.model_dump(mode="json")
+    defaults = type(cfg)().model_dump(mode="json")
+
+    def value(data: dict[str, Any], key: str) -> Any:
+        section, name = key.split(".")
+        return data.get(section, {}).get(name, defaults[section][name])
+
+    def same(key: str, old: Any, now: Any) -> bool:
+        if key == "model.path":  # the same directory, however it is spelt
+            return Path(os.path.abspath(old)).resolve() == Path(os.path.abspath(now)).resolve()
+        return old == now
+
+    diffs = []
+    for key in SHAPES_CHECKPOINT:
+        if key == "trainer.lora_alpha" and not value(saved, "trainer.lora_rank"):
+            continue  # no adapters were trained: alpha shaped nothing
+        old, now = value(saved, key), value(new, key)
+        if not same(key, old, now):
+            diffs.append((key, old, now))
+    if diffs:
+        was = ", ".join(f"{k}={json.dumps(o)}" for k, o, _ in diffs)
+        now = ", ".join(f"{k}={json.dumps(n)}" for k, _, n in diffs)
+        raise AgentrlError(
+            f"--resume: {run_dir}'s checkpoints were trained with {was}, this config says {now}; resume with the "
+            f"run's own config ({saved_path}) or choose another --run.name"
+        )
+
+
+def write_config(run_dir: Path, cfg: Config) -> None:
+    """RUN_DIR/config.toml, mode 0600 (it can hold secrets in env.args)."""
     fd = os.open(run_dir / "config.toml", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -201,6 +277,8 @@ async def _run(cfg: Config, run_dir: Path, start_model: Path, *, resume: bool, t
         await engines.client.probe_sampling(cfg.rollout.sampling(), probe_ids or [0])
         # 5) state
         state = await asyncio.to_thread(build_state, cfg, start_model, train_tasks, run_dir, resume, live)
+        if resume:  # the checkpoint loaded under this config: the run dir now describes it (prepare_run_dir)
+            write_config(run_dir, cfg)
         await _train_loop(cfg, run_dir, env, eval_tasks, engines, state, live, t_start, start_model)
     finally:
         live.close()
@@ -280,7 +358,16 @@ def _restore(cfg: Config, trainer: Any, train_tasks: list[Task], run_dir: Path, 
     offsets: dict[str, int] = {}
     if ckpt is not None:
         trainer_state, saved = load_checkpoint(ckpt)
-        trainer.load_state_dict(trainer_state)
+        try:
+            trainer.load_state_dict(trainer_state)
+        except (RuntimeError, KeyError, ValueError) as e:  # names or shapes that are not this model's
+            if isinstance(e, AgentrlError):
+                raise
+            why = next((ln.strip().rstrip(":") for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise CheckpointError(
+                f"--resume: {ckpt} does not match this run's config ({why[:160]}); resume with the run's own "
+                f"config ({run_dir / 'config.toml'}) or choose another --run.name"
+            ) from e
         state.sampler.load_state_dict(saved["sampler"])
         # episodes that were running become interrupted; their tasks are handed out again first
         state.sampler.requeue(state.buffer.load_state_dict(saved["buffer"]))
