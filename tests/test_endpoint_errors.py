@@ -157,3 +157,38 @@ def test_clip_cuts_at_a_word_with_an_ellipsis():
     assert text.replace("\n", " ").startswith(out[:-1])
     assert out[:-1].split()[-1] in text.split()  # the last word is whole
     assert clip("short", 60) == "short"
+
+
+def test_serving_a_model_without_a_chat_template_warns_and_blames_the_server_not_the_messages(broken_dirs):
+    """`agentrl serve` of such a model started silently, and every chat request got a 400 "could not apply
+    the chat template to these messages" (param messages): the client's fault, it said.  The server now
+    warns at start, and the chat route names the served model's missing template; completions work."""
+    import httpx
+
+    _, notmpl = broken_dirs
+    with start_embedded_engine(notmpl, max_batch_size=4, max_model_len=256, device="cpu", api_key=KEY) as eng:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.Client(base_url=eng.root_url, headers=headers, timeout=60) as http:
+            r = http.post("/v1/chat/completions", json={"model": eng.model, "messages": [{"role": "user", "content": "hi"}]})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "no_chat_template", r.text
+            assert "has no chat template" in err["message"] and "/v1/completions" in err["message"], err
+            r = http.post("/v1/completions", json={"model": eng.model, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+    port = free_port()
+    proc = subprocess.Popen(["agentrl", "serve", str(notmpl), "--port", str(port), "--device", "cpu"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stderr:  # type: ignore[union-attr]
+            lines.append(line)
+            if "agentrl engine: serving" in line or len(lines) > 200:
+                break
+        for line in proc.stderr:  # type: ignore[union-attr]  # the notes printed right after "serving"
+            lines.append(line)
+            if "no chat template" in line or "Uvicorn" in line or "Application startup" in line:
+                break
+        assert any("warning: the model's tokenizer has no chat template" in x for x in lines), "".join(lines)
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -199,6 +199,10 @@ class EngineServer:
         return await self.bounds.off_loop(fn, *args, **kwargs)
 
     async def render_chat(self, req: ChatRequest | TokenizeRequest) -> list[int]:
+        if not getattr(self.tok, "chat_template", None):  # the server's setup, not the caller's messages
+            raise APIError(400, f"the served model {self.name!r} has no chat template, so this server renders no chat "
+                                "messages: send a prompt to /v1/completions, or serve a model whose tokenizer has a "
+                                "chat template", code="no_chat_template")  # fmt: skip
         kwargs = dict(req.chat_template_kwargs or {})
         self.bounds.check_template_kwargs(kwargs)
         messages = [m.model_dump(exclude_none=True) for m in req.messages or []]

@@ -105,6 +105,10 @@ def serve(
     else:
         print(f"agentrl engine: made an API key for the control and weight routes, written to {key.path} (0600); "
               f"clients: export AGENTRL_API_KEY=$(cat {key.path})", file=sys.stderr, flush=True)
+    if not getattr(app.state.server.tok, "chat_template", None):
+        print("agentrl engine: warning: the model's tokenizer has no chat template: /v1/chat/completions will refuse "
+              "every request (use /v1/completions, or add a chat_template; `agentrl model check-template DIR`)",
+              file=sys.stderr, flush=True)
     if host in ("0.0.0.0", "::", ""):
         print("agentrl engine: warning: listening on every interface; anyone who reaches this port can "
               + ("call it with the key" if key.explicit else "use the OpenAI routes (give --api-key to close them)"),
