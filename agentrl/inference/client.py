@@ -30,6 +30,7 @@ checks before a run).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 from collections.abc import Awaitable, Callable
@@ -56,12 +57,15 @@ from agentrl.inference.completions import (  # noqa: F401  (generate_body, from_
     truncates,
 )
 from agentrl.inference.endpoint import Endpoint, HTTPStatusError, error_message, is_context_error, url_root
-from agentrl.render import RenderCache
+from agentrl.render import RenderCache, render_chat_ids
 from agentrl.retry import Transient, is_transient_status, retrying
 from agentrl.tool_format import resolve_tool_parser
 from agentrl.types import Completion, Message, SamplingParams
 
 T = TypeVar("T")
+# a prompt or conversation with more text than this renders on a thread, uncached: a multi-MB tool
+# output (an agent program's, say) took seconds of the run's event loop, which every episode shares
+OFF_LOOP_CHARS = 64 << 10
 
 
 #: files one of which a HF tokenizer dir holds (fast, sentencepiece, BPE, WordPiece vocabularies)
@@ -341,10 +345,15 @@ class PolicyClient:
             raise ValueError("tokenize needs exactly one of messages= or prompt=")
         if self.tokenizer is not None:
             if prompt is not None:
+                if len(prompt) > OFF_LOOP_CHARS:
+                    return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=False)
                 return self.tokenizer.encode(prompt, add_special_tokens=False)
             dicts = [m.to_dict() if isinstance(m, Message) else m for m in messages]
             if self._renders is None or self._renders.tokenizer is not self.tokenizer:
                 self._renders = RenderCache(self.tokenizer)
+            if sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else len(str(m.get("content")))
+                   for m in dicts) > OFF_LOOP_CHARS:  # fmt: skip
+                return await asyncio.to_thread(render_chat_ids, self.tokenizer, dicts, tools, add_generation_prompt)
             return self._renders.ids(dicts, tools, add_generation_prompt)
         body: dict[str, Any] = {"model": self.model}
         if messages is not None:

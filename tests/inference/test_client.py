@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 
 import pytest
 
@@ -129,3 +131,34 @@ async def test_local_tokenizer_renders_exactly_what_the_server_renders(engine, m
                         assert await local.tokenize(messages=convo[:k], tools=tl, add_generation_prompt=gen) == want
         assert local._renders.hits == local._renders.misses == 4 * len(convo)
         assert await local.tokenize(prompt="12+30 <tool_call>") == await remote.tokenize(prompt="12+30 <tool_call>")
+
+
+async def test_a_huge_conversation_renders_off_the_event_loop(tiny_model):
+    """A multi-MB message (an agent program's tool output) rendered on the run's event loop, which every
+    episode shares: ~1 s per MB with nothing else served meanwhile, twice per gateway call.  It renders
+    on a thread now, to the same ids; the loop keeps ticking (its longest gap far below the render's time)."""
+    from transformers import AutoTokenizer
+
+    from agentrl.render import render_chat_ids
+
+    big = [{"role": "user", "content": "x y z " * 300_000}]  # 1.8 MB
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async with PolicyClient("http://127.0.0.1:9/v1", "m", tokenizer=str(tiny_model)) as pc:
+        tick = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        ids = await pc.tokenize(messages=big)
+        took = time.perf_counter() - t0
+        await asyncio.sleep(0.05)  # the ticker wakes and records the gap the render left, if any
+        tick.cancel()
+    assert ids == render_chat_ids(AutoTokenizer.from_pretrained(tiny_model), big, None, True)
+    assert max(gaps) < took / 3, (max(gaps), took)
