@@ -22,11 +22,12 @@ calls never share a sequence, so interleaved calls stay apart.
 
 **Sampling.**  Temperature, top-p, top-k, min-p and the seed are the run's (the trainer
 rebuilds μ from them); the program's values are ignored, as are its penalties and its
-bookkeeping fields (``user``, ``metadata``, ``store``, ...).  A field whose effect or reply shape
-the gateway cannot give (``logprobs``, ``response_format`` other than text, the legacy
-``functions``, ``logit_bias``, ``chat_template_kwargs``, ...) is a 400 that names it, and so is a
-field the OpenAI API does not know (as the API answers it); a 400 before the model was called
-is the program's failure, never the policy's.  ``max_tokens`` /
+bookkeeping fields (``user``, ``metadata``, ``store``, ...), vLLM's sampling extras
+(``min_tokens``, ``stop_token_ids``, ...) and, with one warning, ``chat_template_kwargs``.  A
+field whose effect or reply shape the gateway cannot give (``logprobs``, ``response_format``
+other than text, the legacy ``functions``, ``logit_bias``, ...) is a 400 that names it, and so is
+a field neither the OpenAI API nor vLLM knows (as the API answers it); a 400 before the model was
+called is the program's failure, never the policy's.  ``max_tokens`` /
 ``max_completion_tokens`` and ``stop`` are honoured within the run's per-turn budget and the
 episode's token limits; past ``max_calls`` a call is a 400 (its body unparsed), each further one answered a little
 later, one episode's refusals one after another (a retry loop, or many threads, would otherwise spin on the
@@ -48,6 +49,7 @@ import contextlib
 import dataclasses
 import json
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -63,13 +65,20 @@ from agentrl.types import Completion, SamplingParams, TokenSequence, ToolCall, T
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_BODY = 8 << 20  # bytes of one request (a 128k-token conversation is ~1 MB of JSON)
-MAX_IN_FLIGHT = 8  # one episode's calls read and served at once; more wait (their bodies unread)
+MAX_IN_FLIGHT = 8  # one episode's calls served at once; more wait their turn
 # request fields: served; the run's own instead (sampling, bookkeeping); refused, with why
 SERVED = frozenset({"messages", "model", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "stop", "n",
                     "stream", "stream_options"})  # fmt: skip
 IGNORED = frozenset({"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "user", "metadata", "store", "parallel_tool_calls", "service_tier",
-                     "reasoning_effort", "safety_identifier", "prompt_cache_key", "verbosity"})  # fmt: skip
+                     "reasoning_effort", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                     "verbosity", "moderation",
+                     # vLLM's sampling extras, sent through the SDK's extra_body
+                     "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens", "include_stop_str_in_output", "length_penalty"})  # fmt: skip
+# ignored, with one warning per process: the program asks for a rendering the run does not make
+WARNED = {"chat_template_kwargs": "prompts are rendered with the model's chat template as the run configures it"}
+_warned: set[str] = set()
 UNSERVED = {
     "logprobs": "the gateway returns no logprobs (the run records the sampled ones itself)",
     "top_logprobs": "the gateway returns no logprobs (the run records the sampled ones itself)",
@@ -77,7 +86,6 @@ UNSERVED = {
     "functions": "the legacy functions API is not served: pass tools=[{'type': 'function', ...}]",
     "function_call": "the legacy functions API is not served: pass tool_choice",
     "logit_bias": "the run's sampling is what the trainer rebuilds μ from: token biases cannot be applied",
-    "chat_template_kwargs": "prompts are rendered with the model's chat template as the run configures it",
     "modalities": "text only", "audio": "text only", "prediction": "predicted outputs are not served",
     "web_search_options": "no web search",
 }  # values that ask for nothing (false, null, text) pass; see _unserved
@@ -375,6 +383,12 @@ def _read_request(body: Any) -> tuple[list[dict], list[dict] | None, int | None,
     for key, value in body.items():
         if key in SERVED or key in IGNORED:
             continue
+        if key in WARNED:
+            if key not in _warned:
+                _warned.add(key)
+                warnings.warn(f"agentrl gateway: an agent program sent {key!r}, which is ignored: {WARNED[key]}",
+                              stacklevel=2)  # fmt: skip
+            continue
         if key not in UNSERVED:
             raise Refused(400, f"Unrecognized request argument supplied: {key}"[:300])
         if _asks_for_something(key, value):
@@ -411,7 +425,7 @@ def _read_request(body: Any) -> tuple[list[dict], list[dict] | None, int | None,
 def _asks_for_something(key: str, value: Any) -> bool:
     """Whether an :data:`UNSERVED` field asks for what the gateway does not give (false, null, empty,
     a text response format and text-only modalities ask for nothing)."""
-    if value is None or value is False or value in ("", [], {}):
+    if value is None or value is False or value == 0 or value in ("", [], {}):  # top_logprobs: 0 asks for none
         return False
     if key == "response_format":
         return not (isinstance(value, dict) and value.get("type") == "text")
@@ -556,14 +570,16 @@ class Gateway:
 
     async def _answer(self, eid: str, authorization: str | None, read: Any) -> tuple[int, str, bytes]:
         """A chat completion: JSON, or the finished reply as server-sent events (``stream``).  ``read()``
-        gives the body: only once the call is under the limit and holds one of its episode's slots."""
+        gives the body, read once the call is under the limit (then it waits for one of its episode's
+        slots: waiting with its body unread, a call would be cut off by the server's body deadline)."""
         session = None
         try:
             session = self._session(eid, authorization)
             await session.refuse_if_spent()  # a flood past the limit: no body of it is read
-            async with session.slots:  # many calls at once wait here, their bodies unread
+            raw = await read()
+            async with session.slots:  # many calls of one episode at once wait here
                 try:
-                    body = json.loads(await read())
+                    body = json.loads(raw)
                 except ValueError:
                     raise Refused(400, "the request body is not JSON") from None
                 message, finish, usage = await session.chat(body)
@@ -590,8 +606,10 @@ class Gateway:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         eid, authorization = request.match_info["episode"], request.headers.get("Authorization")
-        try:  # the key before the body: a caller without one must not make the gateway buffer 32 MiB
+        try:  # the key before the body: a caller without one must not make the gateway buffer MAX_BODY
             self._session(eid, authorization)
+            if (request.content_length or 0) > MAX_BODY:
+                raise Refused(413, f"the request body is over {MAX_BODY} bytes")
         except Refused as e:
             refused = _response(_error_body(e))
             refused.force_close()  # its body unread: the connection goes with the answer
@@ -600,10 +618,14 @@ class Gateway:
 
         async def body() -> bytes:
             read[0] = True
-            return await request.read()
+            try:
+                return await request.read()
+            except web.HTTPRequestEntityTooLarge:  # a chunked body past MAX_BODY: the caller's, not a gateway bug
+                raise Refused(413, f"the request body is over {MAX_BODY} bytes") from None
 
-        answer = _response(await self._answer(eid, authorization, body))
-        if not read[0]:
+        status, content_type, data = await self._answer(eid, authorization, body)
+        answer = _response((status, content_type, data))
+        if not read[0] or status == 413:
             answer.force_close()  # refused with its body unread: the connection goes with the answer
         return answer
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -146,7 +147,7 @@ async def test_fields_the_gateway_cannot_honour_are_named_and_unknown_ones_refus
 
             refused = {"logprobs": True, "top_logprobs": 3, "response_format": {"type": "json_object"},
                        "functions": [{"name": "f", "parameters": {}}], "logit_bias": {"5": -100},
-                       "chat_template_kwargs": {"enable_thinking": False}, "stream_options": "usage",
+                       "stream_options": "usage",
                        "stream": "yes", "model": 7, "best_of": 2, "temprature": 0.5}  # fmt: skip
             for key, value in refused.items():
                 status, message = await post({key: value})
@@ -154,10 +155,13 @@ async def test_fields_the_gateway_cannot_honour_are_named_and_unknown_ones_refus
             assert "Unrecognized request argument supplied: temprature" == (await post({"temprature": 0.5}))[1]
             assert s.calls == 0 and s.turns == [] and client.prompts == [] and s.admitted_refusals == 0
             served = {"temperature": 0.1, "top_p": 0.5, "seed": 3, "user": "u", "metadata": {"a": "b"},
-                      "logprobs": False, "response_format": {"type": "text"}, "parallel_tool_calls": True,
-                      "stream": False, "stream_options": None, "max_completion_tokens": 20}  # fmt: skip
+                      "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "parallel_tool_calls": True,
+                      "stream": False, "stream_options": None, "max_completion_tokens": 20, "min_tokens": 2,
+                      "prompt_cache_retention": "24h", "skip_special_tokens": True}  # fmt: skip
             assert await post(served) == (200, "")
-        assert s.calls == 1 and len(s.turns) == 1
+            with pytest.warns(UserWarning, match="'chat_template_kwargs', which is ignored"):
+                assert await post({"chat_template_kwargs": {"enable_thinking": False}}) == (200, "")
+        assert s.calls == 2 and len(s.turns) == 2
     finally:
         await gateway.close()
 
@@ -202,10 +206,9 @@ async def test_a_turn_ended_by_a_stop_string_is_not_continued_with_the_reply_the
         await gateway.close()
 
 
-async def test_one_episodes_calls_are_served_a_few_at_a_time_their_bodies_unread_meanwhile():
-    """Nothing bounded one episode's calls in flight: a program's threads could hold up to the
-    server's connection cap of bodies (32 MiB each) in memory at once, and their sampling.  At most
-    MAX_IN_FLIGHT are read and served at once; the rest wait, and all are answered."""
+async def test_one_episodes_calls_are_served_a_few_at_a_time():
+    """Nothing bounded one episode's calls in flight: one program's threads could take every sampling
+    slot of the engine.  At most MAX_IN_FLIGHT are served at once; the rest wait, and all are answered."""
     from agentrl.gateway import MAX_IN_FLIGHT
 
     running, most = 0, 0
@@ -233,5 +236,31 @@ async def test_one_episodes_calls_are_served_a_few_at_a_time_their_bodies_unread
             statuses = await asyncio.wait_for(asyncio.gather(*(call() for _ in range(3 * MAX_IN_FLIGHT))), 60)
         assert statuses == [200] * (3 * MAX_IN_FLIGHT)
         assert most == MAX_IN_FLIGHT, most
+    finally:
+        await gateway.close()
+
+
+async def test_a_body_over_the_limit_is_the_callers_413_not_a_gateway_failure():
+    """A body over MAX_BODY read inside the gateway's handler raised aiohttp's own error, answered as
+    "500 the gateway failed" (the SDK retried it twice, re-uploading it).  It is a 413, and the
+    connection closes with the answer; declared or chunked alike."""
+    from agentrl.gateway import MAX_BODY
+
+    gateway = Gateway()
+    try:
+        s = await _open(gateway, ScriptedClient(lambda p: "x"))
+        big = {**BODY, "messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}
+        payload = json.dumps(big).encode()
+
+        async def chunked():
+            for k in range(0, len(payload), 1 << 20):
+                yield payload[k : k + (1 << 20)]
+
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {s.key}"}) as http:
+            for data in (payload, chunked()):
+                async with http.post(s.base_url + "/chat/completions", data=data,
+                                     headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+                    assert r.status == 413, (r.status, await r.text())
+        assert s.calls == 0 and s.turns == []
     finally:
         await gateway.close()
