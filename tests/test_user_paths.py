@@ -64,19 +64,31 @@ def run_copy(trained, tmp_path) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("key", ["trainer.lora_rank", "model.path"])
 def test_resume_with_a_config_that_does_not_fit_the_checkpoints_is_refused_before_config_toml_changes(
-        run_copy, tmp_path, key):
+        run_copy, small_model, key):
     """--trainer.lora_rank=8 on a full fine-tune: a PeftModel state_dict traceback (exit 1), and
-    config.toml already held the new config, no longer describing the run's checkpoints."""
+    config.toml already held the new config, no longer describing the run's checkpoints.  model.path
+    naming another model (another config.json) is refused the same way."""
     model, run_dir = run_copy
     change, needles = {
         "trainer.lora_rank": ({key: 8}, ["trainer.lora_rank=0", "this config says trainer.lora_rank=8"]),
-        "model.path": ({key: tmp_path / "other"}, [f'model.path="{model}"', f'this config says model.path="{tmp_path / "other"}"']),
+        "model.path": ({key: small_model}, [f'model.path="{model}"', f'this config says model.path="{small_model}"']),
     }[key]
     before = digest(run_dir)
     r = agentrl(*run_args(model, run_dir, **{"trainer.steps": 3, **change}), "--resume", timeout=120)
     line = one_line_refusal(r, f"--resume: {run_dir}'s checkpoints were trained with", *needles)
     assert f"resume with the run's own config ({run_dir / 'config.toml'})" in line
     assert digest(run_dir) == before  # config.toml, checkpoints and logs as they were
+
+
+def test_resume_with_the_model_moved_elsewhere_continues(run_copy, tmp_path):
+    """The same model staged at another path (a job's scratch dir) is the same model: the resume goes on."""
+    model, run_dir = run_copy
+    moved = tmp_path / "staged" / "model"
+    shutil.copytree(model, moved)
+    r = agentrl(*run_args(moved, run_dir, **{"trainer.steps": 3}), "--resume", timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
+    assert f'path = "{moved}"' in (run_dir / "config.toml").read_text()  # the run dir now names where it is
 
 
 def test_a_checkpoint_that_does_not_load_is_one_line_and_keeps_the_run(run_copy):

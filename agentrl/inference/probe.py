@@ -47,6 +47,11 @@ class Settings:
 
 #: ``agentrl eval`` and ``agentrl env test``
 CLI = Settings()
+#: ``agentrl env test`` (no --chat, no --tokenizer: it samples token ids as training does)
+ENV_TEST = Settings(
+    tokenize_fix="test against a model dir (-m DIR) or an endpoint that has /tokenize (agentrl serve, vLLM)",
+    tokenizer_fix="serve the model that -m names",
+)
 #: ``agentrl run`` against ``inference.base_url`` (its key: ``AGENTRL_API_KEY``, else a new one)
 RUN = Settings(
     base_url="inference.base_url",

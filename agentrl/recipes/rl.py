@@ -201,8 +201,22 @@ def file_in_the_way(path: Path) -> Path | None:
 
 
 # what a checkpoint's tensors were made for: resuming under other values cannot load them (or would
-# silently train something else); trainer.world_size has its own check where the checkpoint is read
+# silently train something else); trainer.world_size has its own check where the checkpoint is read.
+# model.path is compared by the model it holds (its config.json), not by its spelling: a model moved
+# or staged elsewhere resumes
 SHAPES_CHECKPOINT = ("model.path", "trainer.lora_rank", "trainer.lora_alpha")
+NOT_THE_MODEL = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"})
+
+
+def _model_config(path: Any, base: Path) -> dict[str, Any] | None:
+    """The config.json of the model at ``path`` (relative to ``base``), less what does not change the
+    model; None where it cannot be read (a model not there any more: nothing to compare)."""
+    where = Path(path) if Path(path).is_absolute() else base / path
+    try:
+        data = json.loads((where / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: v for k, v in data.items() if k not in NOT_THE_MODEL} if isinstance(data, dict) else None
 
 
 def check_resume(run_dir: Path, cfg: Config) -> None:
@@ -227,8 +241,10 @@ def check_resume(run_dir: Path, cfg: Config) -> None:
         return data.get(section, {}).get(name, defaults[section][name])
 
     def same(key: str, old: Any, now: Any) -> bool:
-        if key == "model.path":  # the same directory, however it is spelt
-            return Path(os.path.abspath(old)).resolve() == Path(os.path.abspath(now)).resolve()
+        if key == "model.path":  # the same model (its config), wherever it is now; unknowable: let the load decide
+            cwd = Path.cwd()
+            old_model, new_model = _model_config(old, cwd), _model_config(now, cwd)
+            return old == now or old_model is None or new_model is None or old_model == new_model
         return old == now
 
     diffs = []
@@ -321,10 +337,14 @@ def build_state(
     from agentrl.trainer.trainer import TINY_PARAMS, Trainer, param_count, resolve_lr
 
     if cfg.trainer.lr is None:  # one value for every rank and actor, chosen once from the model's size
+        from agentrl.trainer.checkpoint import latest_checkpoint
+
         n = param_count(start_model)
         lr = resolve_lr(cfg.trainer, start_model)
         kind = "the tiny kind" if n < TINY_PARAMS else "pretrained" + (", LoRA" if cfg.trainer.lora_rank else "")
-        live.note(f"trainer.lr unset: {lr:g} for a {n / 1e6:.3g}M-parameter model ({kind}); set --trainer.lr to choose")
+        if not (resume and latest_checkpoint(run_dir) is not None):  # a resumed optimizer keeps its own rate
+            live.note(f"trainer.lr unset: {lr:g} for a {n / 1e6:.3g}M-parameter model ({kind}); set --trainer.lr "
+                      "to choose")  # fmt: skip
         cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"lr": lr})})
     if cfg.cluster.trainer_actor:  # its own Ray actor(s); the same calls reach it (agentrl.distributed.trainer_actor)
         from agentrl.distributed.trainer_actor import start_trainer_actor
@@ -361,7 +381,9 @@ def _restore(cfg: Config, trainer: Any, train_tasks: list[Task], run_dir: Path, 
         try:
             trainer.load_state_dict(trainer_state)
         except (RuntimeError, KeyError, ValueError) as e:  # names or shapes that are not this model's
-            if isinstance(e, AgentrlError):
+            mismatch = isinstance(e, KeyError) or any(
+                k in str(e) for k in ("Missing key", "Unexpected key", "size mismatch", "Error(s) in loading"))
+            if isinstance(e, AgentrlError) or not mismatch:  # out of memory, a bug: not the config's fault
                 raise
             why = next((ln.strip().rstrip(":") for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             raise CheckpointError(
@@ -373,7 +395,7 @@ def _restore(cfg: Config, trainer: Any, train_tasks: list[Task], run_dir: Path, 
         state.sampler.requeue(state.buffer.load_state_dict(saved["buffer"]))
         state.start_step = saved["step"]
         offsets = saved.get("logs", {})
-        live.note(f"resumed from {ckpt} at step {state.start_step}")
+        live.note(f"resumed from {ckpt} at step {state.start_step} (its optimizer and lr schedule as saved)")
     if resume:  # everything written after the checkpoint is redone: cut the logs back to it
         for name in LOGS:
             path = run_dir / f"{name}.jsonl"

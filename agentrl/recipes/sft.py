@@ -280,7 +280,11 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
     bf16 = use_bf16(dtype, model.config.get_text_config().hidden_size, dev.type)
     if bf16 and dev.type == "cpu":
         float32_attention(model)  # CPU flash attention is faster in float32 (agentrl.cpu_attention)
-    lr = sft.lr if sft.lr is not None else default_sft_lr(sum(p.numel() for p in model.parameters()))
+    lr = sft.lr
+    if lr is None:
+        n = sum(p.numel() for p in model.parameters())
+        lr = default_sft_lr(n)
+        _say(progress, f"sft.lr unset: {lr:g} for a {n / 1e6:.3g}M-parameter model; set --sft.lr to choose")
     opt = adamw(list(model.parameters()), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)  # fused where it can
     pad = model.config.pad_token_id or 0
     warmup = max(1, sft.steps // 20)
@@ -304,11 +308,12 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
             loss.backward()
             del logits, nll  # not alive through the optimizer step and the heap's measurement
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            step_lr = opt.param_groups[0]["lr"]
             opt.step()
             sched.step()
             if budget is not None:
                 budget.after_step()
-            log.append({"step": step, "loss": float(loss.detach()), "wall_s": time.perf_counter() - t0})
+            log.append({"step": step, "loss": float(loss.detach()), "lr": step_lr, "wall_s": time.perf_counter() - t0})
             bar.step(f"loss {float(loss.detach()):.3f}")
             if not math.isfinite(float(loss.detach())):
                 from agentrl.errors import AgentrlError

@@ -43,9 +43,18 @@ def test_an_unset_trainer_lr_is_chosen_from_the_model_and_a_set_one_is_kept(tiny
     assert [g["lr"] for g in trainer.optimizer.param_groups] == [3e-3]
 
 
-def test_the_sft_default_follows_the_model_too():
+@pytest.mark.parametrize(("which", "lr", "want"), [("tiny", None, 1e-3), ("wide", None, 2e-5), ("wide", 3e-4, 3e-4)])
+def test_the_sft_default_follows_the_model_too(tiny_model, wide_model, tmp_path, which, lr, want):
+    """train_sft steps at the chosen rate (its sft_metrics.jsonl records each step's lr)."""
+    from agentrl.recipes.sft import train_sft
+
     assert SFTConfig().lr is None and TrainerConfig().lr is None
     assert default_sft_lr(TINY_PARAMS - 1) == 1e-3 and default_sft_lr(TINY_PARAMS) == 2e-5
+    model = tiny_model if which == "tiny" else wide_model
+    out = train_sft(model, None, SFTConfig(steps=2, batch_size=2, lr=lr), seed=0, out_dir=tmp_path / "sft",
+                    device="cpu", progress=False, data=[([5, 6, 7, 8], [0, 0, 1, 1])] * 4)  # fmt: skip
+    rows = [json.loads(line) for line in (out / "sft_metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows] == [want, want]  # 2 steps: warm-up of max(1, 2 // 20) = 1 step
 
 
 def test_a_set_lr_survives_the_config_round_trip_and_an_unset_one_stays_unset():
