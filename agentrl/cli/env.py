@@ -211,8 +211,8 @@ def env_test(
             # engines started here have their own key; --api-key (else AGENTRL_API_KEY) is for --base-url
             tokenizer = str(policy.tokenizer_dir) if policy.tokenizer_dir is not None else None
             client = PolicyClient(policy.base_urls, policy.model, tool_parser=policy.tool_parser, tokenizer=tokenizer,
-                                  api_key=policy.api_key if policy.started else api_key)  # fmt: skip
-            client.probe_settings = probe.ENV_TEST
+                                  api_key=policy.api_key if policy.started else api_key,
+                                  probe_settings=probe.ENV_TEST)  # fmt: skip
         try:
             if client is not None:
                 await client.probe(token_path=True)  # the token path, as the checklist samples it

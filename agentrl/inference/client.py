@@ -134,6 +134,7 @@ class PolicyClient:
         tool_parser: str | None = None,
         support_logprobs: int = 0,
         vllm_generate: bool = False,
+        probe_settings: Any = None,
     ):
         """``api_key``: sent as ``Authorization: Bearer`` (default ``AGENTRL_API_KEY``, else a
         placeholder).  ``cache_salt``: salt token requests with the weight version (vLLM's ``cache_salt``), so a
@@ -142,15 +143,16 @@ class PolicyClient:
         support size K of a top-p/min-p sample through its top-N processed logprobs, where every
         token outside the kept set is at the floor: K = the entries above it, exact when K < N.
         ``vllm_generate``: token requests go to vLLM's ``/inference/v1/generate`` (``vllm serve
-        --enable-scale-out``), whose replies say which weight version sampled each token."""
+        --enable-scale-out``), whose replies say which weight version sampled each token.
+        ``probe_settings``: the settings the probe's messages name (:class:`agentrl.inference.probe.Settings`;
+        default: the command line's ``--base-url``, ``--api-key``, ...)."""
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("PolicyClient needs at least one base_url")
         self.model = model
         # whether a key was given (else the probe says so on an HTTP 401, not "a wrong key")
         self.key_given = bool(api_key or client_key())
-        # the settings the probe's messages name (agentrl.inference.probe.Settings); None: the CLI's --base-url ...
-        self.probe_settings: Any = None
+        self.probe_settings = probe_settings
         self.api_key = api_key or client_key() or "EMPTY"  # rollout workers build their clients with it
         self.max_retries = max_retries
         # used when a server does not report per-token versions (plain vLLM)

@@ -123,7 +123,7 @@ async def probe(client: PolicyClient, *, token_path: bool, training: bool = Fals
     settings = settings or settings_of(client)
     for ep in client.endpoints:
         try:
-            await _probe_models(client, ep, settings)
+            await _probe_models(ep, client.model, settings)
             if token_path:
                 await _probe_tokenize(client, ep, settings)
             else:
@@ -145,13 +145,7 @@ async def reachable(base_urls: Sequence[str], api_key: str | None, *, settings: 
     for url in base_urls:
         ep = Endpoint(url, api_key or "EMPTY", timeout)
         try:
-            listed = await ep.get("/v1/models")
-            served = _served(listed)
-            if model is not None and served and model not in served:
-                raise EndpointProbeError(
-                    f"{_where(ep.root, settings)} does not serve model {model!r}; it serves {served}: "
-                    + settings.model_fix.format(name=served[0])
-                )
+            await _probe_models(ep, model, settings)
             if control_route is not None:
                 try:
                     await ep.get(control_route)
@@ -171,11 +165,12 @@ def _served(listed: object) -> list[str]:
     return [m.get("id") for m in (listed.get("data") or []) if isinstance(m, dict)]
 
 
-async def _probe_models(client: PolicyClient, ep: Endpoint, settings: Settings) -> None:
+async def _probe_models(ep: Endpoint, model: str | None, settings: Settings) -> None:
+    """``GET /v1/models`` answers, and lists ``model`` where one is named (and the list is not empty)."""
     served = _served(await ep.get("/v1/models"))
-    if served and client.model not in served:
+    if model is not None and served and model not in served:
         raise EndpointProbeError(
-            f"{_where(ep.root, settings)} does not serve model {client.model!r}; it serves {served}: "
+            f"{_where(ep.root, settings)} does not serve model {model!r}; it serves {served}: "
             + settings.model_fix.format(name=served[0])
         )
 

@@ -167,8 +167,8 @@ def open_engines(cfg: Config, start_model: Path, threads: int, api_key: str | No
         policy.base_urls, policy.model, timeout=ic.request_timeout_s, max_retries=ic.max_retries,
         tokenizer=str(start_model) if (start_model / "tokenizer_config.json").is_file() else None,
         requests_per_s=cfg.rollout.requests_per_s, tool_parser=ic.tool_parser, api_key=policy.api_key,
+        probe_settings=probe_settings(cfg),  # its probe names inference.base_url, not --base-url
     )
-    client.probe_settings = probe_settings(cfg)  # its probe names inference.base_url, not --base-url
     return Engines(policy, client, sync, False, make_sync, sync_args)
 
 
@@ -281,8 +281,8 @@ def open_vllm(cfg: Config, start_model: Path, threads: int, api_key: str | None 
         requests_per_s=cfg.rollout.requests_per_s, cache_salt=True, tool_parser=parser,
         support_logprobs=VLLMArgs.max_logprobs,  # K of a top-p/min-p sample (vLLM reports no token_support)
         vllm_generate=policy.started,  # servers agentrl started tag every token with its weight version
+        probe_settings=probe_settings(cfg),
     )  # fmt: skip
-    client.probe_settings = probe_settings(cfg)
     return Engines(policy, client, make_sync(policy), True, make_sync, sync_args)
 
 

@@ -208,12 +208,11 @@ SHAPES_CHECKPOINT = ("model.path", "trainer.lora_rank", "trainer.lora_alpha")
 NOT_THE_MODEL = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"})
 
 
-def _model_config(path: Any, base: Path) -> dict[str, Any] | None:
-    """The config.json of the model at ``path`` (relative to ``base``), less what does not change the
-    model; None where it cannot be read (a model not there any more: nothing to compare)."""
-    where = Path(path) if Path(path).is_absolute() else base / path
+def _model_config(path: Any) -> dict[str, Any] | None:
+    """The config.json of the model at ``path``, less what does not change the model; None where it
+    cannot be read (a model not there any more: nothing to compare)."""
     try:
-        data = json.loads((where / "config.json").read_text())
+        data = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
     return {k: v for k, v in data.items() if k not in NOT_THE_MODEL} if isinstance(data, dict) else None
@@ -242,8 +241,7 @@ def check_resume(run_dir: Path, cfg: Config) -> None:
 
     def same(key: str, old: Any, now: Any) -> bool:
         if key == "model.path":  # the same model (its config), wherever it is now; unknowable: let the load decide
-            cwd = Path.cwd()
-            old_model, new_model = _model_config(old, cwd), _model_config(now, cwd)
+            old_model, new_model = _model_config(old), _model_config(now)
             return old == now or old_model is None or new_model is None or old_model == new_model
         return old == now
 
@@ -334,13 +332,13 @@ def make_buffer(bc: BufferConfig, batch_groups: int, std_normalize: bool = False
 def build_state(
     cfg: Config, start_model: Path, train_tasks: list[Task], run_dir: Path, resume: bool, live: LiveProgress
 ) -> RLState:
-    from agentrl.trainer.trainer import TINY_PARAMS, Trainer, param_count, resolve_lr
+    from agentrl.trainer.trainer import TINY_PARAMS, Trainer, default_lr, param_count
 
     if cfg.trainer.lr is None:  # one value for every rank and actor, chosen once from the model's size
         from agentrl.trainer.checkpoint import latest_checkpoint
 
         n = param_count(start_model)
-        lr = resolve_lr(cfg.trainer, start_model)
+        lr = default_lr(n, lora=cfg.trainer.lora_rank > 0)
         kind = "the tiny kind" if n < TINY_PARAMS else "pretrained" + (", LoRA" if cfg.trainer.lora_rank else "")
         if not (resume and latest_checkpoint(run_dir) is not None):  # a resumed optimizer keeps its own rate
             live.note(f"trainer.lr unset: {lr:g} for a {n / 1e6:.3g}M-parameter model ({kind}); set --trainer.lr "
