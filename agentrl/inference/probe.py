@@ -45,7 +45,7 @@ class Settings:
     tokenizer_fix: str = "pass --tokenizer with the served model's tokenizer dir"
 
 
-#: ``agentrl eval`` and ``agentrl env test``
+#: ``agentrl eval`` (and any client whose maker named no settings)
 CLI = Settings()
 #: ``agentrl env test`` (no --chat, no --tokenizer: it samples token ids as training does)
 ENV_TEST = Settings(
