@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from agentrl.errors import (
     ContextLengthExceeded,
     EndpointError,
+    EpisodeError,
     EpisodeFailure,
     MalformedResponse,
     error_kind_of,
@@ -98,6 +99,39 @@ async def _endpoint(call: Any) -> Any:
         if getattr(type(e), "error_kind", None) is None:
             raise EndpointError(error_text(e)) from e
         raise
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def env_messages(value: Any, where: str) -> list[Message]:
+    """What an env hook (``where``, e.g. ``MyEnv.step()``) gave as messages: a list of
+    :class:`Message`, or of OpenAI-style dicts (converted); anything else is the env's error,
+    named here, rather than an ``AttributeError`` from whoever reads it later."""
+    if isinstance(value, (str, bytes, dict, Message)) or not hasattr(value, "__iter__"):
+        raise EpisodeError(f"{where} must return a list of Message; it returned {type(value).__name__}")
+    out = []
+    for i, m in enumerate(value):
+        if isinstance(m, dict):
+            role, content = m.get("role"), m.get("content")
+            if role not in ROLES or not (content is None or isinstance(content, str)):
+                raise EpisodeError(
+                    f"{where} returned a dict at [{i}] that is not a chat message (role one of {', '.join(ROLES)}, "
+                    f"content a string): {str(m)[:120]}; return Message(role=..., content=...)"
+                )
+            try:
+                m = Message.from_dict(m)
+            except (KeyError, TypeError, AttributeError) as e:
+                raise EpisodeError(f"{where} returned a malformed message at [{i}]: {error_text(e)}") from e
+        elif not isinstance(m, Message):
+            raise EpisodeError(f"{where} returned {type(m).__name__} at [{i}]; it must return a list of Message")
+        if m.role not in ROLES or not isinstance(m.content, str):
+            raise EpisodeError(
+                f"{where} returned a Message at [{i}] with role {m.role!r} and content of type "
+                f"{type(m.content).__name__}; role must be one of {', '.join(ROLES)} and content a string"
+            )
+        out.append(m)
+    return out
 
 
 def error_text(e: BaseException) -> str:
@@ -160,7 +194,12 @@ class _Episode:
             async with wall:
                 self._deadline = wall.when()
                 t0 = time.perf_counter()
-                self.state = await self.env.setup(traj.task)
+                state = await self.env.setup(traj.task)
+                if not isinstance(getattr(state, "messages", None), list):  # a State is a dict with .messages
+                    setup = f"{type(self.env).__name__}.setup()"
+                    raise EpisodeError(f"{setup} must return a State (State(task)); it returned {type(state).__name__}")
+                self.state = state
+                state.messages[:] = env_messages(state.messages, f"{type(self.env).__name__}.setup()'s state.messages")
                 traj.timing["setup_s"] = time.perf_counter() - t0
                 traj.messages = self.state.messages
                 self.state.setdefault("tool_parser", self.tool_parser)
@@ -255,7 +294,7 @@ class _Episode:
                 return cut_reason  # a cut-off turn has no end-of-turn token to continue from
 
             t0 = time.perf_counter()
-            reply = list(await self.env.step(state, assistant))
+            reply = env_messages(await self.env.step(state, assistant), f"{type(self.env).__name__}.step()")
             traj.timing["env_s"] += time.perf_counter() - t0
             before = list(state.messages)
             state.messages.extend(reply)

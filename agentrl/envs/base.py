@@ -181,7 +181,9 @@ class Environment:
         return State(task)
 
     async def step(self, state: State, assistant_msg: Message) -> list[Message]:
-        """React to the model's turn with env/tool messages (may set ``state.done``)."""
+        """React to the model's turn with env/tool messages (may set ``state.done``): a list of
+        :class:`Message` (OpenAI-style dicts are converted); anything else errors the episode,
+        kind ``env``, naming this method."""
         raise NotImplementedError
 
     def done(self, state: State) -> bool:

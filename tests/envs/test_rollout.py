@@ -259,3 +259,63 @@ async def test_an_episode_record_is_asdict_and_shares_nothing_with_the_episode()
     got["metrics"]["nested"]["a"].append(2.0)
     got["task"]["info"]["k"].append(2)  # the task is shared by the group's episodes
     assert traj.to_dict() == want and traj.task.info == {"k": [1]}
+
+
+class Replies(Guess):
+    """A step() that returns whatever the test sets (a user's natural mistakes among them)."""
+
+    reply: object = None
+
+    async def step(self, state, msg):
+        state.done = True
+        return self.reply
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        (None, "Replies.step() must return a list of Message; it returned NoneType"),
+        ("Correct!", "Replies.step() must return a list of Message; it returned str"),
+        ({"role": "user", "content": "Correct!"}, "Replies.step() must return a list of Message; it returned dict"),
+        ([Message("user", "ok"), 7], "Replies.step() returned int at [1]; it must return a list of Message"),
+        ([{"content": "no role"}], "Replies.step() returned a dict at [0] that is not a chat message"),
+        ([{"role": "user", "content": ["part"]}], "Replies.step() returned a dict at [0] that is not a chat message"),
+        ([Message("user", None)], "Replies.step() returned a Message at [0] with role 'user' and content of type NoneType"),
+    ],
+)
+async def test_a_step_that_returns_no_list_of_messages_is_the_envs_error_naming_step(reply, error):
+    env = Replies(dataset=["g"])
+    env.reply = reply
+    traj = await env.rollout(ScriptedClient(lambda p: "5"), Task([Message("user", "g")]))
+    assert traj.stop_reason == "error" and traj.error_kind == "env", traj.error
+    assert traj.error.startswith(f"EpisodeError: {error}"), traj.error
+    assert env.cleaned == 1  # the episode's resources are still released
+    assert traj.to_dict()["messages"][-1]["role"] == "assistant"  # the record still serializes
+
+
+async def test_a_step_that_returns_openai_style_dicts_gets_messages():
+    env = Replies(dataset=["g"])
+    env.reply = ({"role": "tool", "content": "7", "tool_call_id": "c1"},)  # any iterable of chat messages
+    traj = await env.rollout(ScriptedClient(lambda p: "5"), Task([Message("user", "g")]))
+    assert traj.error is None and traj.stop_reason == "done"
+    assert traj.messages[-1] == Message("tool", "7", tool_call_id="c1")
+    assert traj.to_dict()["messages"][-1] == {"role": "tool", "content": "7", "tool_call_id": "c1"}
+
+
+async def test_a_setup_that_returns_no_state_is_the_envs_error_naming_setup():
+    class NoState(Guess):
+        async def setup(self, task):
+            return {"messages": task.prompt}  # a plain dict has no .messages
+
+    traj = await NoState(dataset=["g"]).rollout(ScriptedClient(lambda p: "5"), Task([Message("user", "g")]))
+    assert traj.error_kind == "env" and traj.error.startswith(
+        "EpisodeError: NoState.setup() must return a State (State(task)); it returned dict"), traj.error
+
+    class DictPrompt(Guess):
+        async def setup(self, task):
+            state = await super().setup(task)
+            state.messages.insert(0, {"role": "system", "content": "Be brief."})
+            return state
+
+    traj = await DictPrompt(dataset=["g"]).rollout(ScriptedClient(lambda p: "5"), Task([Message("user", "g")]))
+    assert traj.error is None and traj.messages[0] == Message("system", "Be brief.")
