@@ -5,9 +5,6 @@ An environment package declares
     [project.entry-points."agentrl.environments"]
     my-env = "my_env:load_environment"
 
-    [tool.agentrl.args]          # optional defaults for load_environment(**kwargs)
-    difficulty = 2
-
 and is found by its entry-point name once installed (``pip install -e path``), or — from a
 checkout, without installing — by the path of its directory (``environments/calc``).
 Rubric plugins work the same way under ``agentrl.rubrics`` (factories returning a Rubric).
@@ -21,6 +18,12 @@ group is an error when that name is looked up, naming both.  A plugin's source d
 (path mode, or an editable install) is appended to ``sys.path``, never put first: only the
 entry point's own top-level module is loaded from it by force, so a stray ``json.py``
 beside it cannot shadow the standard library or an installed package.
+
+An environment's defaults are its factory's own keyword defaults (``def
+load_environment(difficulty=2)``), which hold however the package is installed.  A
+``[tool.agentrl.args]`` table in ``pyproject.toml`` is still applied when the package is loaded
+from its source (a path, ``pip install -e``), with a warning: a wheel does not carry the file,
+so the same package installed with ``pip install DIR`` ran with other arguments, silently.
 
 A plugin's own code failing (its module does not import, its factory raises) is a
 :class:`~agentrl.errors.UserCodeError` naming the plugin, its entry point, the function
@@ -39,6 +42,7 @@ import json
 import re
 import sys
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,8 +68,7 @@ class Plugin:
     dist: str = ""
     version: str = ""
     source_dir: Path | None = None  # package dir (path mode, or an editable install)
-    defaults: dict[str, Any] = field(default_factory=dict)
-    eval_defaults: dict[str, Any] = field(default_factory=dict)
+    defaults: dict[str, Any] = field(default_factory=dict)  # [tool.agentrl.args], source dirs only
     location: str = ""  # the directory the distribution is installed in (for error messages)
 
     @property
@@ -87,20 +90,22 @@ class Plugin:
             ) from e
         return obj
 
-    def call(self, factory: Any, args: dict[str, Any]) -> Any:
-        """``factory(**args)``; arguments it cannot take are an AgentrlError, anything it raises
-        a :class:`UserCodeError` naming the plugin, the function and the exception."""
+    def call(self, factory: Any, args: dict[str, Any], given: dict[str, Any] | None = None) -> Any:
+        """``factory(**args)``; arguments it cannot take are an AgentrlError (naming the ones the
+        caller ``given``, default all), anything it raises a :class:`UserCodeError` naming the
+        plugin, the function and the exception."""
+        named = sorted(args if given is None else given)
         try:
             inspect.signature(factory).bind(**args)
         except TypeError as e:
-            raise AgentrlError(f"{self.kind} {self.name!r} rejected its arguments {sorted(args)}: {e}") from e
+            raise AgentrlError(f"{self.kind} {self.name!r} rejected its arguments {named}: {e}") from e
         except ValueError:  # no introspectable signature (a builtin, a C extension): just call it
             pass
         try:
             return factory(**args)
         except TypeError as e:
             if _is_bad_argument(e, args):  # ``**kwargs`` passed on to a constructor that refused one
-                raise AgentrlError(f"{self.kind} {self.name!r} rejected its arguments {sorted(args)}: {e}") from e
+                raise AgentrlError(f"{self.kind} {self.name!r} rejected its arguments {named}: {e}") from e
             raise UserCodeError(f"{self.kind} {self.name!r} ({self.target}) raised {_one_line(e)}{_TRACE_HINT}") from e
         except Exception as e:
             raise UserCodeError(f"{self.kind} {self.name!r} ({self.target}) raised {_one_line(e)}{_TRACE_HINT}") from e
@@ -164,9 +169,9 @@ def _read_pyproject(path: Path) -> dict[str, Any]:
         raise AgentrlError(f"cannot read {path / 'pyproject.toml'}: {e}") from e
 
 
-def _tool_table(pyproject: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    table = pyproject.get("tool", {}).get("agentrl", {})
-    return dict(table.get("args", {})), dict(table.get("eval", {}))
+def _tool_args(pyproject: dict[str, Any]) -> dict[str, Any]:
+    """``[tool.agentrl.args]`` (read from a source dir only: a wheel does not carry pyproject.toml)."""
+    return dict(pyproject.get("tool", {}).get("agentrl", {}).get("args", {}))
 
 
 def _editable_source(dist: md.Distribution) -> Path | None:
@@ -208,7 +213,7 @@ def _by_name(group: str) -> dict[str, list[Plugin]]:
             source = _editable_source(dist)
             if source is not None:
                 plugin.source_dir = source
-                plugin.defaults, plugin.eval_defaults = _tool_table(_read_pyproject(source))
+                plugin.defaults = _tool_args(_read_pyproject(source))
             found.setdefault(normalize(ep.name), []).append(plugin)
     return found
 
@@ -227,7 +232,7 @@ def _from_directory(path: Path, group: str) -> Plugin:
         raise EnvironmentNotFound(f"{path} declares no [project.entry-points.\"{group}\"] entry")
     name, target = next(iter(eps.items()))
     plugin = Plugin(name, target, group, project.get("name", ""), str(project.get("version", "")), path.resolve())
-    plugin.defaults, plugin.eval_defaults = _tool_table(pyproject)
+    plugin.defaults = _tool_args(pyproject)
     return plugin
 
 
@@ -268,7 +273,8 @@ def find(name_or_path: str, group: str = ENV_GROUP) -> Plugin:
 
 
 def load_environment(name_or_path: str, **kwargs: Any):
-    """Build an environment: package defaults from ``[tool.agentrl.args]``, then ``kwargs``.
+    """Build an environment: ``factory(**kwargs)`` (a source dir's ``[tool.agentrl.args]``
+    under them, with a warning: module docstring).
 
     A URL (``http://host:port``) names an environment served by ``agentrl env serve``; its
     arguments were given to the server, so ``kwargs`` must be empty."""
@@ -285,7 +291,13 @@ def load_environment(name_or_path: str, **kwargs: Any):
         return RemoteEnvironment(name_or_path)
     plugin = find(name_or_path, ENV_GROUP)
     factory = plugin.load()
-    env = plugin.call(factory, {**plugin.defaults, **kwargs})
+    if plugin.defaults:
+        warnings.warn(
+            f"environment {plugin.name!r}: [tool.agentrl.args] in {plugin.source_dir}/pyproject.toml applies only "
+            "when the package is loaded from its source; a wheel install (pip install DIR) ignores it: give "
+            "load_environment() those defaults in its signature and delete the table", UserWarning, stacklevel=2,
+        )
+    env = plugin.call(factory, {**plugin.defaults, **kwargs}, given=kwargs)
     if not isinstance(env, Environment):
         raise AgentrlError(f"{plugin.target} returned {type(env).__name__}, not an agentrl Environment")
     if env.name == Environment.name:

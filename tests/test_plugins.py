@@ -11,7 +11,7 @@ from agentrl.errors import AgentrlError, EnvironmentNotFound, RubricNotFound
 from agentrl.plugins import find, installed, load_environment, load_rubric, parse_env_args
 
 
-def write_env_package(root, name="toy-env", module="toy_env_mod", body=None, args="greeting = 'hi'"):
+def write_env_package(root, name="toy-env", module="toy_env_mod", body=None, args=""):
     root.mkdir(parents=True, exist_ok=True)
     (root / "pyproject.toml").write_text(textwrap.dedent(f"""\
         [project]
@@ -19,14 +19,14 @@ def write_env_package(root, name="toy-env", module="toy_env_mod", body=None, arg
         version = "1.2.3"
         [project.entry-points."agentrl.environments"]
         {name} = "{module}:load_environment"
-        [tool.agentrl.args]
+        {"[tool.agentrl.args]" if args else ""}
         {args}
     """))
     (root / f"{module}.py").write_text(body or textwrap.dedent("""\
         from agentrl.envs import SingleTurnEnv
         from agentrl.rubrics import Rubric
 
-        def load_environment(greeting="hello", size=2):
+        def load_environment(greeting="hi", size=2):
             env = SingleTurnEnv(dataset=[greeting] * size, rubric=Rubric([lambda completion: 1.0]))
             env.greeting = greeting
             return env
@@ -34,13 +34,34 @@ def write_env_package(root, name="toy-env", module="toy_env_mod", body=None, arg
     return root
 
 
-def test_path_loads_uninstalled_package_with_pyproject_defaults(tmp_path):
+def test_path_loads_uninstalled_package_with_its_factorys_defaults(tmp_path, recwarn):
     pkg = write_env_package(tmp_path / "toy")
     env = load_environment(str(pkg))
-    assert env.greeting == "hi"  # from [tool.agentrl.args]
+    assert env.greeting == "hi" and not recwarn.list  # load_environment's own default
     assert env.name == "toy-env" and env.version == "1.2.3"  # filled from the package metadata
     env = load_environment(str(pkg), greeting="yo", size=3)  # kwargs beat the defaults
     assert env.greeting == "yo" and len(env.dataset()) == 3
+
+
+def test_a_pyproject_args_table_still_applies_from_source_but_warns_that_a_wheel_drops_it(tmp_path):
+    """A wheel does not carry pyproject.toml: the same package installed with ``pip install DIR``
+    silently ran with other arguments, so the table is applied from a source dir with a warning."""
+    pkg = write_env_package(tmp_path / "toy", args="greeting = 'from-table'")
+    with pytest.warns(UserWarning, match=r"\[tool.agentrl.args\] in .*toy/pyproject.toml applies only when the "
+                                          r"package is loaded from its source; a wheel install .* ignores it"):
+        assert load_environment(str(pkg)).greeting == "from-table"
+    with pytest.warns(UserWarning), pytest.raises(AgentrlError, match=r"rejected its arguments \['bogus'\]"):
+        load_environment(str(pkg), bogus=1)  # names what the user gave, not the table's keys too
+
+
+def test_no_bundled_package_or_scaffold_keeps_defaults_where_a_wheel_loses_them(tmp_path):
+    from agentrl.envs.scaffold import scaffold_environment
+
+    root = Path(__file__).resolve().parents[1]
+    scaffolded = scaffold_environment("fresh-env", tmp_path)
+    for pyproject in [*root.glob("environments/*/pyproject.toml"), *root.glob("rubrics/*/pyproject.toml"),
+                      scaffolded / "pyproject.toml"]:
+        assert "[tool.agentrl" not in pyproject.read_text(), pyproject
 
 
 def test_two_copies_of_one_module_each_load_from_their_own_directory(tmp_path):

@@ -25,10 +25,6 @@ dependencies = ["agentrl"]
 
 [tool.setuptools]
 py-modules = ["{module}"]
-
-# Defaults for load_environment(); override with --env-args '{{"num_tasks": 50}}'.
-[tool.agentrl.args]
-num_tasks = 200
 '''
 
 MODULE = '''"""{name}: reverse a word with the `reverse` tool, then answer with the result."""
@@ -110,7 +106,8 @@ An [agentrl](https://example.invalid/agentrl) environment: `{name}`.
 
 Edit `{module}.py`: the dataset, the tools, the rubric's reward functions, and the
 demonstrations a fresh model warm-starts on before RL (`agentrl run`).
-Defaults for `load_environment()` live in `[tool.agentrl.args]` in `pyproject.toml`.
+Its arguments are `load_environment()`'s keyword arguments (their defaults hold however the
+package is installed); `--env-args '{{"num_tasks": 50}}'` overrides them.
 '''
 
 

@@ -28,7 +28,7 @@ async def test_each_game_passes_the_contract_checker(game):
 
 async def test_loads_from_the_package_directory_with_pyproject_defaults():
     env = load_environment(str(PACKAGE_DIR), num_tasks=3)
-    assert env.spec.env_id == "FrozenLake-v1"  # [tool.agentrl.args] game = "frozenlake"
+    assert env.spec.env_id == "FrozenLake-v1"  # load_environment's default game
     assert len(list(env.dataset())) == 3
 
 
