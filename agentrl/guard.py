@@ -38,7 +38,7 @@ import json
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, urlencode
 
 from agentrl.auth import ServerKey, bearer, matches, sign
 
@@ -250,7 +250,10 @@ class Guard:
         if self.key is None or self._cookie_value is None or not matches(self.key.value, token):
             return False
         rest = urlencode([(k, v) for k, v in query if k != "token"])
-        where = scope["path"] + (f"?{rest}" if rest else "")
+        # one leading slash, re-quoted: "//host" (or a backslash for the second slash) in Location sends a
+        # browser to another site, and a decoded CR/LF must not reach a header
+        path = quote("/" + scope["path"].lstrip("/\\"), safe="/:@!$&'()*+,;=-._~")
+        where = path + (f"?{rest}" if rest else "")
         cookie = f"{self.cookie}={self._cookie_value}; Path=/; HttpOnly; SameSite=Strict"
         await _reply(send, 303, b"", headers=[(b"location", where.encode()), (b"set-cookie", cookie.encode()),
                                               (b"cache-control", b"no-store")])  # fmt: skip

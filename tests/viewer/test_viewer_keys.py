@@ -126,3 +126,14 @@ def test_a_refused_caller_cannot_hold_its_connection_by_dripping_the_body(eval_d
         assert _drip(keyed, 10), "a body dripped a byte every 0.3 s was never cut off"
         assert 1.5 < time.monotonic() - t0 < 6
         keyed.close()
+
+
+@pytest.mark.parametrize(("path", "location"), [
+    ("//evil.example/x", "/evil.example/x"),  # a network-path reference: the browser would leave for evil.example
+    ("/%5Cevil.example/", "/evil.example/"),  # "/\host": browsers read a backslash as a slash
+    ("/a%0d%0aSet-Cookie:%20x=1", "/a%0D%0ASet-Cookie:%20x=1"),  # decoded CR/LF stays out of the header
+])
+def test_the_login_redirect_stays_on_this_server(eval_dir, path, location):
+    with ViewerServer(eval_dir) as srv, httpx.Client(timeout=30) as http:
+        r = http.get(f"{srv.url}{path}?token={srv.key}", follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == location, (r.status_code, r.headers)
