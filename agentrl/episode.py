@@ -274,6 +274,9 @@ class _Episode:
         """Model turn, env reply, env tokens, until a stop reason."""
         state, traj = self.state, self.traj
         assert state is not None
+        if state.done:  # setup ended it (an OpenEnv reset that answered done): a turn would act on a finished game
+            raise EpisodeError(f"{type(self.env).__name__}.setup() set state.done: the episode ended before the model's "
+                               "first turn, so there is nothing to sample or train on; fix the task or the env's reset")
         if self.token_exact:
             await self._new_sequence()
         while True:

@@ -319,3 +319,17 @@ async def test_a_setup_that_returns_no_state_is_the_envs_error_naming_setup():
 
     traj = await DictPrompt(dataset=["g"]).rollout(ScriptedClient(lambda p: "5"), Task([Message("user", "g")]))
     assert traj.error is None and traj.messages[0] == Message("system", "Be brief.")
+
+
+async def test_a_setup_that_already_ended_the_episode_asks_the_model_nothing():
+    """An OpenEnv reset can answer done: the model's turn would act on a finished game."""
+    class EndsAtReset(Guess):
+        async def setup(self, task):
+            state = await super().setup(task)
+            state.done = True
+            return state
+
+    client = ScriptedClient(lambda p: "5")
+    traj = await EndsAtReset(dataset=["g"]).rollout(client, Task([Message("user", "g")]))
+    assert traj.error_kind == "env" and "EndsAtReset.setup() set state.done" in traj.error, traj.error
+    assert client.prompts == [] and traj.turns == []
