@@ -2,8 +2,10 @@
 
 Routes: ``/`` (the page), ``/static/<file>`` (its script and style, shipped in the package:
 no CDN, works offline), ``/api/meta`` (run name, config, chart layout), ``/api/poll`` (what
-the run gained past the page's cursors; the page polls it to follow a live run) and
-``/api/episode/<id>`` (one episode with its tokens).  It binds to loopback by default.
+the run gained past the page's cursors, a bounded page at a time; the page polls it to follow a
+live run) and ``/api/episode/<id>`` (one episode with its tokens).  A malformed record is skipped
+and counted, or shown as far as it can be: no route answers 500 for what a run wrote.  It binds
+to loopback by default.
 
 Every route needs the viewer's key (:mod:`agentrl.guard`): ``--api-key`` or ``AGENTRL_API_KEY``,
 else one made at start.  A script sends it as ``Authorization: Bearer KEY``; a browser opens

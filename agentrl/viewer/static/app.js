@@ -1,6 +1,7 @@
 // agentrl viewer: curves, episode browser, token view, diff. Vanilla JS, no build step.
 // The server (agentrl/viewer/server.py) streams three lists behind cursors: metric rows,
-// episode summaries and fate updates; this page polls /api/poll to follow a live run.
+// episode summaries and fate updates; this page polls /api/poll to follow a live run. A poll
+// returns a page of each list and reads a few MB of each file: while `more`, it polls again at once.
 "use strict";
 
 const S = {
@@ -83,8 +84,11 @@ function render() {
   const parts = S.meta.kind === "run" ? [`step ${step}${st.steps ? "/" + st.steps : ""}`] : [];
   parts.push(`${S.episodes.size} episodes`);
   if (st.updated) parts.push(`updated ${Math.max(0, Math.round(Date.now() / 1000 - st.updated))}s ago`);
+  if (st.behind_bytes > 0) parts.push(`reading the run: ${(st.behind_bytes / 2 ** 20).toFixed(1)} MB to go`);
+  if (st.skipped_rows) parts.push(`${st.skipped_rows} unreadable row${st.skipped_rows === 1 ? "" : "s"} skipped`);
   parts.unshift(st.finished ? "finished" : "live");
   $("#status").textContent = parts.join(" · ");
+  $("#status").title = st.skipped_first ? `first skipped: ${st.skipped_first}` : "";
   $("#status").className = "status" + (st.finished ? "" : " live");
   const tab = document.querySelector("nav button.active").dataset.tab;
   if (S.dirty.charts && tab === "curves") { renderFacts(); renderCharts(); S.dirty.charts = false; }
@@ -366,6 +370,7 @@ function renderDetail() {
     el("div", { class: "kv" }, ...Object.entries(kv).filter(([, v]) => v !== null && v !== undefined)
       .map(([k, v]) => el("span", {}, `${k} `, el("b", {}, v)))),
     ep.error ? el("p", { class: "error" }, `${ep.error_kind || "error"}: ${ep.error}`) : null,
+    ...(ep.problems || []).map((p) => el("p", { class: "error" }, `record: ${p}`)),
     el("div", { class: "toolbar" }, versionsOf(s.task) > 1
       ? el("button", { id: "compare", onclick: () => compareTask(s) }, `compare across ${versionsOf(s.task)} versions`)
       : el("span", { class: "hint" }, "this task was seen at one version only")),
