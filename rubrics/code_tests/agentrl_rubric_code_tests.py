@@ -1,12 +1,14 @@
 """Code-tests rubric: run the model's Python function against hidden tests in a sandbox.
 
 Task contract: ``task.info = {"entry_point": "name", "tests": [{"args": [...], "expected": v}, ...]}``.
-The code is the last fenced ```python block of the final reply (else the whole reply, if it
-defines the entry point).  It runs in a fresh-or-reset sandbox (``agentrl.sandbox``: bwrap
-or docker; never the host) with the task's inputs only: the expected values never enter the
-sandbox, and the comparison happens here on the host, so printing fake results, exiting
-early or tampering with the harness cannot earn reward — only returning the right values
-can.  Values compare after a JSON round trip (tuples equal lists; ints exactly, floats
+The code is the last fenced ```python block of the final reply that defines the entry point
+(``def <entry_point>(`` at the start of a line), else its last fenced block (else the whole
+reply, if it defines a function): a usage example after the solution is not the solution.
+Which block is picked gives no way around the tests: only that block runs, under them.  It
+runs in a fresh-or-reset sandbox (``agentrl.sandbox``: bwrap or docker; never the host)
+with the task's inputs only: the expected values never enter the sandbox, and the
+comparison happens here on the host, so printing fake results, exiting early or tampering
+with the harness cannot earn reward — only returning the right values can.  Values compare after a JSON round trip (tuples equal lists; ints exactly, floats
 within 1e-6: see :func:`values_equal`).  Nothing the solution returns or writes can make
 the rubric raise: an unreadable, oversized or malformed report scores its tests failed.
 
@@ -63,9 +65,13 @@ with open(req["out"], "w") as f:
 """
 
 
-def extract_code(completion: str) -> str | None:
-    """The last fenced python block, else the reply itself when it contains a ``def``."""
+def extract_code(completion: str, entry_point: str | None = None) -> str | None:
+    """The last fenced python block defining ``entry_point`` (any block if none does, or no
+    ``entry_point`` is given), else the reply itself when it contains a ``def``."""
     blocks = _FENCE.findall(completion or "")
+    if blocks and entry_point:
+        defines = re.compile(rf"^(?:async[ \t]+)?def[ \t]+{re.escape(entry_point)}[ \t]*\(", re.M)
+        blocks = [b for b in blocks if defines.search(b)] or blocks
     if blocks:
         return blocks[-1]
     return completion if completion and re.search(r"^\s*def \w+\(", completion, re.M) else None
@@ -228,7 +234,8 @@ class CodeTestsRubric(Rubric):
 
     async def report(self, completion: str, info: dict[str, Any]) -> TestReport:
         """Test report for one reply (computed once, shared by the three functions)."""
-        code = extract_code(completion)
+        entry_point = info.get("entry_point")
+        code = extract_code(completion, entry_point if isinstance(entry_point, str) else None)
         if code is None:
             return TestReport(total=len(info.get("tests", [])), error="no code found")
         key = json.dumps([code, info.get("entry_point"), info.get("tests")], sort_keys=True, default=str)

@@ -4,8 +4,17 @@ The model's answer is taken from its last reply: the last ``<answer>...</answer>
 there is one, else the last ``\\boxed{...}``, else the last non-empty line.  Both sides are
 normalised before comparison (case, surrounding whitespace/quotes/``$``, a trailing full
 stop, ``\\text{}``, repeated spaces).  Numbers compare by value: ``1,000`` = ``1000.0``,
-``3/4`` = ``0.75``, ``50%`` = ``0.5`` only if the reference is also written as a percent.
+``3/4`` = ``\\frac{3}{4}`` = ``0.75``, and ``50%`` matches a reference ``0.5`` or ``50``.
 A task's ``answer`` may be one value or a list of acceptable values.
+
+Numeric tolerance is for values written inexactly, never for integers: two sides written as
+integers or fractions must be equal (``1234568`` is not ``1234567``); a reference written as
+a decimal (or in ``e`` notation, or a non-integral float) matches within ``rel_tol``/``abs_tol``;
+a decimal reply to an integer (or ``3/4``-like) reference may differ only by ``abs_tol``
+(float noise), as it could have been written exactly; to ``1/3`` it may differ by ``rel_tol``.
+An answer that is not one number counts only if it is one number among words (``x = 12
+apples`` → 12): operators (``2^{10}``, ``sqrt(16)``, ``5 - 3``) or a second number
+(``7 apples or 5``) make it no number at all, so a hedge or an expression never scores.
 
 Entry point (group ``agentrl.rubrics``): ``exact-match = agentrl_rubric_exact_match:load_rubric``.
 """
@@ -16,7 +25,7 @@ import math
 import re
 from collections.abc import Callable
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from agentrl.rubrics import completion_text, tagged
 
@@ -137,6 +146,23 @@ _NUMBER = re.compile(
 )
 
 
+class _Num(NamedTuple):
+    value: Fraction
+    exact: bool  # written as an integer or fraction: compared without tolerance
+
+
+# LaTeX a number is often written in: \frac{3}{4} -> 3/4, 50\% -> 50%, 1{,}000 -> 1,000
+_LATEX_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*(-?\d+)\s*\}\s*\{\s*(\d+)\s*\}")
+_LATEX_PLAIN = {"\\%": "%", "\\$": "$", "{,}": ","}
+
+
+def _number_text(s: str) -> str:
+    text = _LATEX_FRAC.sub(r"\1/\2", normalize_text(s))
+    for latex, plain in _LATEX_PLAIN.items():
+        text = text.replace(latex, plain)
+    return text
+
+
 def _to_number(m: re.Match[str]) -> Fraction | None:
     try:
         if m["frac"]:
@@ -158,31 +184,76 @@ def _to_number(m: re.Match[str]) -> Fraction | None:
     return -value if m["sign"] in ("-", "−") else value
 
 
-def parse_number(s: Any) -> Fraction | None:
-    """The value of ``s`` if the whole (normalised) string is one number, else ``None``."""
+def _match_number(m: re.Match[str]) -> _Num | None:
+    value = _to_number(m)
+    if value is None:
+        return None
+    exact = not (m["exp"] or (m["num"] and "." in m["num"]))
+    return _Num(value, exact)
+
+
+def _parse(s: Any) -> _Num | None:
     if isinstance(s, bool):
         return None
     if isinstance(s, int):
-        return Fraction(s)
+        return _Num(Fraction(s), True)
     if isinstance(s, float):
-        return Fraction(s) if math.isfinite(s) else None
-    text = normalize_text(str(s))
-    m = _NUMBER.fullmatch(text)
-    return _to_number(m) if m else None
+        if not math.isfinite(s):
+            return None
+        # an integral float (a pandas column with gaps) is an integer, up to where floats skip them
+        return _Num(Fraction(s), s.is_integer() and abs(s) < 2**53)
+    m = _NUMBER.fullmatch(_number_text(str(s)))
+    return _match_number(m) if m else None
 
 
-def last_number(s: str) -> Fraction | None:
-    """The last number written anywhere in ``s`` (``"x = 12 apples"`` → 12)."""
-    found = [m for m in _NUMBER.finditer(normalize_text(s)) if m["frac"] or m["num"]]
-    for m in reversed(found):
-        value = _to_number(m)
-        if value is not None:
-            return value
-    return None
+def parse_number(s: Any) -> Fraction | None:
+    """The value of ``s`` if the whole (normalised) string is one number, else ``None``."""
+    parsed = _parse(s)
+    return parsed.value if parsed else None
 
 
-def _numbers_close(a: Fraction, b: Fraction, rel_tol: float, abs_tol: float) -> bool:
-    """``math.isclose`` in exact arithmetic: no float conversion, so ``1e400`` cannot overflow."""
+_WORD_PUNCT = frozenset("=:,.'’°≈~")  # what may sit beside the number: "x = 12 apples", "ans: 3"
+
+
+def _sole_number(s: str) -> re.Match[str] | None:
+    """The one number in ``s`` if everything else is words (``"x = 12 apples"`` → 12), else None.
+
+    A second number or any operator (``2^{10}``, ``sqrt(16)``, ``\\sqrt{2}``, ``5 - 3``) means
+    ``s`` is an expression or a hedge, not a number: taking its last number would reward both.
+    """
+    text = _number_text(s)
+    found = [m for m in _NUMBER.finditer(text) if m["frac"] or m["num"]]
+    if len(found) != 1:
+        return None
+    m = found[0]
+    rest = text[: m.start()] + text[m.end() :]
+    if not all(c.isalpha() or c.isspace() or c in _WORD_PUNCT for c in rest):
+        return None
+    if m["sign"]:  # "is -3" and "x = - 3" are signs; "x - 3" and "x-3" are subtractions
+        before = text[: m.start("sign")]
+        spaced = text[m.end("sign") : m.end("sign") + 1].isspace() or not before[-1:].isspace()
+        if before.strip() and before.rstrip()[-1] not in "=:≈" and spaced:
+            return None
+    return m
+
+
+def _terminates(value: Fraction) -> bool:
+    """Whether ``value`` has a finite decimal expansion (its denominator is 2^a 5^b)."""
+    den = value.denominator
+    for p in (2, 5):
+        while den % p == 0:
+            den //= p
+    return den == 1
+
+
+def _numbers_close(got: _Num, ref: _Num, rel_tol: float, abs_tol: float) -> bool:
+    """Equality for exact values, tolerance for inexact ones (module docstring); exact
+    arithmetic throughout, so ``1e400`` cannot overflow."""
+    a, b = got.value, ref.value
+    if got.exact and ref.exact:
+        return a == b
+    if ref.exact and _terminates(b):  # the reply could have been written exactly
+        rel_tol = 0.0
     return abs(a - b) <= max(Fraction(rel_tol) * max(abs(a), abs(b)), Fraction(abs_tol))
 
 
@@ -211,18 +282,19 @@ def match_numeric(
 ) -> bool:
     """Whether the number the answer in ``text`` states equals a numeric reference answer.
 
-    The answer counts if it is one number, else its last number (``"x = 12 apples"`` → 12).
+    The answer counts if it is one number, or one number among words (``"x = 12 apples"`` →
+    12); ``N%`` matches a reference ``N`` or ``N/100``.
     """
     got = extract_answer(text, tag)
     if got is None:
         return False
-    value = parse_number(got)
-    if value is None:
-        value = last_number(got)
+    m = _NUMBER.fullmatch(_number_text(got)) or _sole_number(got)
+    value = _match_number(m) if m else None
     if value is None:
         return False
-    refs = [r for r in (parse_number(a) for a in _references(answer)) if r is not None]
-    return any(_numbers_close(value, r, rel_tol, abs_tol) for r in refs)
+    values = [value, _Num(value.value * 100, value.exact)] if m["pct"] else [value]
+    refs = [r for r in (_parse(a) for a in _references(answer)) if r is not None]
+    return any(_numbers_close(v, r, rel_tol, abs_tol) for v in values for r in refs)
 
 
 def match_answer(

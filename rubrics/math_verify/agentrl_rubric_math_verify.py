@@ -6,8 +6,12 @@ this module only decides *which text* is the model's answer and *where* the chec
 
 - Answer text: the last ``<answer>...</answer>`` block if present (math-verify does not see
   through such tags), else the whole final reply (math-verify finds ``\\boxed{}`` and the last
-  expression itself).  A bare reference like ``x^2+1`` is retried as ``$x^2+1$`` when
-  math-verify finds nothing in it without delimiters.
+  expression itself).
+- References and ``<answer>`` contents without math delimiters are read as LaTeX first
+  (``3\\sqrt{2}`` as ``$3\\sqrt{2}$``), and bare only when that finds no expression (or
+  the text uses Python's ``**``).  Read bare first, math-verify's expression extractor
+  takes a leading number: ``3\\sqrt{2}`` would be ``3``, ``[0, 1)`` ``1`` and ``2x+1``
+  ``2``, so the wrong answer ``3`` would score and the right one would not.
 - Where it runs: math-verify bounds its work with ``SIGALRM``, which only works on a main
   thread and never interrupts a computation inside C (a huge integer power), and sympy can
   take seconds on adversarial input.  The async reward function therefore runs each check in
@@ -44,13 +48,20 @@ def answer_text(text: str) -> str:
     return found[-1].strip() if found else text
 
 
+_DELIMITED = ("$", "\\(", "\\[", "\\boxed")
+
+
 def _parse(text: str, timeout: int | None) -> list[Any]:
+    """A reference or ``<answer>`` content: LaTeX first, bare as the fallback (module docstring)."""
     from math_verify import parse
 
-    parsed = parse(text, parsing_timeout=timeout)
-    if not parsed and "$" not in text and "\\(" not in text:
-        parsed = parse(f"${text}$", parsing_timeout=timeout)
-    return parsed
+    if any(d in text for d in _DELIMITED) or "**" in text:  # delimited already, or Python syntax
+        return parse(text, parsing_timeout=timeout)
+    parsed = parse(f"${text}$", parsing_timeout=timeout)
+    # a LaTeX parse that fails leaves only the raw string: no expression to compare
+    if any(not isinstance(p, str) for p in parsed):
+        return parsed
+    return parse(text, parsing_timeout=timeout) or parsed
 
 
 def is_equivalent(prediction: str, reference: str, *, timeout: int | None = 5) -> bool:
@@ -59,12 +70,13 @@ def is_equivalent(prediction: str, reference: str, *, timeout: int | None = 5) -
     Synchronous and in-process.  math-verify's timeouts need a main thread; elsewhere they
     are switched off (use :func:`math_equivalent` to get them in any context).
     """
-    from math_verify import verify
+    from math_verify import parse, verify
 
     if threading.current_thread() is not threading.main_thread():
         timeout = None
     gold = _parse(str(reference), timeout)
-    pred = _parse(answer_text(prediction), timeout)
+    found = tagged(prediction, "answer")
+    pred = _parse(found[-1].strip(), timeout) if found else parse(prediction, parsing_timeout=timeout)
     if not gold or not pred:
         return False
     return bool(verify(gold, pred, timeout_seconds=timeout))

@@ -96,6 +96,46 @@ def test_extract_code_and_value_equality():
     assert not values_equal(True, 1) and not values_equal(1, True) and values_equal(False, False)
 
 
+ADD = "def add(a, b):\n    return a + b\n"
+USAGE = "print(add(2, 3))  # 5\n"
+WRONG = "def add(a, b):\n    return 3\n"
+# (entry point, reply, the code graded): the last block defining the entry point, else the last block
+EXTRACT_GOLDEN = [
+    ("add", f"```python\n{ADD}```\nExample usage:\n```python\n{USAGE}```", ADD),
+    ("add", f"```python\n{ADD}```\n```python\n{WRONG}```", WRONG),  # as in a file: the later def wins
+    ("add", f"```python\n{ADD}```\n```python\ndef add_one(a):\n    return a + 1\n```", ADD),
+    ("add", f"```python\n{ADD}```\n```python\n# def add(a, b): see above\n{USAGE}```", ADD),
+    ("add", f"```python\nasync def add(a, b):\n    return a\n```\n```\n{USAGE}```", "async def add(a, b):\n    return a\n"),
+    ("add", f"```python\nx = 1\n```\n```python\n{USAGE}```", USAGE),  # nothing defines it: the last block
+    (None, f"```python\n{ADD}```\n```python\n{USAGE}```", USAGE),
+]
+
+
+@pytest.mark.parametrize(("entry_point", "reply", "code"), EXTRACT_GOLDEN)
+def test_extract_code_picks_the_block_defining_the_entry_point(entry_point, reply, code):
+    assert extract_code(reply, entry_point) == code
+
+
+# (reply, tests_passed) for INFO: only the picked block runs, under the tests, so which block
+# is picked can never earn a pass the code itself does not
+REPLY_GOLDEN = [
+    (f"Here it is:\n```python\n{ADD}```\nExample usage:\n```python\n{USAGE}```\n", 1.0),
+    (f"```python\n{WRONG}```\nChecking it:\n```python\nassert add(1, 2) == 3\n```", 0.25),
+    (f"```python\n{ADD}```\nbetter:\n```python\n{WRONG}```", 0.25),
+    (f"```python\n{ADD}```\nor, shorter:\n```python\nadd = lambda a, b: a + b\n```", 1.0),  # defines no `def`: ADD
+    ("```python\nimport sys\n```\n```python\ns = '''\ndef add(a, b): pass'''\n```", 0.0),  # a def in a string
+]
+
+
+@pytest.mark.parametrize(("reply", "score"), REPLY_GOLDEN)
+async def test_rewards_by_reply(backend, reply, score):
+    rubric = load_rubric(backend=backend, timeout_s=5.0)
+    t = traj(reply)
+    await rubric.score(t)
+    assert (t.reward, t.error) == (score, None)
+    await rubric.close()
+
+
 def test_ints_compare_exactly_and_nothing_raises():
     assert values_equal(1307674368000, 1307674368000)
     assert not values_equal(1307674368001, 1307674368000)  # 15! off by one is wrong

@@ -114,6 +114,55 @@ def test_huge_numbers_compare_without_raising(reply, answer, matches):
     assert answer_reward()(reply, answer) == float(matches)
 
 
+# (reference, reply, score) under the default rubric (mode="auto")
+NUMERIC_GOLDEN = [
+    # integers as written compare exactly: the default rel_tol=1e-6 once let these through
+    (1234567, "<answer>1234568</answer>", 0.0),
+    ("1000000", "<answer>1000001</answer>", 0.0),
+    (12345678901234567891, "<answer>12345678901234567890</answer>", 0.0),
+    ("12345678901234567891", "<answer>12345678901234567891</answer>", 1.0),
+    (1234567, "<answer>1234568.0</answer>", 0.0),  # a decimal reply to an integer: float noise only
+    (1234567.0, "<answer>1234568</answer>", 0.0),  # an integral float reference is an integer
+    (1234567, "<answer>1234567.0</answer>", 1.0),
+    ("42", "<answer>41.9999999999</answer>", 1.0),
+    ("1/3", "<answer>0.3333333</answer>", 1.0),  # no decimal is 1/3: tolerance
+    ("1/3", "<answer>0.33</answer>", 0.0),
+    ("3/4", "<answer>0.7500001</answer>", 0.0),
+    ("0.1", "<answer>0.1000001</answer>", 1.0),  # a decimal reference: tolerance
+    # an expression or a hedge is not its last number
+    ("4", "<answer>\\frac{3}{4}</answer>", 0.0),
+    ("0.75", "<answer>\\frac{3}{4}</answer>", 1.0),
+    ("0.75", "\\boxed{\\frac{3}{4}}", 1.0),
+    ("-0.75", "\\boxed{-\\dfrac{3}{4}}", 1.0),
+    ("10", "<answer>2^{10}</answer>", 0.0),
+    ("16", "<answer>sqrt(16)</answer>", 0.0),
+    ("16", "<answer>\\sqrt{16}</answer>", 0.0),
+    ("-3", "<answer>5 - 3</answer>", 0.0),
+    ("-3", "<answer>x - 3</answer>", 0.0),
+    ("4", "<answer>3 * 4</answer>", 0.0),
+    ("5", "<answer>5 m^2</answer>", 0.0),
+    (5, "<answer>7 apples or 5</answer>", 0.0),
+    ("5", "<answer>5 dollars and 3 cents</answer>", 0.0),
+    # one number among words still counts
+    ("-3", "<answer>x = -3</answer>", 1.0),
+    ("-3", "<answer>the answer is -3</answer>", 1.0),
+    ("12", "<answer>x = 12 apples</answer>", 1.0),
+    ("42", "The answer is 42.", 1.0),
+    # percents: N% is N/100 and N
+    ("50", "<answer>50%</answer>", 1.0),
+    ("50", "<answer>50\\%</answer>", 1.0),
+    ("0.5", "<answer>50%</answer>", 1.0),
+    ("5", "<answer>50%</answer>", 0.0),
+    ("1000", "<answer>1{,}000</answer>", 1.0),
+]
+
+
+@pytest.mark.parametrize(("reference", "reply", "score"), NUMERIC_GOLDEN)
+def test_numeric_golden(reference, reply, score):
+    assert answer_reward()(reply, reference) == score
+    assert numeric_match(reply, reference) == score
+
+
 def _findall_tag(text, tag="answer"):  # the regex the tag reader replaced (quadratic on unclosed tags)
     return re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.DOTALL | re.IGNORECASE)
 

@@ -29,6 +29,59 @@ def test_is_equivalent(prediction, reference, equivalent):
     assert is_equivalent(prediction, reference) is equivalent
 
 
+# MATH stores bare LaTeX references; read bare, math-verify took their leading number, so the
+# prefix number scored and the right answer did not.  (reference, reply, score)
+MATH_STYLE_GOLDEN = [
+    ("3\\sqrt{2}", "The answer is \\boxed{3\\sqrt{2}}.", 1.0),
+    ("3\\sqrt{2}", "The answer is \\boxed{3}.", 0.0),
+    ("$3\\sqrt{2}$", "<answer>3\\sqrt{2}</answer>", 1.0),
+    ("$3\\sqrt{2}$", "<answer>3</answer>", 0.0),
+    ("2\\pi", "The answer is \\boxed{2\\pi}.", 1.0),
+    ("2\\pi", "The answer is \\boxed{2}.", 0.0),
+    ("[0, 1)", "The answer is \\boxed{[0, 1)}.", 1.0),
+    ("[0, 1)", "The answer is \\boxed{1}.", 0.0),
+    ("(-\\infty, 3]", "<answer>(-\\infty, 3]</answer>", 1.0),
+    ("(-\\infty, 3]", "<answer>3</answer>", 0.0),
+    ("2x+1", "<answer>2x+1</answer>", 1.0),
+    ("2x+1", "<answer>2x+7</answer>", 0.0),
+    ("2x+1", "<answer>2</answer>", 0.0),
+    ("x^2+1", "<answer>1+x^2</answer>", 1.0),
+    ("1+x^2", "<answer>x^2+1</answer>", 1.0),
+    ("1+x^2", "<answer>1</answer>", 0.0),
+    ("6-2\\sqrt{5}", "So $x = 6-2\\sqrt{5}$", 1.0),
+    ("6-2\\sqrt{5}", "\\boxed{6}", 0.0),
+    ("4\\sqrt{3}", "\\boxed{4}", 0.0),
+    ("y = 2x + 3", "\\boxed{y=2x+3}", 1.0),
+    ("y = 2x + 3", "\\boxed{3}", 0.0),
+    ("(3,-2)", "\\boxed{(3, -2)}", 1.0),
+    ("(3,-2)", "\\boxed{3}", 0.0),
+    ("2x", "\\boxed{2}", 0.0),
+    # what worked before still works: numbers, fractions, percents, sets, delimited references
+    ("-3", "\\boxed{-3}", 1.0),
+    ("1,000", "\\boxed{1000}", 1.0),
+    ("1/2", "<answer>0.5</answer>", 1.0),
+    ("\\dfrac12", "\\boxed{\\frac{1}{2}}", 1.0),
+    ("\\frac{\\sqrt 3}{2}", "\\boxed{\\frac{\\sqrt{3}}{2}}", 1.0),
+    ("10\\%", "\\boxed{10\\%}", 1.0),
+    ("\\{2,1\\}", "<answer>1, 2</answer>", 1.0),
+    ("5", "<answer>x = 5</answer>", 1.0),
+    ("5", "<answer>The answer is 5</answer>", 1.0),
+    ("1024", "<answer>2**10</answer>", 1.0),
+    ("7", "<answer>\\boxed{7}</answer>", 1.0),
+    ("\\boxed{3\\sqrt{2}}", "\\boxed{3}", 0.0),
+]
+
+
+@pytest.mark.parametrize(("reference", "reply", "score"), MATH_STYLE_GOLDEN)
+def test_bare_latex_references_golden(reference, reply, score):
+    assert float(is_equivalent(reply, reference)) == score
+
+
+async def test_bare_latex_references_through_the_reward_function():
+    got = await asyncio.gather(*(math_equivalent(reply, ref) for ref, reply, _ in MATH_STYLE_GOLDEN[:8]))
+    assert got == [score for _, _, score in MATH_STYLE_GOLDEN[:8]]
+
+
 def test_answer_tags_are_read_through():
     assert answer_text("work... <answer> 7 </answer>") == "7"
     assert answer_text("\\boxed{7}") == "\\boxed{7}"
