@@ -5,7 +5,11 @@ an agentrl multi-turn environment.  Each task is one seeded episode; the model n
 action in its reply (``<action>right</action>``, or just the action's name); the env
 replies with the next observation.  A reply that names no action gets a feedback message
 and counts in ``metrics["invalid_actions"]``; after ``max_invalid_actions`` of them the
-episode ends.  Reward: the episode's return (sum of gymnasium rewards).  Presets for
+episode ends.  Reward: the episode's return (sum of gymnasium rewards), except that an
+episode which ends before the game did (too many replies without an action, a reply cut off
+by a token limit) is a forfeit and scores ``invalid_reward``: by default the lower bound of
+``reward_range``, so refusing to play never scores better than the worst legal play.
+Running out of turns or of context is not a forfeit: the return so far stands.  Presets for
 gymnasium's toy-text FrozenLake, Taxi and Blackjack live in the ``gym_text`` environment
 package (``environments/gym_text``).  The other direction (any agentrl environment as a
 ``gymnasium.Env``) is :mod:`agentrl.envs.as_gym`.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +30,11 @@ from agentrl.envs.base import State
 from agentrl.envs.multiturn import MultiTurnEnv
 from agentrl.errors import AgentrlError
 from agentrl.rubrics import Rubric, tagged
-from agentrl.types import Message, Task
+from agentrl.types import Message, Task, Trajectory
 
-__all__ = ["GymEnv", "GymTextSpec", "parse_action", "ansi_to_text", "render_ansi", "episode_return", "solved"]
+__all__ = [
+    "GymEnv", "GymTextSpec", "parse_action", "ansi_to_text", "render_ansi", "episode_return", "solved", "forfeited",
+]
 
 # ----------------------------------------------------------------------------- text rendering
 
@@ -122,8 +129,25 @@ def _last_named(text: str, names: list[str]) -> int | None:
 _INVALID = "I could not find an action in your reply. Valid actions: {names}. " + _ACTION_FORMAT
 
 
-def episode_return(state: State) -> float:
-    """Sum of the gymnasium rewards collected in the episode."""
+def forfeited(state: State, trajectory: Trajectory | None = None) -> float:
+    """1.0 if the episode ended before the game did because of the policy's replies: too many
+    without an action, or (from the trajectory) a reply cut off at ``max_tokens`` or the env's
+    sampled-token budget.  Running out of turns or of context is not a forfeit."""
+    if state.get("forfeit"):
+        return 1.0
+    if state.get("terminated") or state.get("truncated") or trajectory is None:
+        return 0.0
+    # "length" / "max_tokens" count only sampled tokens: rambling is a way to quit a losing game.
+    # "prompt_too_long" also counts the env's observations, which a long legal game can fill.
+    return 1.0 if trajectory.stop_reason in ("length", "max_tokens") else 0.0
+
+
+def episode_return(state: State, trajectory: Trajectory | None = None) -> float:
+    """Sum of the gymnasium rewards collected in the episode; a forfeit (:func:`forfeited`)
+    scores ``state["invalid_reward"]`` instead, when the env set one."""
+    floor = state.get("invalid_reward")
+    if floor is not None and forfeited(state, trajectory):
+        return float(floor)
     return float(state.get("return", 0.0))
 
 
@@ -136,7 +160,11 @@ class GymEnv(MultiTurnEnv):
     """A text-observable gymnasium environment as an agentrl multi-turn environment.
 
     ``env`` is a :class:`GymTextSpec`, or any gymnasium id with ``actions`` naming its
-    discrete actions (observations then default to the ``ansi`` render).  Tasks are seeds ``seed .. seed+num_tasks-1`` (eval: a disjoint range).
+    discrete actions (observations then default to the ``ansi`` render).  Tasks are seeds
+    ``seed .. seed+num_tasks-1`` (eval: a disjoint range).  ``invalid_reward``: what a
+    forfeit scores (module docstring); default the lower bound of ``reward_range`` (the
+    spec's ``return_range``), which must be no better than the worst legal return.  An env
+    with neither keeps the return so far, with a warning: pass its worst return.
     gymnasium calls run inline: toy-text steps take microseconds.
     """
 
@@ -152,6 +180,7 @@ class GymEnv(MultiTurnEnv):
         num_eval_tasks: int = 50,
         seed: int = 0,
         max_invalid_actions: int = 3,
+        invalid_reward: float | None = None,
         rubric: Rubric | None = None,
         **kwargs: Any,
     ) -> None:
@@ -165,10 +194,19 @@ class GymEnv(MultiTurnEnv):
         kwargs.setdefault("system_prompt", spec.system_prompt())
         kwargs.setdefault("name", "gym-" + spec.env_id.split("/")[-1].lower())
         if rubric is None:
-            rubric = Rubric([episode_return, solved], weights=[1.0, 0.0])
+            rubric = Rubric([episode_return, solved, forfeited], weights=[1.0, 0.0, 0.0])
         super().__init__(rubric=rubric, **kwargs)
         if spec.return_range is not None:
             self.reward_range = spec.return_range(self.max_turns)
+        if invalid_reward is None and self.reward_range is not None:
+            invalid_reward = self.reward_range[0]
+        if invalid_reward is None:
+            warnings.warn(
+                f"GymEnv({spec.env_id!r}) knows no worst return, so a forfeit keeps its return so far and "
+                "refusing to play may pay; pass invalid_reward= (the env's worst return)",
+                stacklevel=2,
+            )
+        self.invalid_reward = invalid_reward
         self.num_tasks, self.num_eval_tasks, self.seed = num_tasks, num_eval_tasks, seed
         self.max_invalid_actions = max_invalid_actions
         self._tasks: dict[str, list[Task]] = {}
@@ -251,7 +289,7 @@ class GymEnv(MultiTurnEnv):
         env = self._make(task.info)
         obs, _ = env.reset(seed=int(task.info["seed"]))
         state.update(gym=env, obs=obs, terminated=False, truncated=False, last_reward=0.0)
-        state["return"] = 0.0
+        state.update({"return": 0.0, "forfeit": False, "invalid_reward": self.invalid_reward})
         state.metrics.update(invalid_actions=0.0, env_steps=0.0)
         return state
 
@@ -260,7 +298,7 @@ class GymEnv(MultiTurnEnv):
         if action is None:
             state.count("invalid_actions")
             if state.metrics["invalid_actions"] >= self.max_invalid_actions:
-                state.done = True
+                state.done = state["forfeit"] = True
                 return [Message("user", "Too many replies without a valid action; the episode is over.")]
             names = ", ".join(self.spec.actions)
             return [Message("user", _INVALID.format(names=names, example=self.spec.actions[0]))]

@@ -16,7 +16,12 @@ from agentrl.types import Message, Task, ToolCall
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul}
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# A number: an optional sign ("-" not after a digit or bracket, where it is 3-5's minus), digits
+# (or 1-3 digits then groups of three after , or a space: "1,234", "1 234"), an optional fraction.
+_NUMBER = re.compile(r"(?:(?<![\d)\]])-)?(?:\d{1,3}(?:[, \u00a0\u2009\u202f]\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+_GROUP_SEPARATORS = re.compile(r"[, \u00a0\u2009\u202f]")
+# minus sign, figure dash, en dash, small and fullwidth hyphen-minus: all written for "-"
+_MINUS = str.maketrans(dict.fromkeys("\u2212\u2012\u2013\ufe63\uff0d", "-"))
 _PARSE_LOCK = threading.Lock()  # sync tools run in threads (asyncio.to_thread)
 
 
@@ -79,12 +84,14 @@ def calculator(expression: str) -> str:
 
 
 def last_number(text: str) -> float | None:
-    found = _NUMBER.findall(text.replace(",", ""))
-    return float(found[-1]) if found else None
+    """The last number written in ``text``, sign and digit groups included ("\u22122" is -2,
+    "1 234" is 1234, "3-5" ends in 5); None if there is none."""
+    found = _NUMBER.findall(text.translate(_MINUS))
+    return float(_GROUP_SEPARATORS.sub("", found[-1])) if found else None
 
 
 def correct_answer(completion: str, answer: int) -> float:
-    """1.0 when the last number in the final reply equals the true value."""
+    """1.0 when the last number in the final reply (:func:`last_number`) equals the true value."""
     got = last_number(completion)
     return float(got is not None and abs(got - answer) < 1e-9)
 
@@ -221,4 +228,4 @@ def load_environment(**kwargs) -> CalcEnv:
     return CalcEnv(**kwargs)
 
 
-__all__ = ["CalcEnv", "calculator", "correct_answer", "load_environment"]
+__all__ = ["CalcEnv", "calculator", "correct_answer", "last_number", "load_environment"]

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from agentrl_env_calc import CalcEnv, calculator, correct_answer, load_environment
+from agentrl_env_calc import CalcEnv, calculator, correct_answer, last_number, load_environment
 
 from agentrl.envs.check import ScriptedClient, check_environment
 from agentrl.types import SamplingParams
@@ -57,6 +57,28 @@ def test_reward_is_numeric_match_on_last_number():
     assert correct_answer("84", 84) == 1.0 and correct_answer("The answer is -14.", -14) == 1.0
     assert correct_answer("84.0", 84) == 1.0 and correct_answer("1,102", 1102) == 1.0
     assert correct_answer("83", 84) == 0.0 and correct_answer("no idea", 84) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("reply", "number"),
+    [
+        ("-2", -2.0), ("\u22122", -2.0), ("The answer is \u2212202.", -202.0), ("\u20137", -7.0),
+        ("\uff0d3", -3.0), ("-2.", -2.0), ("-2.0", -2.0), ("**-2**", -2.0), ("The answer is -2!", -2.0),
+        ("1,234", 1234.0), ("1 234", 1234.0), ("-1\u202f234\u202f567", -1234567.0), ("12\u00a0345", 12345.0),
+        ("3 - 5 = -2", -2.0), ("3-5=-2", -2.0), ("-2 or 7", 7.0), ("84", 84.0), ("no number", None),
+        # the rule is the last number written: a trailing check is read, and "3-5" is 3 minus 5
+        ("= -2 (check: 3-5)", 5.0), ("between 1 and 12", 12.0),
+        ("7 12 345", 12345.0),
+    ],
+)
+def test_the_answer_is_the_last_number_with_its_sign(reply, number):
+    assert last_number(reply) == number
+
+
+def test_a_minus_sign_glyph_is_not_dropped():
+    """Review: U+2212 was read as +: a right negative answer scored 0, a wrong one 1."""
+    assert correct_answer("\u22122", -2) == 1.0 and correct_answer("\u2212202", 202) == 0.0
+    assert correct_answer("1 234", 234) == 0.0 and correct_answer("1 234", 1234) == 1.0
 
 
 def test_bad_difficulty_is_rejected():

@@ -40,11 +40,16 @@ def solved(state: State) -> float:
 
 def turn_penalty(state: State) -> float:
     """Minus the fraction of the turn budget used beyond the first guess (0 for a first-guess
-    win, -1 for a loss): logged as a metric, or a shaping reward with a weight."""
+    win, -1 for a loss): logged as a metric, or a shaping reward with a weight.
+
+    Clamped to [-1, 0]: an episode may run longer than the env's ``max_turns`` (a rollout or
+    eval turn limit overrides it, and the env cannot see that limit), and a win past the
+    budget must still score above any loss (1 - w > -w), never below it.
+    """
     if not state.get("solved"):
         return -1.0
     budget = max(1, state["max_guesses"] - 1)
-    return -(state["guesses"] - 1) / budget
+    return -min(1.0, (state["guesses"] - 1) / budget)
 
 
 def binary_search_policy(transcript: str) -> str:
@@ -145,6 +150,10 @@ class GuessEnv(MultiTurnEnv):
         self.reward_range = (-abs(turn_penalty_weight), 1.0)
         self._train = self._tasks(num_train, "train")
         self._eval = self._tasks(num_eval, "eval")
+        for split, n, tasks in (("num_train", num_train, self._train), ("num_eval", num_eval, self._eval)):
+            if len(tasks) < n:  # the hash holds out no (range, secret) pair of a tiny range, or all
+                raise ValueError(f"{split}={n}: only {len(tasks)} tasks can be drawn from low={low}, high={high}, "
+                                 f"min_width={min_width}; widen the range or lower min_width")
 
     def _tasks(self, n: int, split: str) -> list[Task]:
         rng = random.Random(f"guess-{split}-{self.seed}")

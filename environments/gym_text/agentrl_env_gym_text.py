@@ -115,12 +115,16 @@ def load_environment(
     seed: int = 0,
     max_turns: int | None = None,
     max_invalid_actions: int = 3,
+    invalid_reward: float | None = None,
     gym_kwargs: dict[str, Any] | None = None,
     system_prompt: str | None = None,
 ) -> GymEnv:
     """One of :data:`GAMES` (or a gymnasium id such as ``"Taxi-v4"``) as a text game.
 
     ``gym_kwargs`` go to ``gymnasium.make`` (e.g. ``{"is_slippery": true}`` for FrozenLake).
+    ``invalid_reward``: what an episode that ends before the game did scores (too many replies
+    without an action, a cut-off reply); default the game's worst return (0 / -10*max_turns /
+    -1), so refusing to play never beats playing.
     """
     if game.lower() not in GAMES and game not in TOY_TEXT and game.lower() not in TOY_TEXT_ALIASES:
         raise ValueError(f"unknown game {game!r}; choose one of {', '.join(GAMES)}")
@@ -137,6 +141,7 @@ def load_environment(
         num_eval_tasks=num_eval_tasks,
         seed=seed,
         max_invalid_actions=max_invalid_actions,
+        invalid_reward=invalid_reward,
         name=f"gym-text-{spec.env_id.split('-')[0].lower()}",
         version="0.1.0",
         **kwargs,

@@ -33,11 +33,23 @@ def families() -> list[str]:
     return sorted(reasoning_gym.factory.DATASETS)
 
 
+def _last_tagged(reply: str, open_tag: str = "<answer>", close_tag: str = "</answer>") -> str | None:
+    """What reasoning-gym's ``extract_answer`` returns (its regex ``<answer>\\s?(.*?)\\s?</answer>``:
+    the leftmost open tag, the nearest close tag after it, repeated; the last pair, stripped),
+    in one pass: the regex retries every open tag to the end of the reply, so a reply of
+    unclosed tags took seconds, on the event loop (rubric functions run inline)."""
+    found, pos = None, 0
+    while (start := reply.find(open_tag, pos)) >= 0:
+        end = reply.find(close_tag, start + len(open_tag))
+        if end < 0:  # no close tag after this open tag, hence none after any later one
+            break
+        found, pos = reply[start + len(open_tag) : end], end + len(close_tag)
+    return None if found is None else found.strip()
+
+
 def extract_answer(reply: str) -> str | None:
     """The answer in a reply: the last ``<answer>...</answer>``, else its last non-empty line."""
-    from reasoning_gym.utils import extract_answer as rg_extract
-
-    tagged = rg_extract(reply, tag_name="answer")
+    tagged = _last_tagged(reply)
     if tagged is not None:
         return tagged
     lines = [ln.strip() for ln in reply.strip().splitlines() if ln.strip()]
@@ -81,6 +93,9 @@ class ReasoningGymEnv(SingleTurnEnv):
                 raise ValueError(f"unknown reasoning-gym task {name!r}{hint}")
         if not names or size < 1:
             raise ValueError("need at least one task family and size >= 1")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # the same problems twice under the same task ids; there are no per-family weights
+            raise ValueError(f"task names {', '.join(twice)} twice; list each family once")
         self.families, self.size, self.eval_size, self.seed = names, size, eval_size, seed
         self.config = dict(config or {})
         self._datasets: dict[tuple[str, str], Any] = {}

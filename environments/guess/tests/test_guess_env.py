@@ -1,5 +1,6 @@
 """guess env: contract checker, feedback correctness, bisection always wins, bad replies are data."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,28 @@ def test_bad_strategy_or_budget_is_rejected():
         GuessEnv(demo_strategy="psychic")
     with pytest.raises(ValueError, match="max_turns"):
         GuessEnv(max_turns=0)
+
+
+@pytest.mark.parametrize("weight", [0.5, 1.0, 3.0])
+async def test_a_late_win_beyond_the_env_budget_still_beats_a_loss(weight):
+    """A rollout limit above the env's max_turns (rollout.max_turns, eval --max-turns) let a win
+    on guess 18 score 1 - 17/7 = -1.43 with weight 1: worse than losing (-1)."""
+    env = GuessEnv(num_train=200, num_eval=5, turn_penalty_weight=weight)
+    task = next(t for t in env.dataset() if 12 <= t.answer <= 20)
+
+    def count_up(prompt: str) -> str:
+        return f"<guess>{len(re.findall('lower|higher', prompt)) + 1}</guess>"
+
+    win = await env.rollout(ScriptedClient(count_up), task, SAMPLING, max_turns=30)
+    loss = await env.rollout(ScriptedClient(lambda p: "<guess>0</guess>"), task, SAMPLING, max_turns=30)
+    await env.rubric.score_group([win, loss])
+    assert win.metrics["solved"] == 1.0 and win.metrics["guesses"] > env.max_turns
+    assert loss.reward == -weight < win.reward
+    assert env.reward_range[0] <= win.reward <= env.reward_range[1]
+    assert -1.0 <= win.metrics["turn_penalty"] <= 0.0
+
+
+@pytest.mark.parametrize("kwargs", [{"low": 1, "high": 5, "min_width": 5}, {"low": 1, "high": 7, "min_width": 7}])
+def test_a_range_too_small_for_a_split_is_refused(kwargs):
+    with pytest.raises(ValueError, match=r"num_eval=100.*low=1"):
+        GuessEnv(**kwargs)

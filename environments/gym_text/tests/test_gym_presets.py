@@ -140,7 +140,8 @@ def test_unknown_preset_names_the_known_ones():
 
 
 async def test_any_gymnasium_id_with_named_actions_uses_the_ansi_render():
-    env = GymEnv("CliffWalking-v1", actions=["up", "right", "down", "left"], num_tasks=1, max_turns=3)
+    env = GymEnv("CliffWalking-v1", actions=["up", "right", "down", "left"], num_tasks=1, max_turns=3,
+                 invalid_reward=-300.0)  # worst: the cliff (-100) on every turn
     task = next(iter(env.dataset()))
     assert task.prompt[1].content.splitlines()[-1].startswith("x  C")  # agent x at the bottom left
     traj = await env.rollout(ScriptedClient(lambda p: "<action>up</action>"), task, SAMPLING)

@@ -1,7 +1,11 @@
 """reasoning-gym env: real families, scored by reasoning-gym's checkers, through the contract checker."""
 
+import time
+
 import pytest
 from agentrl_env_reasoning_gym import ReasoningGymEnv, extract_answer, families
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentrl.envs.check import ScriptedClient, check_environment
 from agentrl.errors import AgentrlError
@@ -94,3 +98,59 @@ def test_bad_names_and_configs_are_one_line_errors():
     with pytest.raises(AgentrlError):
         load_environment("reasoning-gym", task="gcd", config={"no_such_option": 1})
     assert len(families()) > 50
+
+
+def _reference(reply: str) -> str | None:
+    """What extract_answer returned when it called reasoning-gym's extractor (a regex, quadratic
+    on unclosed tags): its answer, else the reply's last non-empty line."""
+    from reasoning_gym.utils import extract_answer as rg_extract
+
+    tagged = rg_extract(reply, tag_name="answer")
+    lines = [ln.strip() for ln in reply.strip().splitlines() if ln.strip()]
+    return tagged if tagged is not None else (lines[-1] if lines else None)
+
+
+TAGGED = [
+    "<answer>12</answer>", "<answer> 12 </answer>", "<answer>\n12\n</answer>", "<answer></answer>",
+    "a <answer>1</answer> b <answer>2</answer> c", "<answer>1<answer>2</answer>",
+    "<answer>1</answer></answer>", "<answer>a</answer> <answer>b", "</answer><answer>x</answer>",
+    "<answer>  \t x y \n </answer>", "<answer>\n\n12\n\n</answer>", "<ANSWER>12</ANSWER>", "<answer>12",
+    "no tags", "<answer>a</answer><answer></answer>", "<answer><answer></answer></answer>",
+]
+
+
+@pytest.mark.parametrize("reply", TAGGED)
+def test_tagged_answers_match_reasoning_gyms_extractor(reply):
+    assert extract_answer(reply) == _reference(reply)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(["<answer>", "</answer>", " ", "\n", "x", "12", "<", ">", "answer"]), max_size=14))
+def test_tagged_answers_match_reasoning_gyms_extractor_on_any_mix(parts):
+    reply = "".join(parts)
+    assert extract_answer(reply) == _reference(reply)
+
+
+def _best_of(fn, arg, repeats=5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(arg)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@pytest.mark.parametrize("unit", ["<answer>", "<answer> x", "<answer>x</answer>"])
+def test_hostile_replies_take_linear_time(unit):
+    """Review: the regex took 4.6 s on "<answer>" * 8000 (64 KB), on the event loop. 8x the input
+    must cost about 8x the time, not 64x (best of a few runs; a generous factor, no wall clock)."""
+    small, large = unit * 250, unit * 2000
+    assert extract_answer(unit * 8000) is not None  # 64+ KB, handled
+    assert _best_of(extract_answer, large) < 20 * max(_best_of(extract_answer, small), 1e-6)
+
+
+def test_a_family_named_twice_is_refused():
+    with pytest.raises(ValueError, match="leg_counting.*twice"):
+        ReasoningGymEnv("leg_counting,leg_counting", size=2, eval_size=1)
+    env = ReasoningGymEnv("leg_counting,gcd", size=3, eval_size=1)
+    assert len({t.id for t in env.dataset()}) == len(env.dataset()) == 6
