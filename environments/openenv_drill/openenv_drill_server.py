@@ -1,8 +1,9 @@
 """An OpenEnv environment server, written against the ``openenv`` package alone (no agentrl).
 
 Arithmetic drill: a reset draws ``QUESTIONS`` sums from the seed; the observation asks one at a
-time; each step's action is the player's answer (free text, its last integer counts); a right
-answer earns ``1/QUESTIONS``; the episode is done after the last question.  Run it with
+time; each step's action is the player's answer (free text, its last integer counts; one over 12
+digits is wrong, not an error); a right answer earns ``1/QUESTIONS``; the episode is done after
+the last question.  Run it with
 
     uvicorn openenv_drill_server:app --port 8000
 """
@@ -20,6 +21,8 @@ from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
 QUESTIONS = 3
+# the sums are below 200: a longer "number" is junk, and int() refuses more than 4300 digits
+_MAX_DIGITS = 12
 
 
 class DrillAction(Action):
@@ -52,7 +55,8 @@ class DrillEnvironment(Environment):
         i = self._state.step_count
         self._state.step_count += 1
         numbers = re.findall(r"-?\d+", action.answer)
-        right = bool(numbers) and int(numbers[-1]) == sum(self._sums[i])
+        last = numbers[-1] if numbers else ""
+        right = 0 < len(last.lstrip("-")) <= _MAX_DIGITS and int(last) == sum(self._sums[i])
         feedback = "Correct." if right else f"Wrong: {sum(self._sums[i])}."
         done = i + 1 >= QUESTIONS
         text = feedback if done else f"{feedback} {self._question(i + 1)}"

@@ -58,6 +58,19 @@ async def test_tool_use_then_correct_answer_scores_one(backend):
     assert live_sandboxes() == []
 
 
+async def test_a_nul_byte_in_a_tool_call_says_why_it_cannot_run(backend):
+    """exec() refuses a NUL inside an argument; the model read only '[exit code 125]'."""
+    env = load_environment(num_train=20, sandbox_backend=backend, timeout_s=5)
+    task = next(t for t in env.dataset() if t.info["entry_point"] == "add")
+    for name, arg in (("bash", {"command": "echo hi\x00there"}), ("python", {"code": "print('a\x00b')"})):
+        call = "<tool_call>\n" + json.dumps({"name": name, "arguments": arg}) + "\n</tool_call>"
+        t = await episode(env, task, call, fenced(task.answer))
+        assert t.error is None and t.reward == 1.0, t.error
+        [reply] = [m.content for m in t.messages if m.role == "tool"]
+        assert reply.startswith("Error: the command contains a NUL byte") and "cannot be passed to a process" in reply
+    await env.close()
+
+
 async def test_wrong_and_hostile_answers_score_zero_without_errors(backend):
     env = load_environment(num_train=20, sandbox_backend=backend, timeout_s=2)
     task = next(t for t in env.dataset() if t.info["entry_point"] == "add")

@@ -58,6 +58,16 @@ async def test_the_checker_passes(server):
     assert report.ok, [f"{r.name}: {r.detail}" for r in report.failures()]
 
 
+async def test_a_huge_number_is_a_wrong_answer_not_a_server_error(server):
+    """int() refuses over 4300 digits: the policy must not turn a bad episode into an error
+    (never trained on) by answering with a 5000-digit number."""
+    env = load_environment(str(HERE), url=server[1], num_tasks=1)
+    tr = await env.rollout(ScriptedClient(lambda p: "9" * 5000), env.dataset()[0], SamplingParams(max_tokens=20_000))
+    await score_episodes(env.rubric, [tr])
+    assert tr.error is None and tr.stop_reason == "done" and tr.reward == 0.0, tr.error
+    assert tr.messages[3].content.startswith("Wrong: ")
+
+
 @pytest.mark.slow
 async def test_a_dead_server_errors_the_episode_not_the_run():
     """Catches: a WebSocket failure escaping the episode loop instead of becoming kind env."""

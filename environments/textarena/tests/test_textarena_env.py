@@ -2,6 +2,7 @@
 and `agentrl eval` on the embedded engine."""
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 from agentrl.envs.check import ScriptedClient, check_environment
 from agentrl.plugins import load_environment
 from agentrl.rubrics import score_episodes
-from agentrl.types import SamplingParams
+from agentrl.types import Message, SamplingParams
 
 pytest.importorskip("textarena")
 HERE = str(Path(__file__).resolve().parents[1])
@@ -58,3 +59,85 @@ def test_agentrl_eval_on_the_embedded_engine(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert len(recs) == 2 and all(x["env"] == "textarena" and x["error"] is None and x["turns"] >= 1 for x in recs)
+
+
+async def _secret(env, task) -> int:
+    state = await env.setup(task)
+    try:
+        return state["game"].game_number  # GuessTheNumber's secret (the wrappers pass attributes on)
+    finally:
+        await env.cleanup(state)
+
+
+async def test_held_out_tasks_are_games_the_training_set_lacks():
+    """GuessTheNumber has 20 secrets: seeds repeat them, so tasks are keyed on the game."""
+    env = load_environment(HERE, num_tasks=6)
+    train, held = list(env.dataset()), list(env.eval_dataset())
+    seen = [await _secret(env, t) for t in train]
+    assert len(set(seen)) == 6 and held and not {await _secret(env, t) for t in held} & set(seen)
+    big = load_environment(HERE)  # 200 + 20 asked for, only 20 games: warn and split what there is
+    with pytest.warns(UserWarning, match=r"only 20 distinct games in \d+ seeds.*200 training \+ 20 held-out.*18 \+ 2"):
+        train, held = list(big.dataset()), list(big.eval_dataset())
+    seen = [await _secret(big, t) for t in train]
+    assert len(set(seen)) == 18 and len(held) == 2 and not {await _secret(big, t) for t in held} & set(seen)
+
+
+async def test_a_move_the_game_cannot_process_is_an_invalid_move_not_an_error():
+    """int() of a 5000-digit guess raises inside the game: the policy must not escape a bad
+    episode by making it an error (never trained on); it scores textarena's -1 penalty."""
+    env = load_environment(HERE, num_tasks=2)
+    tr = await env.rollout(ScriptedClient(lambda p: "[" + "1" * 5000 + "]"), env.dataset()[0],
+                           SamplingParams(max_tokens=20_000))  # fmt: skip
+    await score_episodes(env.rubric, [tr])
+    assert tr.error is None and tr.stop_reason == "done", tr.error
+    assert tr.reward == -1.0 and tr.metrics["invalid_move"] == 1.0
+
+
+async def test_our_own_bugs_in_step_are_not_taken_for_invalid_moves():
+    env = load_environment(HERE, num_tasks=2)
+    state = await env.setup(env.dataset()[0])
+
+    def broken(action):
+        raise KeyError("ours")
+
+    state["game"].step = broken
+    with pytest.raises(KeyError):
+        await env.step(state, Message("assistant", "[5]"))
+
+
+async def test_the_system_prompt_comes_first():
+    env = load_environment(HERE, num_tasks=2, system_prompt="Be brief.")
+    prompts: list[str] = []
+    tr = await env.rollout(ScriptedClient(lambda p: prompts.append(p) or "[5]"), env.dataset()[0], SamplingParams(max_tokens=16))
+    assert tr.messages[0] == Message("system", "Be brief.") and tr.messages[1].content.startswith("[GAME]")
+    assert "Be brief." in prompts[0]
+
+
+async def test_each_episode_plays_on_its_own_random_state():
+    """Bandit draws its payouts from ``random`` during play: one task must be the same game
+    whatever runs beside it, and the process's own ``random`` stream must not move."""
+    env = load_environment(HERE, game="Bandit-v0", num_tasks=2)
+    task, other = list(env.dataset())[:2]
+
+    async def payouts(beside: bool) -> list[str]:
+        a = await env.setup(task)
+        b = await env.setup(other) if beside else None
+        out = []
+        for _ in range(12):
+            out += [m.content for m in await env.step(a, Message("assistant", "[red]"))]
+            if b is not None:
+                await env.step(b, Message("assistant", "[blue]"))
+                random.random()  # someone else drawing from the process's stream
+        return out
+
+    random.seed(7)
+    alone = await payouts(False)
+    assert random.random() == random.Random(7).random()  # setup and step left the stream alone
+    assert await payouts(True) == alone
+
+
+@pytest.mark.parametrize("game", ["TicTacToe-v0", "QuantumTicTacToe-v0"])  # the second takes 1 player silently
+def test_multi_player_games_are_refused_naming_the_game(game):
+    with pytest.raises(Exception, match="only single-player games are supported") as e:
+        load_environment(HERE, game=game)
+    assert game in str(e.value) and "\n" not in str(e.value)
