@@ -455,6 +455,10 @@ class AgentSandbox:
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         if not argv:
             raise ValueError("empty command")
+        if any("\x00" in a for a in argv) or any("\x00" in f"{k}{v}" for k, v in (env or {}).items()):
+            # exec() cannot pass one: the agent's child died before the command, and "exit code 125" said nothing
+            raise ValueError("the command contains a NUL byte (\\x00), which no process can take in an argument or "
+                             "an environment variable; remove it (in code, write it as the escape '\\x00')")
         if isinstance(stdin, str):
             stdin = stdin.encode()
         timeout = self.limits.timeout_s if timeout is None else float(timeout)

@@ -19,7 +19,6 @@ from typing import Any
 
 from agentrl_rubric_code_tests import CodeTestsRubric
 
-from agentrl.envs.base import State
 from agentrl.envs.sandbox_env import SandboxEnv
 from agentrl.sandbox import SandboxLimits
 from agentrl.types import Message, Task
@@ -159,18 +158,6 @@ class CodeEnv(SandboxEnv):
             max_turns=max_turns,
             **kwargs,
         )
-
-    async def run_in_sandbox(self, state: State, argv: list[str], stdin: str | None = None) -> str:
-        # exec() takes no NUL inside an argument: the sandbox's agent failed before the command
-        # started and the model read only "[exit code 125]", which says nothing about why
-        if any("\x00" in a for a in argv):
-            state.count("tool_errors")
-            state.count("tool_bad_args")
-            return (
-                "Error: the command contains a NUL byte (\\x00), which cannot be passed to a process; "
-                "remove it (in code, write it as the escape '\\x00')"
-            )
-        return await super().run_in_sandbox(state, argv, stdin)
 
     def demonstrations(self, n: int, seed: int = 0) -> list[list[Message]]:
         tasks = list(self.dataset())

@@ -110,3 +110,14 @@ async def test_cancelled_exec_leaves_nothing_running(backend, limits):
     with pytest.raises(SandboxError):
         await sb.exec("true")
     await sb.close()
+
+
+async def test_a_nul_byte_in_an_argument_or_variable_is_refused_naming_it(backend, limits):
+    """exec() cannot pass one: the agent's child died before the command and the caller read a
+    bare exit code 125."""
+    async with make_sandbox(backend, limits) as sb:
+        for call in (lambda: sb.exec(["echo", "a\x00b"]), lambda: sb.exec("echo a\x00b"),
+                     lambda: sb.exec(["true"], env={"X": "a\x00b"})):
+            with pytest.raises(ValueError, match=r"contains a NUL byte \(\\x00\), which no process can take"):
+                await call()
+        assert (await sb.exec(["echo", "still usable"])).stdout == "still usable\n"

@@ -67,7 +67,7 @@ async def test_a_nul_byte_in_a_tool_call_says_why_it_cannot_run(backend):
         t = await episode(env, task, call, fenced(task.answer))
         assert t.error is None and t.reward == 1.0, t.error
         [reply] = [m.content for m in t.messages if m.role == "tool"]
-        assert reply.startswith("Error: the command contains a NUL byte") and "cannot be passed to a process" in reply
+        assert reply.startswith("Error: ") and "contains a NUL byte (\\x00), which no process can take" in reply, reply
     await env.close()
 
 
