@@ -12,7 +12,8 @@ opponents and are refused.
 
 Tasks are distinct games: seeds whose game (first observation, game state, the game's own
 attributes) is already taken are skipped, so held-out tasks are games the training set lacks;
-a game with few variants (GuessTheNumber has 20 secrets) warns and splits what there is.
+a game with fewer variants than asked for (GuessTheNumber has 20 secrets) splits what there
+is, with a warning when ``num_tasks`` was set (unset: up to 200 training games, no warning).
 Each episode plays with its own ``random`` state: textarena seeds the process-wide ``random``
 in reset and some games draw from it during play (Bandit's payouts, Minesweeper's mines).
 """
@@ -96,13 +97,15 @@ class TextArenaEnv(Environment):
     version = "0.2.0"
     max_reward = None  # game-dependent
 
-    def __init__(self, game: str = "GuessTheNumber-v0", num_tasks: int = 200, max_turns: int = 24, **kwargs: Any) -> None:
+    def __init__(self, game: str = "GuessTheNumber-v0", num_tasks: int | None = None, max_turns: int = 24,
+                 **kwargs: Any) -> None:
         import textarena
 
         self.game = game
         self._make = textarena.make
-        self.num_tasks = num_tasks
-        self.num_eval_tasks = max(num_tasks // 10, 1)
+        self.asked = num_tasks is not None  # a number the user chose: falling short of it is worth a warning
+        self.num_tasks = 200 if num_tasks is None else num_tasks
+        self.num_eval_tasks = max(self.num_tasks // 10, 1)
         try:  # an unknown or multi-player game fails here, once
             first, _ = self._start(0)
         except AssertionError as e:  # textarena asserts the player count in reset
@@ -155,6 +158,7 @@ class TextArenaEnv(Environment):
             n_eval = self.num_eval_tasks
             if len(seeds) < want:
                 n_eval = math.ceil(len(seeds) * self.num_eval_tasks / want) if len(seeds) > 1 else 0
+            if len(seeds) < want and self.asked:
                 warnings.warn(f"{self.game} has only {len(seeds)} distinct games in {tried} seeds, not the "
                               f"{self.num_tasks} training + {self.num_eval_tasks} held-out asked for: using "
                               f"{len(seeds) - n_eval} + {n_eval}", stacklevel=3)  # fmt: skip
@@ -209,5 +213,5 @@ class TextArenaEnv(Environment):
         return [Message("user", new.strip() or "(no feedback)")]
 
 
-def load_environment(game: str = "GuessTheNumber-v0", num_tasks: int = 200, **kwargs: Any) -> TextArenaEnv:
+def load_environment(game: str = "GuessTheNumber-v0", num_tasks: int | None = None, **kwargs: Any) -> TextArenaEnv:
     return TextArenaEnv(game=game, num_tasks=num_tasks, **kwargs)

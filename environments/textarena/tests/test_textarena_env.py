@@ -6,6 +6,7 @@ import random
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -75,11 +76,15 @@ async def test_held_out_tasks_are_games_the_training_set_lacks():
     train, held = list(env.dataset()), list(env.eval_dataset())
     seen = [await _secret(env, t) for t in train]
     assert len(set(seen)) == 6 and held and not {await _secret(env, t) for t in held} & set(seen)
-    big = load_environment(HERE)  # 200 + 20 asked for, only 20 games: warn and split what there is
+    big = load_environment(HERE, num_tasks=200)  # 200 + 20 asked for, only 20 games: warn and split what there is
     with pytest.warns(UserWarning, match=r"only 20 distinct games in \d+ seeds.*200 training \+ 20 held-out.*18 \+ 2"):
         train, held = list(big.dataset()), list(big.eval_dataset())
     seen = [await _secret(big, t) for t in train]
     assert len(set(seen)) == 18 and len(held) == 2 and not {await _secret(big, t) for t in held} & set(seen)
+    with warnings.catch_warnings():  # unset: every game there is, split the same way, and no warning
+        warnings.simplefilter("error")
+        default = load_environment(HERE)
+        assert (len(default.dataset()), len(default.eval_dataset())) == (18, 2)
 
 
 async def test_a_move_the_game_cannot_process_is_an_invalid_move_not_an_error():
