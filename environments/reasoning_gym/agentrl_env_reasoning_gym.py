@@ -63,12 +63,17 @@ def _json_safe(value: Any) -> Any:
 class ReasoningGymEnv(SingleTurnEnv):
     """Problems from one or more reasoning-gym families, scored by reasoning-gym's checkers.
 
-    Reward ``rg_score``: the family's own ``score_answer`` on the extracted answer (0..1).
+    Reward ``rg_score``: 1.0 when the family's own ``score_answer`` gives the extracted answer
+    full credit, else 0.  Many checkers give partial credit to an answer that merely contains
+    the reference (``len(reference) / len(answer)``: "5001" scores 0.75 against "500"), which
+    pays a policy for hedging: padding an answer it is unsure of with more digits scores more
+    than committing to one.  ``partial_credit=True`` makes the checker's score the reward (for
+    families whose partial credit you trust); it is always logged as metric ``rg_checker_score``.
     Metric ``has_answer_tag``.  A checker that raises on a malformed answer scores 0 (a wrong
     answer is not an infrastructure failure).
     """
 
-    version = "0.1.0"
+    version = "0.2.0"
     reward_range = (0.0, 1.0)
 
     def __init__(
@@ -81,6 +86,7 @@ class ReasoningGymEnv(SingleTurnEnv):
         config: dict[str, Any] | None = None,
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         format_weight: float = 0.0,
+        partial_credit: bool = False,
     ) -> None:
         import reasoning_gym
 
@@ -103,13 +109,19 @@ class ReasoningGymEnv(SingleTurnEnv):
         for name in names:  # bad options fail here, at load time (problems are generated lazily)
             self._dataset(name, "train")
 
-        def rg_score(completion: str, task: Task) -> float:
+        self.partial_credit = partial_credit
+
+        def rg_checker_score(completion: str, task: Task) -> float:
             return self.score(completion, task)
+
+        def rg_score(completion: str, task: Task) -> float:
+            checker = self.score(completion, task)
+            return checker if self.partial_credit else float(checker == 1.0)
 
         def has_answer_tag(completion: str) -> float:
             return 1.0 if "<answer>" in completion and "</answer>" in completion else 0.0
 
-        rubric = Rubric([rg_score, has_answer_tag], [1.0, float(format_weight)])
+        rubric = Rubric([rg_score, rg_checker_score, has_answer_tag], [1.0, 0.0, float(format_weight)])
         label = "+".join(names) if len(names) <= 3 else f"{len(names)}-families"
         super().__init__(rubric=rubric, system_prompt=system_prompt, name=f"reasoning-gym-{label}")
         self.reward_range = (0.0, 1.0 + max(0.0, float(format_weight)))
@@ -204,11 +216,12 @@ def load_environment(
     config: dict[str, Any] | None = None,
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
     format_weight: float = 0.0,
+    partial_credit: bool = False,
 ) -> ReasoningGymEnv:
     """``task``: a reasoning-gym family name, a comma-separated list, or a list of names;
     ``config``: dataset options for the family (e.g. ``{"min_animals": 2}``), or per family
     (``{"leg_counting": {...}, "gcd": {...}}``)."""
     return ReasoningGymEnv(
         task, size=size, eval_size=eval_size, seed=seed, config=config,
-        system_prompt=system_prompt, format_weight=format_weight,
+        system_prompt=system_prompt, format_weight=format_weight, partial_credit=partial_credit,
     )

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from agentrl.envs.check import ScriptedClient, check_environment
 from agentrl.errors import AgentrlError
 from agentrl.plugins import load_environment
+from agentrl.rubrics import score_episodes
 from agentrl.types import SamplingParams, Task
 
 FAMILIES = ["leg_counting", "basic_arithmetic", "word_sorting", "fraction_simplification", "spell_backward"]
@@ -67,6 +68,21 @@ async def test_partial_credit_comes_from_the_family_checker():
     task = env.dataset()[0]
     assert env.score(f"<answer>{task.answer}</answer>", task) == 1.0
     assert 0.0 < env.score("<answer>1+1</answer>", task) < 1.0
+
+
+@pytest.mark.parametrize("partial_credit", [False, True])
+async def test_a_padded_answer_earns_nothing_unless_partial_credit_is_asked_for(partial_credit):
+    """The default checker pays len(reference)/len(answer) for an answer holding the reference:
+    padding an unsure answer with digits would beat committing to one."""
+    env = load_environment("reasoning-gym", task="leg_counting", size=4, eval_size=1, partial_credit=partial_credit)
+    task = env.dataset()[0]
+    replies = [f"<answer>{task.answer}</answer>", f"<answer>{task.answer}1</answer>", "<answer>x</answer>"]
+    client = ScriptedClient(lambda p: replies.pop(0))
+    trajs = [await env.rollout(client, task, SAMPLING) for _ in range(3)]
+    await score_episodes(env.rubric, trajs)
+    padded = len(task.answer) / (len(task.answer) + 1)  # the checker's own partial credit
+    assert [t.metrics["rg_checker_score"] for t in trajs] == [1.0, padded, 0.0]
+    assert [t.reward for t in trajs] == [1.0, padded if partial_credit else 0.0, 0.0]
 
 
 async def test_families_interleave_and_configs_reach_reasoning_gym():
