@@ -52,6 +52,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.errors import FIX_BY_KIND
 from agentrl.ledger import Ledger, LedgerError
 from agentrl.types import Group, Task, Trajectory
 
@@ -118,12 +119,7 @@ class _Untrainable:
         total = max(1, self.episodes)
         if self.errored and sum(self.errored.values()) >= total / 2:
             (kind, reason), n = self.errored.most_common(1)[0]
-            fix = {"rubric": "fix the rubric function", "env": "fix the environment", "tool": "fix the tool",
-                   "sandbox": "check `agentrl sandbox doctor`", "endpoint": "check the inference endpoint",
-                   "timeout": "raise rollout.episode_timeout_s or the env's timeout",
-                   "parse": "check the endpoint's response format", "context_length": "shorten the prompts or raise "
-                   "inference.max_model_len", "program": "fix the agent program (its stderr is in the message), or "
-                   "HarnessEnv(failed_exit='error') if it never fails on the model's output"}.get(kind, "see rollouts.jsonl")  # fmt: skip
+            fix = FIX_BY_KIND.get(kind, "see rollouts.jsonl")
             return (f"the last {self.run} finished groups could not be trained: {sum(self.errored.values())}/"
                     f"{self.episodes} episodes errored, most in {kind}: {reason}; {fix}")
         if self.stale >= total / 2:

@@ -17,6 +17,18 @@ from __future__ import annotations
 # The kinds an errored episode can have (README: "Fates, error kinds and exit codes").
 ERROR_KINDS = ("endpoint", "parse", "context_length", "env", "tool", "sandbox", "rubric", "timeout", "program")
 
+# What to do about each kind, in one place for every message that names one (a stall, an evaluation
+# that errored, a wall budget spent waiting).
+FIX_BY_KIND = {
+    "rubric": "fix the rubric function", "env": "fix the environment", "tool": "fix the tool",
+    "sandbox": "check `agentrl sandbox doctor`", "endpoint": "check the inference endpoint",
+    "timeout": "raise rollout.episode_timeout_s or the env's timeout",
+    "parse": "check the endpoint's response format",
+    "context_length": "shorten the prompts or raise inference.max_model_len",
+    "program": "fix the agent program (its stderr is in the message), or HarnessEnv(failed_exit='error') if it "
+               "never fails on the model's output",
+}
+
 
 class AgentrlError(Exception):
     """Base for errors caused by user input (config, CLI argument, missing plugin ...)."""

@@ -414,7 +414,13 @@ def summarize_run(run_dir: str | Path, last_rollouts: int = 3) -> str:
         raise AgentrlError(f"{run} is not a run directory (no config.toml or metrics.jsonl)")
     lines = [f"run {run}"]
     if not rows:
-        lines.append("  no training steps logged yet")
+        summary = _read_summary(run)
+        if summary is None:  # running, or stopped before it finished
+            lines.append("  no training steps logged yet")
+            return "\n".join(lines)
+        lines.append(f"  {no_step_reason(summary)}")
+        if summary.get("final_model"):
+            lines.append(f"  final model: {summary['final_model']}")
         return "\n".join(lines)
     last = rows[-1]
     lines.append(
@@ -444,3 +450,34 @@ def summarize_run(run_dir: str | Path, last_rollouts: int = 3) -> str:
     if summary.is_file():
         lines.append(f"  final model: {json.loads(summary.read_text()).get('final_model')}")
     return "\n".join(lines)
+
+
+def _read_summary(run: Path) -> dict[str, Any] | None:
+    """summary.json, written when a run finished; None without one (or unreadable)."""
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+# why episodes reached a fate other than trained (README "Fates, error kinds and exit codes")
+WHY_FATE = {"stale": "older than η", "filtered": "zero-variance groups, or too few valid episodes",
+            "skipped": "non-finite μ, advantage or gradient", "unused": "finished as the run ended",
+            "interrupted": "running as the run ended"}
+
+
+def no_step_reason(summary: dict[str, Any]) -> str:
+    """A finished run that took no training step, from summary.json's ledger: where its episodes went."""
+    ledger = {k.removeprefix("ledger/"): v for k, v in (summary.get("ledger") or {}).items()}
+    parts = [f"{ledger.get('trained', 0)} trained"]
+    for fate in ("filtered", "errored", "stale", "skipped", "unused", "interrupted"):
+        if not ledger.get(fate):
+            continue
+        if fate == "errored":
+            kinds = ", ".join(f"{k.removeprefix('errored/')} {n}" for k, n in ledger.items() if k.startswith("errored/"))
+            why = "; ".join(x for x in (kinds, summary.get("top_error") and f"most: {summary['top_error']}") if x)
+        else:
+            why = WHY_FATE[fate]
+        parts.append(f"{ledger[fate]} {fate}" + (f" ({why})" if why else ""))
+    return f"run ended with no training step: {', '.join(parts)}, of {ledger.get('started', 0)} started"

@@ -4,6 +4,7 @@ nothing finished is lost or rewritten (config.toml, checkpoints, logs, model fil
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -113,6 +114,25 @@ def test_a_run_dir_that_is_a_file_is_refused(tiny_model, tmp_path, where):
     r = agentrl(*run_args(tiny_model, tmp_path / where), timeout=120)
     one_line_refusal(r, f"{tmp_path / 'afile'} is a file, not a directory", "--run.dir")
     assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+# ----------------------------------------------------------------------------- a model with no chat template
+
+
+@pytest.mark.parametrize("command", ["run", "sft"])
+def test_a_model_without_a_chat_template_is_one_line_before_sft(tiny_model, tmp_path, command):
+    """The SFT demonstrations were rendered with transformers' apply_chat_template: a ValueError
+    traceback, where `eval` and `run --sft.enabled=false` already said it in one line."""
+    model = tmp_path / "notmpl"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    args = run_args(model, tmp_path / "run", **{"sft.enabled": "true", "sft.steps": 2})
+    r = agentrl(command, *args[1:], timeout=120)
+    one_line_refusal(r, "has no chat template", f"agentrl model check-template {model}")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 # ----------------------------------------------------------------------------- agentrl model init

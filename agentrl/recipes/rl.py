@@ -511,14 +511,15 @@ async def _train_loop(
         # 6a) wiring: the rollout side (local, or Ray workers), held-out eval, weight push under the engine supervisor
         rollouts = Rollouts.start(cfg, env, engines, state, logs, start_model)
         manager, buffer = rollouts.manager, rollouts.buffer
-        held_out = HeldOut(manager, eval_tasks, cfg.eval, cfg.rollout.max_tokens, record=logs.record_eval)
+        held_out = HeldOut(manager, eval_tasks, cfg.eval, cfg.rollout.max_tokens, record=logs.record_eval,
+                           policy_kinds=cfg.buffer.failure_rewards)
         pusher = WeightPusher(state.trainer, engines, lora_push=cfg.trainer.lora_push)
         supervisor = Supervisor(engines, pusher, buffer, live, on_change=rollouts.on_engines)
         # 6b) the engines serve the trainer's weights, as its version; a baseline eval before any rollout competes
         await engines.align(pusher, state.start_step)
         if cfg.eval.every > 0 and state.start_step == 0:
             live.note(f"evaluating the warm-start model on {len(eval_tasks)} held-out tasks ...")
-            live.note(f"warm start: eval/reward_mean {await held_out.baseline(0):.3f}")
+            live.note(await held_out.baseline(0))  # stops the run if every episode errored by no fault of the policy
         steps = RunSteps(cfg, run_dir, state.trainer, rollouts, engines, supervisor, held_out,
                          StepLog(manager, buffer, pusher, t_start), logs, live)  # fmt: skip
         # 6c) the loop: data, train, push, commit, after_step (rl_loop's numbered phases)
@@ -531,10 +532,7 @@ async def _train_loop(
                 should_stop=steps.should_stop, guards=(watcher,), deadline=deadline,
             )  # fmt: skip
             if deadline is not None and not steps.out_of_time and next_step < cfg.trainer.steps:
-                live.note(f"run.max_wall_s ({cfg.run.max_wall_s:g}s) ran out while the trainer waited for a batch "
-                          f"at step {next_step} ({buffer.ledger.as_metrics().get('ledger/filtered', 0):g} episodes "
-                          "filtered so far: see buffer.filter_zero_variance and the rewards in `agentrl view`)")
-                await steps.end_early(next_step)
+                await steps.end_early(next_step)  # says why: errored episodes, or groups filtered
         except BufferStalled as e:
             raise TrainingStalled(
                 f"training stalled at step {buffer.version}: {e} (checkpoints and logs so far are kept)"
@@ -544,7 +542,7 @@ async def _train_loop(
             logs.drain_ledger(buffer)
         held_out.cancel()
         # 7) finish
-        await finish(cfg, run_dir, state.trainer, buffer, start_model, live, t_start)
+        await finish(cfg, run_dir, state.trainer, buffer, start_model, live, t_start, steps=next_step)
     finally:
         logs.close()
         if rollouts is not None:
@@ -562,12 +560,14 @@ class TrainingStalled(AgentrlError):
 
 async def finish(
     cfg: Config, run_dir: Path, trainer: Any, buffer: TrainingBuffer, start_model: Path, live: LiveProgress,
-    t_start: float,
+    t_start: float, *, steps: int,
 ) -> None:
+    """RUN_DIR/final and summary.json: ``steps`` is how many the run took (trainer.steps is in config.toml)."""
     final_dir = run_dir / "final"
     await asyncio.to_thread(save_model, trainer, start_model, final_dir)
-    summary = {"steps": cfg.trainer.steps, "version": buffer.version, "ledger": buffer.ledger.as_metrics(),
-               "final_model": str(final_dir), "wall_s": time.perf_counter() - t_start}
+    summary = {"steps": steps, "version": buffer.version, "ledger": buffer.ledger.as_metrics(),
+               "top_error": buffer.ledger.top_error(), "final_model": str(final_dir),
+               "wall_s": time.perf_counter() - t_start}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     lg = buffer.ledger
     live.note(

@@ -7,6 +7,8 @@ calls between its numbered phases, in the order a step uses it.
                       buffer actor (``cluster.rollout_workers``), with the buffer and sampler that answer
     FinishedEpisodes  rollouts.jsonl as episodes finish; their rewards for the next metrics row
     HeldOut           held-out evaluation on a fixed version (``[eval]``)
+    check_evaluation  an evaluation's errored episodes: named beside its reward, or (every one errored by
+                      no fault of the policy) a one-line stop, here and in SFT's greedy evaluations
     StepLog           one metrics row per step (the namespaced schema of :mod:`agentrl.metrics`)
     RunLogs           RUN_DIR/{metrics,ledger,rollouts,eval_rollouts}.jsonl
     checkpoint        trainer, buffer, sampler, and how far each log had been written
@@ -17,18 +19,20 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentrl.buffer import Batch
+from agentrl.buffer import POLICY_ERRORS, Batch
 from agentrl.config import Config, EvalConfig
+from agentrl.errors import FIX_BY_KIND, AgentrlError
 from agentrl.metrics import JSONLLogger, LiveProgress, open_metrics_logger
 from agentrl.protocols import RolloutSource, SamplerState, TrainingBuffer
 from agentrl.recipes.engines import Engines, Supervisor
 from agentrl.rollout import RolloutManager, mean_reward
-from agentrl.types import SamplingParams, Task
+from agentrl.types import SamplingParams, Task, Trajectory
 
 if TYPE_CHECKING:
     from agentrl.recipes.rl import RLState
@@ -104,6 +108,7 @@ class RunSteps:
         """The wall budget ran out while the trainer waited for data after ``version``: that step's
         row did not know it was the last, so the final weights get their held-out eval (a row of
         its own: the step's number again, times, ledger and ``eval/*`` only) and their checkpoint here.  No step, no change: nothing to add."""
+        self.live.note(waited_note(self.cfg.run.max_wall_s, version, self.rollouts.buffer.ledger))
         if not self.stepped:
             return
         if version % self.cfg.trainer.push_every:  # the engines still serve an older version: evaluate the final one
@@ -197,24 +202,82 @@ class FinishedEpisodes:
         return out
 
 
+class EvaluationErrored(AgentrlError):
+    """Every episode of a held-out evaluation errored by no fault of the policy: its reward would
+    read 0, as if the model had not learnt yet.  Failed work, not bad input: exit 1, as a stall."""
+
+    exit_code = 1
+
+
+def _kind(t: Trajectory) -> str:
+    return t.error_kind or "env"
+
+
+def errored_note(trajs: Sequence[Trajectory]) -> str | None:
+    """``"3/10 held-out episodes errored, most in rubric: <its first message>"``, in the stall
+    message's words; None when none errored."""
+    kinds = Counter(_kind(t) for t in trajs if t.errored)
+    if not kinds:
+        return None
+    kind = kinds.most_common(1)[0][0]
+    first = next(t.error or "" for t in trajs if t.errored and _kind(t) == kind)
+    first = " ".join(first.split())[:300]  # one line: a program's stderr has newlines
+    return f"{kinds.total()}/{len(trajs)} held-out episodes errored, most in {kind}: {first}"
+
+
+def check_evaluation(trajs: Sequence[Trajectory], what: str, policy_kinds: Collection[str]) -> str | None:
+    """An evaluation's errored-episode note (None: none errored).  Raises :class:`EvaluationErrored`
+    when every episode errored in a kind the policy does not cause (``policy_kinds``:
+    ``buffer.failure_rewards``' kinds): no reward was measured, and none will be until it is fixed."""
+    note = errored_note(trajs)
+    if note is not None and all(t.errored and _kind(t) not in policy_kinds for t in trajs):
+        kind = Counter(_kind(t) for t in trajs).most_common(1)[0][0]  # the kind the note names
+        fix = FIX_BY_KIND.get(kind, "see the episodes in `agentrl view`")
+        raise EvaluationErrored(f"{what}: {note}; {fix} (no episode was scored: the model's reward cannot be measured)")
+    return note
+
+
+def waited_note(max_wall_s: float, step: int, ledger: Any) -> str:
+    """Why the wall budget ran out while the trainer waited for a batch: errored episodes when there
+    were any (a broken rubric or env looks like an unlucky run otherwise), else filtered groups."""
+    counts = ledger.as_metrics()
+    head = f"run.max_wall_s ({max_wall_s:g}s) ran out while the trainer waited for a batch at step {step}"
+    filtered = f"{counts.get('ledger/filtered', 0):g} episodes filtered so far"
+    errored = counts.get("ledger/errored", 0)
+    if not errored:
+        return f"{head} ({filtered}: see buffer.filter_zero_variance and the rewards in `agentrl view`)"
+    kinds = {k.removeprefix("ledger/errored/"): n for k, n in counts.items() if k.startswith("ledger/errored/")}
+    kind = max(kinds, key=kinds.__getitem__) if kinds else "env"
+    fix = FIX_BY_KIND.get(kind, "see `agentrl view`")
+    return f"{head} ({errored:g} episodes errored so far, most: {ledger.top_error()}; {fix}; {filtered})"
+
+
 class HeldOut:
     """Held-out evaluation on a fixed weight version (``[eval]``): before the first step, every
     ``eval.every`` steps in the background, and on the final weights.
 
     A step's metrics row carries the evaluation that finished since the previous row.  The final
     step can hold two (the one that finished during it, or the warm start's on a 1-step run, and the
-    final weights'): the final one is ``eval/*``, the one before it ``eval/earlier/*``."""
+    final weights'): the final one is ``eval/*``, the one before it ``eval/earlier/*``.
+
+    ``policy_kinds``: the error kinds the policy causes (``buffer.failure_rewards``); a baseline whose
+    every episode errored otherwise stops the run (:func:`check_evaluation`)."""
 
     def __init__(self, manager: RolloutSource, tasks: list[Task], ec: EvalConfig, max_tokens: int,
-                 record: Callable[[int, list[Any]], None] | None = None):
+                 record: Callable[[int, list[Any]], None] | None = None,
+                 policy_kinds: Collection[str] = tuple(POLICY_ERRORS)):
         self.manager, self.tasks, self.every, self.record = manager, tasks, ec.every, record
-        self.concurrency = ec.concurrency
+        self.concurrency, self.policy_kinds = ec.concurrency, policy_kinds
         self.sampling = SamplingParams(max_tokens=max_tokens, temperature=ec.temperature)
         self.running: asyncio.Task | None = None
         self.finished: list[dict[str, Any]] = []  # results not in a metrics row yet, oldest first
         self.evaluated: set[int] = set()  # versions evaluated or being evaluated
 
     async def evaluate(self, version: int) -> dict[str, Any]:
+        return (await self._evaluate(version))[0]
+
+    async def _evaluate(self, version: int) -> tuple[dict[str, Any], list[Trajectory]]:
+        """The metrics of one evaluation, and its episodes."""
         self.evaluated.add(version)
         t0 = time.perf_counter()
         trajs = await self.manager.evaluate(self.tasks, self.sampling, concurrency=self.concurrency)
@@ -225,12 +288,16 @@ class HeldOut:
             "eval/errored": sum(1 for t in trajs if t.errored),
             "eval/version": version,
             "eval/seconds": time.perf_counter() - t0,
-        }
+        }, trajs
 
-    async def baseline(self, version: int) -> float:
-        """The weights before any step (the warm start); returns the reward."""
-        self.finished.append(await self.evaluate(version))
-        return self.finished[-1]["eval/reward_mean"]
+    async def baseline(self, version: int) -> str:
+        """The weights before any step (the warm start); returns the line that reports it, naming
+        errored episodes.  Raises :class:`EvaluationErrored` when every one errored by no fault of
+        the policy: training on would read the broken setup as a model with nothing learnt."""
+        result, trajs = await self._evaluate(version)
+        self.finished.append(result)
+        note = check_evaluation(trajs, "warm-start evaluation", self.policy_kinds)
+        return f"warm start: eval/reward_mean {result['eval/reward_mean']:.3f}" + (f" ({note})" if note else "")
 
     async def before_push(self) -> None:
         """An evaluation runs on one fixed version: finish it before the weights change."""

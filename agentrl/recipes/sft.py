@@ -230,10 +230,11 @@ def sft_interrupted_note(cfg: Config) -> str:
 
 def demonstration_data(env: Any, base: Path, sft: SFTConfig, seed: int) -> list[tuple[list[int], list[int]]]:
     """``env.demonstrations`` rendered with ``base``'s chat template: (token ids, assistant mask) each."""
-    from transformers import AutoTokenizer
-
     from agentrl.errors import AgentrlError, UserCodeError
+    from agentrl.inference.client import load_tokenizer
 
+    # the check eval and the rollouts make: a model without a chat template is one line, not transformers' ValueError
+    tokenizer = load_tokenizer(base)
     try:
         demos = env.demonstrations(sft.num_demos, seed=seed, **sft.demo_args)
     except NotImplementedError:
@@ -242,7 +243,7 @@ def demonstration_data(env: Any, base: Path, sft: SFTConfig, seed: int) -> list[
         message = " ".join(str(e).split())[:300]
         raise UserCodeError(f"environment {env.name!r}: demonstrations() raised {type(e).__name__}: {message} "
                             "(fix the environment, or rerun with --traceback to see where)") from e
-    data = encode_demos(AutoTokenizer.from_pretrained(base), demos, env.tool_schemas())
+    data = encode_demos(tokenizer, demos, env.tool_schemas())
     if not data:
         raise AgentrlError("no demonstration had assistant tokens to train on")
     return data
@@ -320,9 +321,11 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
 
                 raise AgentrlError(f"sft diverged at step {step} (loss {float(loss)}); lower sft.lr")
             if evaluator is not None and (step + 1) % sft.eval_every == 0:
-                reward = evaluator.score(model, step + 1)
+                reward = evaluator.score(model, step + 1)  # raises when every episode errored by no fault of the model
                 log[-1]["eval_reward_mean"] = reward
-                bar.note(f"sft step {step + 1}: greedy held-out reward {reward:.3f} (target {sft.target_reward})")
+                errored = getattr(evaluator, "errored", None)  # a reward of 0 that errors made is named
+                bar.note(f"sft step {step + 1}: greedy held-out reward {reward:.3f} (target {sft.target_reward})"
+                         + (f"; {errored}" if errored else ""))
                 if reward >= sft.target_reward:
                     break
             if max_wall_s is not None and time.perf_counter() - t0 >= max_wall_s:
@@ -338,27 +341,27 @@ def train_sft(base: Path, env: Any, sft: SFTConfig, *, seed: int, out_dir: Path,
 class GreedyEvaluator:
     """Greedy held-out reward of the model being fine-tuned, on an embedded engine.
 
-    The engine starts once on the base weights; each evaluation pushes the current SFT
-    weights and runs the env's held-out tasks at temperature 0 (the evaluator RL uses).
+    The engine starts once on the base weights (``policy``: one already serving them); each
+    evaluation pushes the current SFT weights and runs the env's held-out tasks at temperature 0
+    (the evaluator RL uses).  ``errored`` names the last evaluation's errored episodes (None: none).
     """
 
-    def __init__(self, base: Path, env: Any, cfg: Config) -> None:
+    def __init__(self, base: Path, env: Any, cfg: Config, policy: Any = None) -> None:
         from agentrl.inference import open_policy
         from agentrl.recipes.rl import torch_threads
 
         self.env, self.cfg = env, cfg
         self.tasks = list(env.eval_dataset() or env.dataset())[: cfg.sft.eval_tasks]
+        self.errored: str | None = None
         ic = cfg.inference
-        self.policy = open_policy(base, args=ic.engine_args(), env={"OMP_NUM_THREADS": str(torch_threads(cfg))},
-                                  tool_parser=ic.tool_parser)
+        self.policy = policy if policy is not None else open_policy(
+            base, args=ic.engine_args(), env={"OMP_NUM_THREADS": str(torch_threads(cfg))}, tool_parser=ic.tool_parser)
 
     def score(self, model: Any, version: int) -> float:
         return asyncio.run(self._score(model, version))
 
     async def _score(self, model: Any, version: int) -> float:
         from agentrl.inference import PolicyClient
-        from agentrl.rollout import evaluate_tasks, mean_reward
-        from agentrl.types import SamplingParams
         from agentrl.weights import make_weight_sync
 
         ws = make_weight_sync(self.policy.base_urls, self.cfg.inference.weight_transport, api_key=self.policy.api_key)
@@ -369,14 +372,26 @@ class GreedyEvaluator:
         client = PolicyClient(self.policy.base_urls, self.policy.model, tool_parser=self.policy.tool_parser,
                               api_key=self.policy.api_key)
         try:
-            ro = self.cfg.rollout
-            trajs = await evaluate_tasks(
-                self.env, client, self.tasks, SamplingParams(max_tokens=ro.max_tokens, temperature=0.0),
-                timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns, concurrency=self.cfg.eval.concurrency,
-            )
+            return await self.reward(client, version)
         finally:
             await self.env.close()  # its sandbox pools belong to this evaluation's event loop
             await client.close()
+
+    async def reward(self, client: Any, version: int) -> float:
+        """Greedy reward of what ``client`` serves on the held-out tasks (errored episodes count 0).
+        Raises :class:`~agentrl.recipes.rl_steps.EvaluationErrored` when every one errored by no
+        fault of the model (a rubric that raises): SFT would otherwise run all its steps towards a
+        reward that cannot move."""
+        from agentrl.recipes.rl_steps import check_evaluation
+        from agentrl.rollout import evaluate_tasks, mean_reward
+        from agentrl.types import SamplingParams
+
+        ro = self.cfg.rollout
+        trajs = await evaluate_tasks(
+            self.env, client, self.tasks, SamplingParams(max_tokens=ro.max_tokens, temperature=0.0),
+            timeout_s=ro.episode_timeout_s, max_turns=ro.max_turns, concurrency=self.cfg.eval.concurrency,
+        )
+        self.errored = check_evaluation(trajs, f"sft evaluation at step {version}", self.cfg.buffer.failure_rewards)
         return mean_reward(trajs)
 
     def close(self) -> None:
