@@ -20,8 +20,11 @@ Group-level functions name plurals — ``completions``, ``answers``, ``prompts``
 ``infos``, ``states``, ``trajectories``, ``messages_list``, ``results`` — and return one value per
 episode.  Weight 0 makes a function a logged metric only.  Functions run in the order
 given (an earlier one may cache something in ``state`` for a later one); one function is
-evaluated concurrently across the episodes of a group.  Sync functions run inline: keep
-them quick or make them async.
+evaluated concurrently across the episodes of a group.  Sync functions run inline, on the
+event loop every rollout shares: keep them quick or make them async (``await
+asyncio.to_thread(slow, ...)`` for blocking work; a worker thread cannot use signal-based
+timeouts, math-verify's among them).  A sync call that holds the loop over
+:data:`SLOW_SYNC_S` warns once per function, naming it.
 
 Every function's value lands in ``trajectory.metrics[fn_name]``; ``reward`` is the
 weighted sum.  A function that raises, returns a non-number, NaN or inf marks that episode
@@ -34,6 +37,8 @@ import asyncio
 import inspect
 import math
 import re
+import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +124,7 @@ class RewardFn:
     params: tuple[str, ...]
     takes_all: bool
     group_level: bool
+    warned_slow: bool = False
 
     @classmethod
     def wrap(cls, fn: Callable[..., Any], weight: float) -> RewardFn:
@@ -132,8 +138,18 @@ class RewardFn:
         return cls(fn, float(weight), name, params, takes_all, group)
 
 
-async def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
-    result = fn(**kwargs)
+SLOW_SYNC_S = 0.5  # a sync reward call this long has stalled every rollout (sampling, tools, other rewards)
+
+
+async def _call(f: RewardFn, kwargs: dict[str, Any]) -> Any:
+    t0 = time.perf_counter()
+    result = f.fn(**kwargs)
+    held = time.perf_counter() - t0
+    if held > SLOW_SYNC_S and not f.warned_slow:
+        f.warned_slow = True
+        warnings.warn(f"reward function {f.name!r} held the event loop for {held:.1f}s: every rollout waits while a "
+                      "sync reward function runs; make it async (await asyncio.to_thread(...) for blocking work)",
+                      RuntimeWarning, stacklevel=2)
     if inspect.isawaitable(result):
         result = await result
     return result
@@ -239,8 +255,8 @@ class Rubric:
     async def _run(self, f: RewardFn, make_kwargs: Callable[[], dict[str, Any]]) -> Any:
         kwargs = make_kwargs()
         if self.timeout_s is None:
-            return await _call(f.fn, kwargs)
-        return await asyncio.wait_for(_call(f.fn, kwargs), self.timeout_s)
+            return await _call(f, kwargs)
+        return await asyncio.wait_for(_call(f, kwargs), self.timeout_s)
 
     def _episode_kwargs(self, f: RewardFn, ep: dict[str, Any]) -> dict[str, Any]:
         pool = {**self.context, **ep}

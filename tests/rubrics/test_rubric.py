@@ -89,3 +89,22 @@ async def test_timeout_marks_error():
     t = traj("4")
     await Rubric([slow], timeout_s=0.05).score_group([t])
     assert "slow" in t.error and "TimeoutError" in t.error
+
+
+async def test_a_slow_sync_reward_function_warns_once_naming_itself(recwarn):
+    """A sync reward function runs on the loop every rollout shares: a slow one stalls them all."""
+    import time
+
+    def slow(completion):
+        time.sleep(0.6)
+        return 1.0
+
+    def quick(completion):
+        return 1.0
+
+    rubric = Rubric([slow, quick])
+    for _ in range(2):
+        await rubric.score_group([traj("4"), traj("5")])
+    held = [w for w in recwarn.list if issubclass(w.category, RuntimeWarning)]
+    assert len(held) == 1 and str(held[0].message).startswith("reward function 'slow' held the event loop for 0.")
+    assert "make it async" in str(held[0].message)
