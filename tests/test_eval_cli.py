@@ -128,7 +128,7 @@ def test_scaffold_install_discover_test_and_eval_on_the_embedded_engine(tmp_path
         assert all(x["completion_tokens"] > 0 and x["prompt_tokens"] > 0 for x in recs)
         assert "mean reward" in ev.stdout and "pass@2" in ev.stdout
         again = agentrl("eval", "probe-env", "--model", str(model), "-n", "3", "-r", "2", "--out", str(out),
-                        "--max-tokens", "24", "--env-args", '{"num_tasks": 30}', "--resume")
+                        "--max-tokens", "24", "--temperature", "1.0", "--env-args", '{"num_tasks": 30}', "--resume")
         assert again.returncode == 0, again.stderr[-2000:]
         assert len((out / "results.jsonl").read_text().splitlines()) == 6  # nothing left to rerun
     finally:

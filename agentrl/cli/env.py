@@ -43,7 +43,8 @@ def eval_cmd(
     out: Annotated[Path, typer.Option("--out", "-o", help="Results directory (results.jsonl, summary.json).")] = Path(
         "runs/eval"
     ),
-    resume: Annotated[bool, typer.Option("--resume", help="Rerun only missing or errored episodes in --out.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Rerun only missing or errored episodes in --out "
+                                                 "(same settings; -n/-r may grow).")] = False,
     env_args: EnvArgs = None,
     max_tokens: MaxTokens = 256,
     temperature: Annotated[float, typer.Option("--temperature", "-T", min=0.0, help="Sampling temperature.")] = 0.0,

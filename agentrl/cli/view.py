@@ -52,14 +52,9 @@ def view(
                          allowed_hosts=split_names(allowed_hosts), allowed_origins=split_names(allowed_origins))
         return
     if (run_dir / "results.jsonl").is_file() and not (run_dir / "metrics.jsonl").is_file():  # an eval --out dir
-        import json
+        from agentrl.recipes.eval import summarize_dir, summary_table
 
-        from agentrl.recipes.eval import read_results, summarize, summary_table
-
-        records = list(read_results(run_dir).values())
-        meta = json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").is_file() else {}
-        per_task = max((r.get("rollout", 0) + 1 for r in records), default=1)
-        print_table(summary_table(summarize(records, meta.get("env", "?"), meta.get("model", "?"), per_task, 1.0)))
+        print_table(summary_table(summarize_dir(run_dir)))  # its own slots and --pass-threshold, from meta.json
         return
     from agentrl.metrics import summarize_run
 

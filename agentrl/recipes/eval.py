@@ -1,7 +1,7 @@
 """`agentrl eval`: run an environment against any model and keep every episode, in phases.
 
     1. env        load_environment(name, **env_args); its held-out tasks (else its dataset)
-    2. results    OUT/meta.json must match a previous run (env, args, model) to --resume it
+    2. results    OUT/meta.json must match a previous run to --resume it (:func:`check_resume`)
     3. policy     a local model dir starts the embedded engine, else --base-url; prompts are
                   rendered locally with --tokenizer (default: the model dir), /tokenize only
                   without one; the tool-call parser is --tool-parser, else detected from the
@@ -10,18 +10,23 @@
                   and logprobs come back; eval needs neither)
     4. episodes   ``rollouts`` episodes per task, each (task, rollout) with its own seed
                   derived from --seed; one JSON line per episode in OUT/results.jsonl,
-                  appended and flushed as each task's group finishes
+                  appended and flushed as each episode finishes (an interrupt keeps them)
     5. summary    mean reward, pass@k, error rate and an error table (kind, count, first
                   message) in OUT/summary.json; the exit status says whether the eval worked
 
 ``resume=True`` keeps finished, non-errored episodes and reruns only the missing or errored
-ones.  The summary is computed from the latest line of every (task, rollout) slot.  pass@k
+ones; a torn last line (a write cut short) is cut first.  It refuses other settings (env, its
+args and version, model, sampling, --max-turns, --chat) and fewer tasks or rollouts; more of
+either extends the run (each slot's seed depends only on --seed, task and rollout).
+--pass-threshold may change: it only re-counts.  The summary is computed from the latest line
+of every (task, rollout) slot; a slot without one is counted as missing.  pass@k
 uses the unbiased estimator 1 − C(n−c, k)/C(n, k) over the n rollouts of a task (c of them
 with reward ≥ ``pass_threshold``), averaged over tasks; errored episodes count as failures.
 
-Exit status (:func:`exit_status`): 0 when the error rate is at most ``max_error_rate``, 1
-above it, 3 when every episode errored; user errors (bad arguments, unreachable or wrong
-endpoint) exit 2 before any episode runs.
+Exit status (:func:`exit_status`): 0 when the error rate is at most ``max_error_rate`` and no
+slot is missing, 1 above it or with missing slots, 3 when every episode errored; user errors
+(bad arguments, other settings on --resume, unreachable or wrong endpoint) exit 2 before any
+episode runs.
 """
 
 from __future__ import annotations
@@ -95,6 +100,8 @@ class EvalSummary:
     episodes: int
     mean_reward: float
     error_rate: float
+    missing: int = 0  # slots (tasks × rollouts) without a record: --resume runs them
+    pass_threshold: float = 1.0
     pass_at: dict[int, float] = field(default_factory=dict)
     stop_reasons: dict[str, int] = field(default_factory=dict)
     mean_turns: float = 0.0
@@ -106,7 +113,7 @@ class EvalSummary:
 
 
 def read_results(out_dir: Path) -> dict[tuple[int, int], dict[str, Any]]:
-    """Latest record per (task_index, rollout); a torn last line is ignored."""
+    """Latest record per (task_index, rollout); a line that does not parse is ignored."""
     latest: dict[tuple[int, int], dict[str, Any]] = {}
     path = out_dir / RESULTS
     if not path.exists():
@@ -131,7 +138,38 @@ def error_table(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(table.values(), key=lambda row: -row["count"])
 
 
-def summarize(records: list[dict[str, Any]], env: str, model: str, rollouts: int, pass_threshold: float) -> EvalSummary:
+def cut_torn_tail(path: Path) -> int:
+    """A last line without its newline (a write cut short: kill -9, a full disk) is cut, so the
+    next record starts a line of its own; one that parses keeps its record.  Returns the bytes cut."""
+    if not path.exists() or path.stat().st_size == 0:
+        return 0
+    with path.open("rb+") as f:
+        size = f.seek(0, 2)
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        keep = size
+        while keep > 0:  # back to the last newline, a block at a time (the file may be large)
+            start = max(0, keep - 65536)
+            f.seek(start)
+            i = f.read(keep - start).rfind(b"\n")
+            if i >= 0:
+                keep = start + i + 1
+                break
+            keep = start
+        f.seek(keep)
+        try:
+            json.loads(f.read())["task_index"]
+            f.write(b"\n")
+            return 0
+        except (ValueError, KeyError, TypeError):
+            f.truncate(keep)
+            return size - keep
+
+
+def summarize(records: list[dict[str, Any]], env: str, model: str, rollouts: int, pass_threshold: float,
+              num_tasks: int | None = None) -> EvalSummary:
+    """The headline numbers of ``records``; with ``num_tasks``, slots without a record count as missing."""
     by_task: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         by_task.setdefault(r["task_index"], []).append(r)
@@ -154,9 +192,10 @@ def summarize(records: list[dict[str, Any]], env: str, model: str, rollouts: int
                 if isinstance(v, int | float):
                     metric_sums.setdefault(k, []).append(float(v))
     return EvalSummary(
-        env=env, model=model, tasks=len(by_task), rollouts=rollouts, episodes=n_ep,
+        env=env, model=model, tasks=len(by_task) if num_tasks is None else num_tasks, rollouts=rollouts, episodes=n_ep,
         mean_reward=sum(r["reward"] for r in records) / n_ep if n_ep else 0.0,
         error_rate=sum(1 for r in records if r["error"] is not None) / n_ep if n_ep else 0.0,
+        missing=0 if num_tasks is None else max(0, num_tasks * rollouts - n_ep), pass_threshold=pass_threshold,
         pass_at=pass_at, stop_reasons=stops,
         mean_turns=sum(r["turns"] for r in records) / n_ep if n_ep else 0.0,
         metrics={k: sum(v) / len(v) for k, v in sorted(metric_sums.items())},
@@ -165,10 +204,11 @@ def summarize(records: list[dict[str, Any]], env: str, model: str, rollouts: int
 
 
 def exit_status(summary: EvalSummary, max_error_rate: float) -> int:
-    """0: the eval worked; 1: more than ``max_error_rate`` of the episodes errored; 3: all did."""
+    """0: the eval worked; 1: more than ``max_error_rate`` of the episodes errored, or slots are
+    missing; 3: all episodes errored."""
     if summary.episodes and summary.error_rate >= 1.0:
         return 3
-    return 1 if summary.error_rate > max_error_rate else 0
+    return 1 if summary.error_rate > max_error_rate or summary.missing else 0
 
 
 def check_out_dir(out_dir: str | Path, resume: bool) -> None:
@@ -184,18 +224,49 @@ def check_out_dir(out_dir: str | Path, resume: bool) -> None:
         raise AgentrlError(f"{out} already holds results; pass --resume to continue them or choose another --out")
 
 
-def _check_meta(out_dir: Path, meta: dict[str, Any], resume: bool) -> None:
+def eval_meta(env: Any, *, model: str, env_args: dict[str, Any] | None, sampling: SamplingParams, max_turns: int | None,
+              chat: bool, num_tasks: int, rollouts: int, pass_threshold: float) -> dict[str, Any]:
+    """OUT/meta.json: how the episodes were sampled (the seed included), what a rerun needs to
+    reproduce them, and the slots and threshold the summary (and `agentrl view`) counts with."""
+    meta = {"env": env.name, "env_version": env.version, "env_args": env_args or {}, "model": model,
+            "sampling": dataclasses.asdict(sampling), "max_turns": max_turns, "chat": chat,
+            "num_tasks": num_tasks, "rollouts": rollouts, "pass_threshold": pass_threshold}
+    return json.loads(json.dumps(meta, default=str))  # as it reads back from the file
+
+
+# the flag that sets each setting a resumed run must share (a sampling field without one keeps its name)
+_FLAGS = {"env": "ENV", "env_version": "the environment's version", "env_args": "--env-args", "model": "--model",
+          "max_turns": "--max-turns", "chat": "--chat", "sampling.max_tokens": "--max-tokens",
+          "sampling.temperature": "--temperature", "sampling.seed": "--seed"}
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else json.dumps(value) if isinstance(value, dict | list) else str(value)
+
+
+def check_resume(out_dir: str | Path, meta: dict[str, Any], resume: bool) -> None:
+    """--resume continues only the same run: every setting in :func:`eval_meta` but the
+    threshold must match OUT/meta.json (a key an older meta.json lacks is not compared), and
+    -n/-r may grow but not shrink.  One line naming each differing flag, both values; exit 2."""
     check_out_dir(out_dir, resume)
-    path = out_dir / META
-    if path.exists():
-        old = json.loads(path.read_text())
-        for key in ("env", "env_args", "model"):
-            if old.get(key) != meta.get(key):
-                raise AgentrlError(
-                    f"{out_dir} holds results for {key}={old.get(key)!r}, not {meta.get(key)!r}; use another --out"
-                )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(meta, indent=2, default=str))
+    path = Path(out_dir) / META
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+
+    def flat(m: dict[str, Any]) -> dict[str, Any]:
+        return {**{k: v for k, v in m.items() if k != "sampling"},
+                **{f"sampling.{k}": v for k, v in (m.get("sampling") or {}).items()}}
+
+    was, now = flat(old), flat(meta)
+    diffs = [f"{_FLAGS.get(k, k)} {_shown(was[k])} (now {_shown(now[k])})"
+             for k in now if k in was and k not in ("num_tasks", "rollouts", "pass_threshold") and was[k] != now[k]]
+    for key, flag, what in (("num_tasks", "--num-tasks", "tasks"), ("rollouts", "--rollouts", "rollouts")):
+        if key in was and now[key] < was[key]:  # dropping slots would leave their episodes out of the summary
+            diffs.append(f"{flag} {was[key]} (now {now[key]}; a resume may add {what}, not drop them)")
+    if diffs:
+        raise AgentrlError(f"--resume: {out_dir} holds a run with other settings: {', '.join(diffs)}; pass the same "
+                           "values to continue it, or choose another --out")
 
 
 def held_out_tasks(env: Any, num_tasks: int) -> list[Task]:
@@ -226,50 +297,71 @@ async def evaluate(
     pass_threshold: float = 1.0,
     env_args: dict[str, Any] | None = None,
     on_episode: Callable[[int], None] | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> EvalSummary:
-    """Phases 2, 4 and 5: run ``rollouts`` episodes on each of the first ``num_tasks`` held-out tasks."""
+    """Phases 2, 4 and 5: run ``rollouts`` episodes on each of the first ``num_tasks`` held-out
+    tasks.  ``note`` gets the one-line news of the results file (a torn line cut, an interrupt)."""
     out = Path(out_dir)
+    say = note or (lambda _: None)
     sampling = sampling or SamplingParams(max_tokens=256, temperature=0.0)
-    # how the episodes were sampled (the seed included): what a rerun needs to reproduce them
-    meta = {"env": env.name, "env_version": env.version, "env_args": env_args or {}, "model": model,
-            "sampling": dataclasses.asdict(sampling), "max_turns": max_turns}
-    _check_meta(out, meta, resume)
+    meta = eval_meta(env, model=model, env_args=env_args, sampling=sampling, max_turns=max_turns,
+                     chat=not token_exact, num_tasks=num_tasks, rollouts=rollouts, pass_threshold=pass_threshold)
+    check_resume(out, meta, resume)
     tasks = held_out_tasks(env, num_tasks)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / META).write_text(json.dumps({**meta, "num_tasks": len(tasks)}, indent=2))  # the slots the summary counts
+    if cut := cut_torn_tail(out / RESULTS):  # else the next record would be appended onto the fragment
+        say(f"{out / RESULTS}: cut a torn last line ({cut} bytes of a record cut short); its episode runs again")
+    all_slots = [(i, r) for i in range(len(tasks)) for r in range(rollouts)]
     done = {key for key, rec in read_results(out).items() if rec["error"] is None} if resume else set()
-    todo = {i: [r for r in range(rollouts) if (i, r) not in done] for i in range(len(tasks))}
-    todo = {i: rs for i, rs in todo.items() if rs}
+    todo = [key for key in all_slots if key not in done]
     if on_episode is not None and done:
-        on_episode(sum(1 for i in range(len(tasks)) for r in range(rollouts) if (i, r) in done))
+        on_episode(len(all_slots) - len(todo))
 
     gate = asyncio.Semaphore(max(1, concurrency))
     write_lock = asyncio.Lock()
     fh = (out / RESULTS).open("a", encoding="utf-8")
 
-    async def slot(i: int, r: int) -> Trajectory:
+    async def slot(i: int, r: int) -> None:
         async with gate:
             seeded = dataclasses.replace(sampling, seed=episode_seed(sampling.seed, i, r))
             (traj,) = await run_group(env, client, tasks[i], seeded, 1, max_turns=max_turns, token_exact=token_exact)
-            return traj
-
-    async def group(i: int, slots: list[int]) -> None:
-        trajs = await gather_all(*(slot(i, r) for r in slots))
-        async with write_lock:
-            for r, t in zip(slots, trajs, strict=True):
-                fh.write(json.dumps(episode_record(t, i, r, model), default=str) + "\n")
+        async with write_lock:  # each episode is kept as it finishes: an interrupt loses only those in flight
+            fh.write(json.dumps(episode_record(traj, i, r, model), default=str) + "\n")
             fh.flush()
         if on_episode is not None:
-            on_episode(len(slots))
+            on_episode(1)
 
     try:
         # no episode outlives a cancelled eval (Ctrl-C): the env and client close right after
-        await gather_all(*(group(i, rs) for i, rs in todo.items()))
+        await gather_all(*(slot(i, r) for i, r in todo))
+    except asyncio.CancelledError:  # Ctrl-C: every finished episode is already on disk (flushed)
+        kept = {key for key, rec in read_results(out).items() if rec["error"] is None} & set(all_slots)
+        say(f"interrupted: {len(kept)} of {len(all_slots)} episodes finished and are saved in {out / RESULTS}; "
+            f"the same command with --resume runs the other {len(all_slots) - len(kept)}")
+        raise
     finally:
         fh.close()
     latest = read_results(out)
-    records = [latest[(i, r)] for i in range(len(tasks)) for r in range(rollouts) if (i, r) in latest]
-    summary = summarize(records, env.name, model, rollouts, pass_threshold)
+    records = [latest[key] for key in all_slots if key in latest]
+    summary = summarize(records, env.name, model, rollouts, pass_threshold, num_tasks=len(tasks))
     (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
     return summary
+
+
+def summarize_dir(out_dir: Path) -> EvalSummary:
+    """An eval directory's summary as the eval counted it (`agentrl view`): its slots and
+    --pass-threshold from meta.json; one from before meta.json kept them counts every record,
+    rollouts from the records, threshold 1.0."""
+    meta = json.loads((out_dir / META).read_text()) if (out_dir / META).is_file() else {}
+    latest = read_results(out_dir)
+    env, model, threshold = meta.get("env", "?"), meta.get("model", "?"), float(meta.get("pass_threshold", 1.0))
+    if "num_tasks" in meta and "rollouts" in meta:
+        n, k = int(meta["num_tasks"]), int(meta["rollouts"])
+        records = [latest[(i, r)] for i in range(n) for r in range(k) if (i, r) in latest]
+        return summarize(records, env, model, k, threshold, num_tasks=n)
+    records = list(latest.values())
+    return summarize(records, env, model, max((r["rollout"] + 1 for r in records), default=1), threshold)
 
 
 def summary_table(summary: EvalSummary):
@@ -279,7 +371,9 @@ def summary_table(summary: EvalSummary):
     table = Table(title=f"{summary.env} · {summary.model}", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
-    table.add_row("episodes", f"{summary.episodes} ({summary.tasks} tasks × {summary.rollouts})")
+    of = f" of {summary.episodes + summary.missing}" if summary.missing else ""
+    missing = f"; {summary.missing} missing" if summary.missing else ""
+    table.add_row("episodes", f"{summary.episodes}{of} ({summary.tasks} tasks × {summary.rollouts}){missing}")
     table.add_row("mean reward", f"{summary.mean_reward:.4f}")
     for k, v in summary.pass_at.items():
         table.add_row(f"pass@{k}", f"{v:.4f}")
@@ -335,6 +429,10 @@ def run(
     if tool_parser not in (None, "auto"):
         get_parser(tool_parser)  # a misspelt name fails before anything starts
     env = load_environment(env_name, **env_args)
+    # 2) other settings than the run in --out: refused before an engine starts
+    check_resume(out_dir, eval_meta(env, model=model, env_args=env_args, sampling=sampling, max_turns=max_turns,
+                                    chat=chat, num_tasks=num_tasks, rollouts=rollouts, pass_threshold=pass_threshold),
+                 resume)
     console = Console(stderr=True)
     # 3) policy: prompts are rendered locally with --tokenizer (default: the model dir), /tokenize
     # only without one; the chat path needs neither
@@ -363,6 +461,7 @@ def run(
                     concurrency=concurrency, sampling=sampling, max_turns=max_turns, resume=resume,
                     token_exact=not chat, pass_threshold=pass_threshold, env_args=env_args,
                     on_episode=lambda k: progress.advance(bar, k),
+                    note=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
                 )
         finally:
             await env.close()
@@ -374,7 +473,10 @@ def run(
         policy.stop()
     Console(width=None if sys.stdout.isatty() else 200).print(summary_table(summary))
     status = exit_status(summary, max_error_rate)
-    if status:
+    if summary.missing:
+        console.print(f"error: {summary.missing} of {summary.episodes + summary.missing} episodes are missing from "
+                      f"{Path(out_dir) / RESULTS}; the same command with --resume runs them", highlight=False)
+    if status == 3 or summary.error_rate > max_error_rate:
         top = summary.errors[0] if summary.errors else {"kind": "?", "message": ""}
         console.print(
             f"error: {summary.error_rate:.0%} of episodes errored (max {max_error_rate:.0%}); most: "
@@ -383,4 +485,5 @@ def run(
     return status
 
 
-__all__ = ["EvalSummary", "evaluate", "exit_status", "pass_at_k", "read_results", "run", "summarize", "summary_table"]
+__all__ = ["EvalSummary", "check_resume", "cut_torn_tail", "eval_meta", "evaluate", "exit_status", "pass_at_k",
+           "read_results", "run", "summarize", "summarize_dir", "summary_table"]
