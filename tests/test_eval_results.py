@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from agentrl_cli import agentrl
 
-from agentrl.recipes.eval import exit_status, summarize, summary_table
+from agentrl.recipes.eval import exit_status, summarize, summary_table, unmeasured
 
 # one turn, reward `reward`; the PROBE_HANG-th episode to be scored hangs (after touching PROBE_MARKER)
 PROBE_ENV = '''
@@ -142,6 +142,24 @@ def test_missing_slots_are_counted_and_are_not_a_clean_exit():
     console = Console(width=200, record=True)
     console.print(summary_table(s))
     assert "3 of 4 (2 tasks × 2); 1 missing" in console.export_text()
+
+
+def test_the_policys_failures_are_measured_and_the_infrastructures_are_not():
+    """A timeout is the model's failure (reward 0, kept by --resume); an endpoint error measured
+    nothing (left out of the mean and pass@k, in the error rate, rerun by --resume)."""
+    ok = {"reward": 1.0, "error": None, "error_kind": None, "stop_reason": "stop", "turns": 1, "metrics": {}}
+    timeout = {**ok, "reward": 0.0, "error": "episode exceeded its wall limit of 5s", "error_kind": "timeout",
+               "stop_reason": "error"}
+    down = {**ok, "reward": 0.0, "error": "EndpointError: connection refused", "error_kind": "endpoint",
+            "stop_reason": "error"}
+    records = [{**ok, "task_index": 0, "rollout": 0}, {**timeout, "task_index": 0, "rollout": 1},
+               {**down, "task_index": 1, "rollout": 0}, {**ok, "task_index": 1, "rollout": 1}]
+    s = summarize(records, "probe", "m", rollouts=2, pass_threshold=1.0, num_tasks=2)
+    assert s.mean_reward == pytest.approx(2 / 3)  # (1 + 0 + 1) / 3: the endpoint's episode measured nothing
+    assert s.error_rate == pytest.approx(1 / 4) and s.policy_failures == {"timeout": 1}
+    assert s.pass_at[1] == pytest.approx((1 / 2 + 1) / 2)  # task 0: 1 of 2; task 1: 1 of its 1 measured
+    assert [row["kind"] for row in s.errors] == ["endpoint"]
+    assert [unmeasured(r) for r in records] == [False, False, True, False]  # what --resume reruns
 
 
 @pytest.mark.slow

@@ -14,14 +14,21 @@
     5. summary    mean reward, pass@k, error rate and an error table (kind, count, first
                   message) in OUT/summary.json; the exit status says whether the eval worked
 
-``resume=True`` keeps finished, non-errored episodes and reruns only the missing or errored
+An episode the policy failed (kinds ``timeout``, ``context_length``, ``program``: README
+"Fates, error kinds and exit codes") is a measurement: reward 0 in the mean and in pass@k,
+counted under ``policy_failures``, kept by --resume.  One the infrastructure failed (endpoint,
+env, tool, sandbox, rubric, parse) measured nothing: it is left out of the mean and pass@k,
+counts in the error rate, and --resume reruns it (rerunning the policy's failures until they
+pass would flatter the model).
+
+``resume=True`` keeps finished episodes and reruns only the missing or infrastructure-errored
 ones; a torn last line (a write cut short) is cut first.  It refuses other settings (env, its
 args and version, model, sampling, --max-turns, --chat) and fewer tasks or rollouts; more of
 either extends the run (each slot's seed depends only on --seed, task and rollout).
 --pass-threshold may change: it only re-counts.  The summary is computed from the latest line
 of every (task, rollout) slot; a slot without one is counted as missing.  pass@k
 uses the unbiased estimator 1 − C(n−c, k)/C(n, k) over the n rollouts of a task (c of them
-with reward ≥ ``pass_threshold``), averaged over tasks; errored episodes count as failures.
+with reward ≥ ``pass_threshold``), averaged over tasks.
 
 Exit status (:func:`exit_status`): 0 when the error rate is at most ``max_error_rate`` and no
 slot is missing, 1 above it or with missing slots, 3 when every episode errored; user errors
@@ -42,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.buffer import POLICY_ERRORS
 from agentrl.errors import AgentrlError
 from agentrl.rollout import gather_all, run_group
 from agentrl.types import SamplingParams, Task, Trajectory
@@ -99,7 +107,8 @@ class EvalSummary:
     rollouts: int
     episodes: int
     mean_reward: float
-    error_rate: float
+    error_rate: float  # episodes the infrastructure failed (measured nothing), of all
+    policy_failures: dict[str, int] = field(default_factory=dict)  # kind -> episodes the policy failed (reward 0)
     missing: int = 0  # slots (tasks × rollouts) without a record: --resume runs them
     pass_threshold: float = 1.0
     pass_at: dict[int, float] = field(default_factory=dict)
@@ -127,11 +136,16 @@ def read_results(out_dir: Path) -> dict[tuple[int, int], dict[str, Any]]:
     return latest
 
 
+def unmeasured(record: dict[str, Any]) -> bool:
+    """An episode the infrastructure failed: it says nothing about the model (module docstring)."""
+    return record.get("error") is not None and record.get("error_kind") not in POLICY_ERRORS
+
+
 def error_table(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Errored episodes by kind: count and the first message of each, most frequent first."""
+    """Episodes the infrastructure failed, by kind: count and the first message of each, most frequent first."""
     table: dict[str, dict[str, Any]] = {}
     for r in records:
-        if r.get("error") is not None:
+        if unmeasured(r):
             kind = r.get("error_kind") or "env"
             row = table.setdefault(kind, {"kind": kind, "count": 0, "message": r["error"]})
             row["count"] += 1
@@ -171,9 +185,14 @@ def summarize(records: list[dict[str, Any]], env: str, model: str, rollouts: int
               num_tasks: int | None = None) -> EvalSummary:
     """The headline numbers of ``records``; with ``num_tasks``, slots without a record count as missing."""
     by_task: dict[int, list[dict[str, Any]]] = {}
-    for r in records:
+    scored = [r for r in records if not unmeasured(r)]  # the policy's own failures score 0 among them
+    for r in scored:
         by_task.setdefault(r["task_index"], []).append(r)
     n_ep = len(records)
+    failures: dict[str, int] = {}
+    for r in records:
+        if r.get("error") is not None and not unmeasured(r):
+            failures[r["error_kind"]] = failures.get(r["error_kind"], 0) + 1
     pass_at = {}
     for k in (k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= rollouts):
         vals = [
@@ -192,9 +211,10 @@ def summarize(records: list[dict[str, Any]], env: str, model: str, rollouts: int
                 if isinstance(v, int | float):
                     metric_sums.setdefault(k, []).append(float(v))
     return EvalSummary(
-        env=env, model=model, tasks=len(by_task) if num_tasks is None else num_tasks, rollouts=rollouts, episodes=n_ep,
-        mean_reward=sum(r["reward"] for r in records) / n_ep if n_ep else 0.0,
-        error_rate=sum(1 for r in records if r["error"] is not None) / n_ep if n_ep else 0.0,
+        env=env, model=model, tasks=len({r["task_index"] for r in records}) if num_tasks is None else num_tasks,
+        rollouts=rollouts, episodes=n_ep,
+        mean_reward=sum(r["reward"] if r["error"] is None else 0.0 for r in scored) / len(scored) if scored else 0.0,
+        error_rate=(n_ep - len(scored)) / n_ep if n_ep else 0.0, policy_failures=failures,
         missing=0 if num_tasks is None else max(0, num_tasks * rollouts - n_ep), pass_threshold=pass_threshold,
         pass_at=pass_at, stop_reasons=stops,
         mean_turns=sum(r["turns"] for r in records) / n_ep if n_ep else 0.0,
@@ -313,7 +333,7 @@ async def evaluate(
     if cut := cut_torn_tail(out / RESULTS):  # else the next record would be appended onto the fragment
         say(f"{out / RESULTS}: cut a torn last line ({cut} bytes of a record cut short); its episode runs again")
     all_slots = [(i, r) for i in range(len(tasks)) for r in range(rollouts)]
-    done = {key for key, rec in read_results(out).items() if rec["error"] is None} if resume else set()
+    done = {key for key, rec in read_results(out).items() if not unmeasured(rec)} if resume else set()
     todo = [key for key in all_slots if key not in done]
     if on_episode is not None and done:
         on_episode(len(all_slots) - len(todo))
@@ -336,7 +356,7 @@ async def evaluate(
         # no episode outlives a cancelled eval (Ctrl-C): the env and client close right after
         await gather_all(*(slot(i, r) for i, r in todo))
     except asyncio.CancelledError:  # Ctrl-C: every finished episode is already on disk (flushed)
-        kept = {key for key, rec in read_results(out).items() if rec["error"] is None} & set(all_slots)
+        kept = {key for key, rec in read_results(out).items() if not unmeasured(rec)} & set(all_slots)
         say(f"interrupted: {len(kept)} of {len(all_slots)} episodes finished and are saved in {out / RESULTS}; "
             f"the same command with --resume runs the other {len(all_slots) - len(kept)}")
         raise
@@ -377,6 +397,8 @@ def summary_table(summary: EvalSummary):
     table.add_row("mean reward", f"{summary.mean_reward:.4f}")
     for k, v in summary.pass_at.items():
         table.add_row(f"pass@{k}", f"{v:.4f}")
+    if summary.policy_failures:  # measured: reward 0, in the mean and pass@k
+        table.add_row("policy failures", ", ".join(f"{k}={v}" for k, v in sorted(summary.policy_failures.items())))
     table.add_row("error rate", f"{summary.error_rate:.4f}")
     table.add_row("mean turns", f"{summary.mean_turns:.2f}")
     table.add_row("stop reasons", ", ".join(f"{k}={v}" for k, v in sorted(summary.stop_reasons.items())))
@@ -486,4 +508,4 @@ def run(
 
 
 __all__ = ["EvalSummary", "check_resume", "cut_torn_tail", "eval_meta", "evaluate", "exit_status", "pass_at_k",
-           "read_results", "run", "summarize", "summarize_dir", "summary_table"]
+           "read_results", "run", "summarize", "summarize_dir", "summary_table", "unmeasured"]
