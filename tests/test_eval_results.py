@@ -214,3 +214,15 @@ def test_view_summarises_an_eval_as_it_ran(tmp_path, tiny_model, probe_env):
     (out / "meta.json").write_text(json.dumps(meta))
     v = agentrl("view", out)
     assert v.returncode == 0 and view_row(v.stdout, "episodes") == "3 (2 tasks × 2)", v.stdout
+
+
+@pytest.mark.slow
+def test_more_tasks_than_the_env_has_says_so_and_a_nan_threshold_is_refused(tmp_path, tiny_model, probe_env):
+    out = tmp_path / "out"
+    r = agentrl("eval", probe_env, "--model", tiny_model, "-n", "9", "-r", "1", "--max-tokens", "8", "--out", out,
+                "--env-args", '{"num": 3}')
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "note: probe has 3 held-out tasks; -n 9 evaluates those 3" in r.stderr
+    assert len(lines(out)) == 3 and json.loads((out / "meta.json").read_text())["num_tasks"] == 3
+    nan = agentrl("eval", probe_env, "--model", tiny_model, "--out", tmp_path / "nan", "--pass-threshold", "nan")
+    assert nan.returncode == 2 and "--pass-threshold must be a finite number, got nan" in nan.stderr, nan.stderr

@@ -447,6 +447,8 @@ def run(
     from agentrl.tool_format import get_parser
 
     check_out_dir(out_dir, resume)  # 2) before anything starts: a bad --out would be found only after the engine
+    if not math.isfinite(pass_threshold):  # nan passes no reward: every pass@k would read 0
+        raise AgentrlError(f"--pass-threshold must be a finite number, got {pass_threshold}")
     # 1) env
     if tool_parser not in (None, "auto"):
         get_parser(tool_parser)  # a misspelt name fails before anything starts
@@ -456,6 +458,9 @@ def run(
                                     chat=chat, num_tasks=num_tasks, rollouts=rollouts, pass_threshold=pass_threshold),
                  resume)
     console = Console(stderr=True)
+    if (have := len(held_out_tasks(env, num_tasks))) < num_tasks:
+        console.print(f"note: {env.name} has {have} held-out tasks; -n {num_tasks} evaluates those {have}", highlight=False)
+        num_tasks = have  # the progress bar's total and meta.json count the tasks that exist
     # 3) policy: prompts are rendered locally with --tokenizer (default: the model dir), /tokenize
     # only without one; the chat path needs neither
     local_tok = load_tokenizer(tokenizer) if tokenizer is not None and not chat else None
