@@ -73,6 +73,13 @@ class EndpointProbeError(AgentrlError):
     """An endpoint is unusable for the chosen path (wrong model name, missing routes)."""
 
 
+class EndpointDown(EndpointProbeError):
+    """An endpoint kept answering 5xx (or 429) to the probe: the server failed, not the
+    command's settings, so the exit status is 1 (failed work), not 2."""
+
+    exit_code = 1
+
+
 # ----------------------------------------------------------------------------- episode failures
 
 

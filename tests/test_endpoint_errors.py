@@ -203,3 +203,45 @@ def test_serving_a_model_without_a_chat_template_warns_and_blames_the_server_not
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+# ----------------------------------------------------------------------------- a server that fails
+
+
+def flaky_models_server(failures: int, status: int = 503):
+    """A real HTTP server whose ``GET /v1/models`` answers ``status`` ``failures`` times, then lists ``tiny``."""
+    from aiohttp import web
+    from threaded_app import ThreadedApp
+
+    hits = {"models": 0}
+
+    async def models(_):
+        hits["models"] += 1
+        if hits["models"] <= failures:
+            return web.json_response({"error": {"message": "warming up", "type": "server_error"}}, status=status)
+        return web.json_response({"data": [{"id": "tiny"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    return ThreadedApp(app), hits
+
+
+async def test_a_server_busy_for_a_moment_is_tried_again():
+    from agentrl.inference.probe import CLI, reachable
+
+    app, hits = flaky_models_server(failures=2)
+    with app as srv:
+        await reachable([srv.url], None, settings=CLI, model="tiny")
+    assert hits["models"] == 3
+
+
+def test_a_server_that_keeps_failing_is_its_failure_not_the_users_settings(tmp_path):
+    """Exit 1 (failed work), not 2 (bad input): nothing the user set is wrong."""
+    app, hits = flaky_models_server(failures=10**6, status=500)
+    with app as srv:
+        r = agentrl("eval", "calc", "--model", "tiny", "--base-url", srv.url, "-n", "1", "--out", str(tmp_path / "o"),
+                    timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and hits["models"] == 3
+    line = next(x for x in r.stderr.splitlines() if x.startswith("error:"))
+    assert "answered HTTP 500 (warming up) to 3 tries: the server failed, not this command; see its log" in line

@@ -6,15 +6,16 @@ option, another endpoint).  :meth:`~agentrl.inference.client.PolicyClient.probe`
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import aiohttp
 
-from agentrl.errors import EndpointError, EndpointProbeError
+from agentrl.errors import EndpointDown, EndpointError, EndpointProbeError
 from agentrl.inference.completions import choices_of
 from agentrl.inference.endpoint import Endpoint, HTTPStatusError, error_message
 from agentrl.types import SamplingParams
@@ -98,6 +99,9 @@ def explain(e: BaseException, root: str, settings: Settings, *, key_given: bool)
             return EndpointProbeError(f"{where} answered HTTP 401: {why}; {settings.key_fix}")
         if e.status == 403:
             return EndpointProbeError(f"{where} answered HTTP 403 ({error_message(e.text)}); {settings.key_fix}")
+        if e.status in BUSY:
+            return EndpointDown(f"{where} answered HTTP {e.status} ({error_message(e.text)}) to {len(RETRY_S) + 1} "
+                                "tries: the server failed, not this command; see its log")
         return EndpointProbeError(f"{where} answered HTTP {e.status}: {error_message(e.text)}")
     if isinstance(e, aiohttp.ClientError | OSError | TimeoutError):
         fix = (f"start the server there or fix {settings.base_url}" if settings.base_url
@@ -106,6 +110,21 @@ def explain(e: BaseException, root: str, settings: Settings, *, key_given: bool)
     if isinstance(e, EndpointError):  # MalformedResponse too
         return EndpointProbeError(f"{where}: {e}")
     return None
+
+
+BUSY = (429, 500, 502, 503, 504)  # a server warming up, behind a restarting proxy, or overloaded: try again
+RETRY_S = (0.5, 1.5)  # waits before the second and third tries
+
+
+async def _tried(check: Callable[[], Awaitable[None]]) -> None:
+    """``check()``, again after each of :data:`RETRY_S` while the server answers a :data:`BUSY` status."""
+    for wait in (*RETRY_S, None):
+        try:
+            return await check()
+        except HTTPStatusError as e:
+            if e.status not in BUSY or wait is None:
+                raise
+        await asyncio.sleep(wait)
 
 
 async def probe(client: PolicyClient, *, token_path: bool, training: bool = False,
@@ -122,7 +141,8 @@ async def probe(client: PolicyClient, *, token_path: bool, training: bool = Fals
     """
     settings = settings or settings_of(client)
     for ep in client.endpoints:
-        try:
+
+        async def check(ep: Endpoint = ep) -> None:
             await _probe_models(ep, client.model, settings)
             if token_path:
                 await _probe_tokenize(client, ep, settings)
@@ -130,6 +150,9 @@ async def probe(client: PolicyClient, *, token_path: bool, training: bool = Fals
                 await _probe_chat_route(client, ep)
             if training:
                 await _probe_training(client, ep)
+
+        try:
+            await _tried(check)
         except (HTTPStatusError, aiohttp.ClientError, OSError, TimeoutError, EndpointError) as e:
             err = explain(e, ep.root, settings, key_given=getattr(client, "key_given", True))
             raise (err or e) from None
@@ -144,7 +167,8 @@ async def reachable(base_urls: Sequence[str], api_key: str | None, *, settings: 
     :class:`~agentrl.errors.EndpointProbeError` (:func:`explain`)."""
     for url in base_urls:
         ep = Endpoint(url, api_key or "EMPTY", timeout)
-        try:
+
+        async def check(ep: Endpoint = ep) -> None:
             await _probe_models(ep, model, settings)
             if control_route is not None:
                 try:
@@ -152,6 +176,9 @@ async def reachable(base_urls: Sequence[str], api_key: str | None, *, settings: 
                 except HTTPStatusError as e:  # another server's routes (404) are the later probe's to judge
                     if e.status in (401, 403):
                         raise
+
+        try:
+            await _tried(check)
         except (HTTPStatusError, aiohttp.ClientError, OSError, TimeoutError, EndpointError) as e:
             raise (explain(e, ep.root, settings, key_given=api_key is not None) or e) from None
         finally:
@@ -178,6 +205,8 @@ async def _probe_chat_route(client: PolicyClient, ep: Endpoint) -> None:
     try:
         await client.probe_chat(ep)
     except HTTPStatusError as e:
+        if e.status in BUSY:
+            raise  # tried again, then the server's failure (explain)
         if e.status in (404, 405):
             raise EndpointProbeError(
                 f"{ep.root} has no /v1/chat/completions route: drop --chat to sample token ids on /v1/completions"
@@ -213,6 +242,8 @@ async def _probe_training(client: PolicyClient, ep: Endpoint) -> None:
     try:
         resp = await ep.post("/v1/completions", body)
     except HTTPStatusError as e:
+        if e.status in BUSY:
+            raise  # tried again, then the server's failure (explain)
         raise EndpointProbeError(
             f"training samples token-id prompts on /v1/completions, and {ep.root} answered HTTP {e.status}: "
             f"{error_message(e.text)} (serve the model with `agentrl serve` or vLLM)"
