@@ -135,6 +135,25 @@ def test_a_model_without_a_chat_template_is_one_line_before_sft(tiny_model, tmp_
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "sft"])
+def test_a_model_path_of_other_files_is_never_replaced_by_a_built_model(tmp_path, command):
+    """With model.init = tiny (the default), a model.path holding files but no config.json (a hub
+    cache entry, a folder with only a .gguf) was deleted and a tiny model built in its place."""
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "precious.txt").write_text("keep\n")
+    (mine / "sub" / "notes.md").write_text("keep too\n")
+    before = digest(mine)
+    args = run_args(mine, tmp_path / "run", **{"sft.enabled": "false"})
+    one_line_refusal(agentrl(command, *args[1:], timeout=120), "holds files but no model (no config.json there)",
+                     "or at a new or empty directory for model.init = 'tiny' to build a model in")
+    assert digest(mine) == before
+    (tmp_path / "afile").write_text("mine\n")
+    args = run_args(tmp_path / "afile", tmp_path / "run", **{"sft.enabled": "false"})
+    one_line_refusal(agentrl(command, *args[1:], timeout=120), "is a file, not a directory")
+    assert (tmp_path / "afile").read_text() == "mine\n" and not (tmp_path / "afile.building").exists()
+
+
 # ----------------------------------------------------------------------------- agentrl model init
 
 

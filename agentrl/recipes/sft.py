@@ -22,9 +22,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -40,14 +42,24 @@ MANIFEST = "sft_manifest.json"
 
 def ensure_base_model(model_cfg: ModelConfig) -> Path:
     """The base model dir, written when missing: a tiny model (``model.init == "tiny"``) or a
-    packaged one (``"smollm2-135m"``)."""
+    packaged one (``"smollm2-135m"``).  Only into a new or empty directory: a folder of other files
+    is the user's (a hub cache, a folder beside the model), never replaced."""
     from agentrl.errors import AgentrlError
+    from agentrl.recipes.rl import file_in_the_way
 
     path = Path(model_cfg.path)
     if (path / "config.json").is_file():
         return path
     if model_cfg.init == "none":
         raise AgentrlError(f"no model at {str(path)!r} and model.init = 'none'; point model.path at a HF model dir")
+    build_here = f"or at a new or empty directory for model.init = {model_cfg.init!r} to build a model in"
+    if (blocker := file_in_the_way(path)) is not None:
+        raise AgentrlError(f"model.path {str(path)!r}: {blocker} is a file, not a directory; point model.path at a "
+                           f"model's directory (where its config.json is), {build_here}")
+    if path.is_dir() and any(path.iterdir()):
+        raise AgentrlError(f"model.path {str(path)!r} holds files but no model (no config.json there); point "
+                           f"model.path at the model's own directory (where its config.json is), {build_here}")
+    given, path = path, Path(os.path.abspath(path))  # "." has no name to put ".building" beside
     from agentrl.metrics import busy
 
     tmp = path.with_name(path.name + ".building")
@@ -66,9 +78,12 @@ def ensure_base_model(model_cfg: ModelConfig) -> Path:
         with busy(f"importing {model_cfg.init} into {path} (about a minute) ..."):
             init_known(model_cfg.init, tmp)
     if not (path / "config.json").is_file():  # another process may have won the race
-        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.rmdir()  # empty (checked above): anything else in it now is someone else's, and stops the rename
         tmp.rename(path)
-    return path
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return given
 
 
 def _hash_dir(path: Path) -> str:
