@@ -2,7 +2,10 @@
 
 Pure parsing, independent of the config's schema (:mod:`agentrl.config` validates what these
 produce): ``--trainer.lr=1e-5`` becomes ``{"trainer": {"lr": 1e-5}}``, TOML tables merge left
-to right, and non-finite numbers are refused wherever they appear.
+to right, and non-finite numbers are refused wherever they appear.  A table given whole on the
+command line (``--env.args='{}'``, ``--env.args='{show_tools = true}'``) replaces the files'
+table, where dotted keys (``--env.args.show_tools=true``) merge into it: otherwise a config
+file's env arguments could not be dropped for another env.
 """
 
 from __future__ import annotations
@@ -15,10 +18,16 @@ from typing import Any
 from agentrl.errors import ConfigError
 
 
+class Whole(dict):
+    """A table an override gave whole: :func:`deep_merge` puts it in place of the one it meets."""
+
+
 def deep_merge(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in new.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
+        if isinstance(v, Whole):
+            out[k] = dict(v)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = deep_merge(out[k], v)
         else:
             out[k] = v
@@ -82,7 +91,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
                 f"override --{key}={value}: {bad} is not a finite number; give a finite value "
                 "(nan and inf cannot be recorded in config.toml)"
             )
-        node[leaf] = parsed
+        node[leaf] = Whole(parsed) if isinstance(parsed, dict) else parsed
         i += 1
     return out
 

@@ -22,6 +22,18 @@ def test_files_merge_left_to_right_and_overrides_win(tmp_path):
     assert cfg.env.args == {"max_operand": 9}
 
 
+def test_a_table_given_whole_replaces_the_files_and_dotted_keys_merge(tmp_path):
+    """A file's env.args could not be dropped: `--env.name=other --env.args='{}'` kept them, and the
+    other env rejected the file's arguments."""
+    a = write(tmp_path, "a.toml", "[env]\nname = 'calc'\nargs = { max_operand = 99, ops = '+' }\n")
+    assert load_config([a], ["--env.args={}"]).env.args == {}
+    assert load_config([a], ["--env.args", '{"show_tools": true}']).env.args == {"show_tools": True}
+    assert load_config([a], ["--env.args.show_tools=true"]).env.args == {"max_operand": 99, "ops": "+",
+                                                                          "show_tools": True}
+    both = load_config([a], ["--env.args={ops = '-'}", "--env.args.show_tools=true"])
+    assert both.env.args == {"ops": "-", "show_tools": True}
+
+
 def test_override_values_parse_as_toml_literals():
     over = parse_overrides(["--a.b=3", "--a.c=true", "--a.d=hello", "--a.e=[1, 2]"])
     assert over == {"a": {"b": 3, "c": True, "d": "hello", "e": [1, 2]}}
