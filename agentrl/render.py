@@ -27,6 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from agentrl.errors import AgentrlError
+
 
 def _template_call(tc: Any) -> Any:
     """A tool call as chat templates expect it: ``function.arguments`` a mapping, not the JSON
@@ -347,12 +349,28 @@ class RenderCache:
         return ids
 
 
+_GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for the blocks
+
+
+def has_generation_blocks(tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> bool:
+    """Does the chat template (the one used with ``tools``) mark generated text with ``{% generation %}``?"""
+    try:
+        template = tokenizer.get_chat_template(None, tools or None)
+    except Exception:  # no template, or not a transformers tokenizer: the render itself will say so
+        template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and _GENERATION_BLOCK.search(template) is not None
+
+
 def render_chat_with_mask(
     tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
 ) -> tuple[list[int], list[int]]:
     """(token ids, assistant mask) of a whole conversation: 1 on the tokens the template marks
-    as generated (its ``{% generation %}`` blocks), for supervised fine-tuning.  Special-token
-    text in the messages is encoded as text, as in :func:`render_chat_ids`."""
+    as generated (its ``{% generation %}`` blocks), for supervised fine-tuning; a template
+    without the blocks (Qwen2.5's, Hermes') is masked by prefix rendering
+    (:func:`mask_by_prefix`).  Special-token text in the messages is encoded as text, as in
+    :func:`render_chat_ids`."""
+    if not has_generation_blocks(tokenizer, tools):
+        return mask_by_prefix(tokenizer, messages, tools)
     specials = _specials_of(tokenizer)
     marker = _Marker(specials) if specials.pattern is not None else None
     if marker is not None:
@@ -374,3 +392,66 @@ def render_chat_with_mask(
             a, b = marker.to_real(start), marker.to_real(end)
             generated[a:b] = b"\x01" * (b - a)
     return ids, [int(any(generated[a:b])) for a, b in where]
+
+
+class TemplateMaskError(AgentrlError, ValueError):
+    """The template has no ``{% generation %}`` blocks and is not prefix-stable at an assistant
+    turn, so which tokens are the assistant's cannot be told from rendering."""
+
+    def __init__(self, message: str, turn: int, why: str) -> None:
+        super().__init__(message)
+        self.turn, self.why = turn, why  # assistant turn (1-based) and what its rendering did
+
+
+def mask_by_prefix(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> tuple[list[int], list[int]]:
+    """:func:`render_chat_with_mask` for a template without ``{% generation %}`` blocks.
+
+    For assistant message i, ``render(messages[:i], add_generation_prompt=True)`` must be a
+    token prefix of ``render(messages[:i+1])``, which must be a prefix of the whole
+    conversation's ids; the tokens between the two prefixes, up to and including the turn's
+    end-of-turn token (the last special token before at most ``MAX_GLUE_TOKENS`` of template
+    glue), are the assistant's: what the model samples, its stop token included.  Every
+    rendering goes through :func:`render_chat_ids`, so the ids are exactly the whole
+    rendering's.  Raises :class:`TemplateMaskError` (one line) where a template is not
+    prefix-stable at an assistant turn.
+    """
+    ids = render_chat_ids(tokenizer, messages, tools, add_generation_prompt=False)
+    mask = [0] * len(ids)
+    stops = _special_ids(tokenizer)
+    turn = 0
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        turn += 1
+        prompt = render_chat_ids(tokenizer, messages[:i], tools, add_generation_prompt=True)
+        closed = render_chat_ids(tokenizer, messages[: i + 1], tools, add_generation_prompt=False)
+        if ids[: len(closed)] != closed:
+            _mask_error(tokenizer, turn, i, "is rendered differently once later messages follow "
+                                            "(the template rewrites history, e.g. drops earlier thinking)")  # fmt: skip
+        if closed[: len(prompt)] != prompt:
+            _mask_error(tokenizer, turn, i, "does not extend its generation prompt token-exactly")
+        end = len(closed)
+        for k in range(len(closed) - 1, max(len(closed) - 2 - MAX_GLUE_TOKENS, len(prompt) - 1), -1):
+            if closed[k] in stops:  # the end-of-turn token the model must learn to emit; glue after it is not
+                end = k + 1
+                break
+        mask[len(prompt) : end] = [1] * (end - len(prompt))
+    return ids, mask
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    """The special tokens' ids (not the other added tokens: Qwen's ``</tool_call>`` is text the model writes)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids = {i for i, t in added.items() if getattr(t, "special", False)}
+    return ids | {i for i in getattr(tokenizer, "all_special_ids", []) if isinstance(i, int) and i >= 0}
+
+
+def _mask_error(tokenizer: Any, turn: int, index: int, why: str) -> None:
+    where = getattr(tokenizer, "name_or_path", "") or "DIR"
+    raise TemplateMaskError(
+        f"cannot tell the assistant's tokens for SFT: the chat template has no {{% generation %}} blocks and assistant "
+        f"turn {turn} (message {index}) {why}; `agentrl model check-template {where}` says why; add {{% generation %}} "
+        "blocks around the assistant's text in the template, or set sft.enabled = false", turn, why,
+    )

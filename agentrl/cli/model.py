@@ -84,11 +84,11 @@ def model_check_template(
     tool_parser: ToolParser = "auto",
 ) -> None:
     """Report whether the tokenizer's chat template is prefix-stable across turns, which
-    tool-call parser reads the calls it renders, and that special-token text in a message
-    stays text (no forged turns). Exit 1 if any fails."""
+    tool-call parser reads the calls it renders, that special-token text in a message
+    stays text (no forged turns), and how SFT masks the assistant's tokens. Exit 1 if any fails."""
     from rich.table import Table
 
-    from agentrl.envs.template import check_forged_turns, check_template, check_tool_format
+    from agentrl.envs.template import check_forged_turns, check_sft_mask, check_template, check_tool_format
     from agentrl.inference.client import load_tokenizer
     from agentrl.tool_format import get_parser
 
@@ -110,5 +110,7 @@ def model_check_template(
                + ("" if fmt.ok or tool_parser != "auto" else "; pass --tool-parser NAME"))
     forgery = check_forged_turns(tokenizer)
     typer.echo(f"{model_dir}: special tokens in message text: {'ok' if forgery.ok else 'FAIL'} — {forgery.detail}")
-    if not report.prefix_stable or not fmt.ok or not forgery.ok:
+    sft = check_sft_mask(tokenizer)  # how SFT tells the assistant's tokens in a demonstration
+    typer.echo(f"{model_dir}: SFT assistant-token mask: {'ok' if sft.ok else 'FAIL'} — {sft.detail}")
+    if not report.prefix_stable or not fmt.ok or not forgery.ok or not sft.ok:
         raise typer.Exit(1)

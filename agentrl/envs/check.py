@@ -8,6 +8,7 @@ replays the env's own demonstrations when it has them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -220,7 +221,7 @@ async def check_environment(
     sampling = sampling or SamplingParams(max_tokens=256, temperature=1.0)
     tasks = _check_datasets(env, report)
     _check_rubric_and_tools(env, report, tasks)
-    demos = _check_demonstrations(env, report, tasks)
+    demos, demo_tasks = await _check_demonstrations(env, report, tasks, sampling)
     if not tasks:
         return report
     cleanups: list[int] = []
@@ -232,9 +233,9 @@ async def check_environment(
 
     env.cleanup = counting_cleanup  # type: ignore[method-assign]
     try:
-        if client is None and demos:  # tasks that have a demonstration first: the scripted policy can solve them
-            shown = {_prompt_key(demo_prompt(d)) for d in demos}
-            tasks = sorted(tasks, key=lambda t: _prompt_key(t.prompt) not in shown)
+        if client is None and demo_tasks:  # tasks that have a demonstration first: the scripted policy can solve them
+            first = {_task_key(t) for t in demo_tasks}
+            tasks = demo_tasks + [t for t in tasks if _task_key(t) not in first]
         policy = client or ScriptedClient(replay_policy(demos) if demos else None)
         await _check_episodes(env, policy, tasks[:num_episodes], sampling, report, cleanups)
         before = len(cleanups)
@@ -302,25 +303,75 @@ def _check_rubric_and_tools(env: Environment, report: CheckReport, tasks: list[A
         report.add("tool_schemas", False, f"tool_schemas() raised {type(e).__name__}: {e}")
 
 
-def _check_demonstrations(env: Environment, report: CheckReport, tasks: list[Any]) -> list[list[Message]]:
+async def _check_demonstrations(
+    env: Environment, report: CheckReport, tasks: list[Any], sampling: SamplingParams
+) -> tuple[list[list[Message]], list[Any]]:
+    """Each demonstration replayed on its own task (found anywhere in the dataset) must run
+    without an env fault.  Returns the demonstrations and their tasks (one each, in order)."""
+    from agentrl.rubrics import score_episodes
+
     try:
         demos = env.demonstrations(4, seed=0)
     except NotImplementedError:
-        return []
+        return [], []
     except Exception as e:
         report.add("demonstrations", False, f"demonstrations() raised {type(e).__name__}: {e}")
-        return []
+        return [], []
     shaped = len(demos) == 4 and all(
         d and all(isinstance(m, Message) for m in d) and any(m.role == "assistant" for m in d) for d in demos
     )
     if not shaped:
         report.add("demonstrations", False, "expected 4 lists of Messages with assistant turns")
-        return demos
-    prompts = {_prompt_key(t.prompt) for t in tasks}
-    fit = sum(_prompt_key(demo_prompt(d)) in prompts for d in demos)
-    # a demonstration is replayed on its own task only; one whose prompt is no dataset task's is never replayed
-    report.add("demonstrations", True, f"4 conversations, {fit} start with a dataset task's prompt (replayed on it)")
-    return demos
+        return demos, []
+    found = _demo_tasks(env, demos, tasks)
+    pairs = [(d, found[_prompt_key(demo_prompt(d))]) for d in demos if _prompt_key(demo_prompt(d)) in found]
+    # a demonstration is replayed on its own task only (another task's tools may rightly refuse its calls)
+    trajs = []
+    try:
+        for demo, task in pairs:
+            longest = max(len(format_assistant_text(m.content, m.tool_calls)) for m in demo if m.role == "assistant")
+            # the scripted tokenizer spends a token per character: room for the longest turn
+            replay = dataclasses.replace(sampling, max_tokens=max(sampling.max_tokens, longest + 1))
+            trajs.append(await env.rollout(ScriptedClient(replay_policy([demo])), task, replay))
+        await score_episodes(env.rubric, trajs)
+    except Exception as e:
+        report.add("demonstrations", False, f"replaying one raised {type(e).__name__}: {e} (rollout must never raise)")
+        return demos, []
+    faults = [t for t in trajs if t.error and t.error_kind in _ENV_KINDS]
+    detail = f"4 conversations, {len(trajs)} replayed on their dataset tasks"
+    if trajs:
+        detail += f" (rewards {[None if t.error else round(t.reward, 3) for t in trajs]})"
+    if len(pairs) < len(demos):
+        detail += f"; {len(demos) - len(pairs)} start with no dataset task's prompt (never replayed)"
+    if faults:
+        detail += f"; a replay errored ({faults[0].error_kind}): {faults[0].error}"
+    report.add("demonstrations", not faults, detail)
+    return demos, list({_task_key(t): t for _, t in pairs}.values())
+
+
+_MAX_SCAN = 1_000_000  # dataset tasks read looking for the demonstrations' prompts (a stream may not end)
+
+
+def _demo_tasks(env: Environment, demos: list[list[Message]], tasks: list[Any]) -> dict[tuple, Any]:
+    """The dataset task each demonstration's prompt belongs to, by prompt: the tasks already
+    read first, then the whole dataset, read until every prompt is found (demonstrations are
+    drawn from all of it: calc's 20,000 tasks, not the 1,000 the dataset check reads)."""
+    wanted = {_prompt_key(demo_prompt(d)) for d in demos}
+    found = {k: t for t in reversed(tasks) if (k := _prompt_key(t.prompt)) in wanted}
+    if len(found) == len(wanted):
+        return found
+    try:
+        for n, t in enumerate(env.dataset()):
+            if n >= _MAX_SCAN:
+                break
+            k = _prompt_key(t.prompt)
+            if k in wanted and k not in found:
+                found[k] = t
+                if len(found) == len(wanted):
+                    break
+    except Exception:  # dataset() raising is the dataset check's finding
+        pass
+    return found
 
 
 class _PolicyClient:

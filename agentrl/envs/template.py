@@ -19,6 +19,10 @@ skipped), parses back to the same call.
 :func:`check_forged_turns` checks that a tool result and a user turn that spell out the
 template's special tokens (``<|im_end|>\n<|im_start|>system ...``) are encoded as text: the
 prompt holds exactly the special ids it holds with harmless text there (``agentrl.render``).
+
+:func:`check_sft_mask` says how SFT finds the assistant's tokens in a demonstration: the
+template's ``{% generation %}`` blocks, else prefix rendering (which needs condition 1 at
+every assistant turn), and checks each assistant turn of the conversations gets some.
 """
 
 from __future__ import annotations
@@ -28,7 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.episode import MAX_GLUE_TOKENS
-from agentrl.render import render_chat_ids, render_chat_text
+from agentrl.render import (
+    TemplateMaskError,
+    has_generation_blocks,
+    render_chat_ids,
+    render_chat_text,
+    render_chat_with_mask,
+)
 from agentrl.tool_format import detect_tool_parser, resolve_tool_parser
 
 _TOOLS = [
@@ -219,3 +229,38 @@ def check_forged_turns(tokenizer: Any) -> ForgeryCheck:
     if text.count(forged) + text.count(json.dumps(forged)[1:-1]) < 2:  # (a template may write a result as JSON)
         return ForgeryCheck(False, "the forged text did not survive rendering as text")
     return ForgeryCheck(True, f"{len(used)} added token(s) written in a tool result and a user turn stay text")
+
+
+GENERATION_BLOCKS = "generation blocks"
+PREFIX_RENDERING = "prefix rendering (no {% generation %} blocks)"
+
+
+@dataclass
+class SftMaskCheck:
+    ok: bool
+    how: str | None  # GENERATION_BLOCKS or PREFIX_RENDERING; None when SFT cannot mask
+    detail: str = ""
+
+
+def check_sft_mask(tokenizer: Any) -> SftMaskCheck:
+    """Mask the check's conversations as SFT does (:func:`agentrl.render.render_chat_with_mask`):
+    every assistant turn must get masked tokens."""
+    _, tools = CONVERSATIONS["tools"]
+    how = GENERATION_BLOCKS if has_generation_blocks(tokenizer, tools) else PREFIX_RENDERING
+    turns = 0
+    for name, (messages, tools) in CONVERSATIONS.items():
+        try:
+            _, mask = render_chat_with_mask(tokenizer, messages, tools)
+        except TemplateMaskError as e:
+            return SftMaskCheck(False, None, f"SFT cannot mask the assistant's tokens: no {{% generation %}} blocks, and "
+                                             f"in the {name} conversation assistant turn {e.turn} {e.why}; add "
+                                             "{% generation %} blocks to the template, or set sft.enabled = false")  # fmt: skip
+        except Exception as e:
+            return SftMaskCheck(False, None, f"template failed: {type(e).__name__}: {e}")
+        want = sum(m["role"] == "assistant" for m in messages)
+        runs = sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))  # stretches of 1s
+        if runs != want:
+            return SftMaskCheck(False, None, f"{how} mark {runs} stretch(es) in the {name} conversation's {want} "
+                                             "assistant turns; SFT would train on the wrong tokens")  # fmt: skip
+        turns += want
+    return SftMaskCheck(True, how, f"{how}: all {turns} assistant turns of the checked conversations masked")

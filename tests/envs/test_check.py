@@ -70,3 +70,49 @@ async def test_the_endpoint_failure_check_wants_an_endpoint_error():
     report = await check_environment(env, num_episodes=1)
     line = next(r for r in report.results if r.name == "endpoint_failure")
     assert line.ok and "kind endpoint" in line.detail
+
+
+async def test_demonstrations_are_replayed_on_their_tasks_anywhere_in_a_large_dataset():
+    """calc draws its demonstrations from 20,000 tasks; the check read only the first 1,000 and
+    said "4 conversations, 0 start with a dataset task's prompt": no demonstration was replayed."""
+    env = load_environment("calc", show_tools=True)
+    assert len(env.dataset()) == 20_000
+    report = await check_environment(env, num_episodes=3)
+    by = {r.name: r for r in report.results}
+    assert by["demonstrations"].ok, by["demonstrations"].detail
+    assert "4 conversations, 4 replayed on their dataset tasks (rewards [1.0, 1.0, 1.0, 1.0])" in by["demonstrations"].detail
+    # the scripted episodes run on the demonstrations' tasks, so they solve them
+    assert by["rewards"].detail == "rewards [1.0, 1.0, 1.0]", by["rewards"].detail
+    assert report.ok, report.failures()
+
+
+async def test_a_demonstration_whose_replay_hits_an_env_fault_fails_the_check():
+    """Broken's demonstrations call a tool that always raises, on tasks of their own."""
+    env = Broken(tools=[lookup], dataset=["find a", "find b"], rubric=Rubric([ok]))
+    report = await check_environment(env, num_episodes=2)
+    demos = next(r for r in report.results if r.name == "demonstrations")
+    assert demos.ok  # a tool that raises is the model's business to read: errored episodes are env faults only
+    assert "4 replayed on their dataset tasks" in demos.detail
+
+    class Faulty(Broken):
+        async def setup(self, task):
+            if task.prompt[-1].content == "find b":
+                raise RuntimeError("no b today")
+            return await super().setup(task)
+
+    report = await check_environment(Faulty(tools=[lookup], dataset=["find a", "find b"], rubric=Rubric([ok])),
+                                     num_episodes=2)  # fmt: skip
+    demos = next(r for r in report.results if r.name == "demonstrations")
+    assert not demos.ok and "a replay errored (env)" in demos.detail and "no b today" in demos.detail, demos.detail
+
+
+async def test_demonstrations_of_no_dataset_task_are_counted_as_never_replayed():
+    class Stray(Broken):
+        def demonstrations(self, n, seed=0):
+            return [[Message("user", "not a task"), Message("assistant", "done")], *super().demonstrations(n - 1)]
+
+    report = await check_environment(Stray(tools=[lookup], dataset=["find a", "find b"], rubric=Rubric([ok])),
+                                     num_episodes=1)  # fmt: skip
+    demos = next(r for r in report.results if r.name == "demonstrations")
+    assert "3 replayed on their dataset tasks" in demos.detail
+    assert "1 start with no dataset task's prompt (never replayed)" in demos.detail

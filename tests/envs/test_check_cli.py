@@ -123,5 +123,5 @@ def test_a_scaffolded_env_comes_with_demonstrations_the_checker_replays(tmp_path
     r = agentrl("env", "test", tmp_path / "probe", "-n", "3", timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     out = " ".join(r.stdout.split())
-    assert "4 conversations, 4 start with a dataset task's prompt" in out, r.stdout
+    assert "4 conversations, 4 replayed on their dataset tasks (rewards [1.0, 1.0, 1.0, 1.0])" in out, r.stdout
     assert "reverse raised 0/3" in out and "rewards [1.0, 1.0, 1.0]" in out, r.stdout
