@@ -58,11 +58,12 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> Path:
     import torch
 
     torch.set_num_threads(threads)
-    # 2) warm start
+    # 2) warm start (none trained when a checkpoint will be loaded: its weights replace the warm start's)
     from agentrl.recipes.sft import warm_start
+    from agentrl.trainer.checkpoint import latest_checkpoint
 
     try:
-        start_model = warm_start(cfg, progress=progress)
+        start_model = warm_start(cfg, progress=progress, resumed_from=latest_checkpoint(run_dir) if resume else None)
     except KeyboardInterrupt:
         say("interrupted during the SFT warm start: it is saved only when it finishes, so the next run "
             "starts it again (no RL step had run)")

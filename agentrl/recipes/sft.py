@@ -8,13 +8,15 @@
     3. cache        ``<model dir>-sft-<key>``: the key hashes everything that shapes the
                     weights (:func:`cache_inputs`: agentrl, torch and transformers versions
                     and this module's source, the base model's files, a hash of the rendered
-                    data, ``[sft]``, the seed, the device type, the environment).  An entry is
-                    reused only when its manifest (``sft_manifest.json``: those inputs and the
-                    sha256 of each weights file) still matches; otherwise it is rebuilt, with a
-                    one-line note saying why
+                    data, ``[sft]``, the seed, the device type, the environment; with
+                    ``sft.target_reward`` also what the early stop reads: the env's source
+                    and its held-out tasks).  An entry is reused only when its manifest
+                    (``sft_manifest.json``: those inputs and the sha256 of each weights file)
+                    still matches; otherwise it is rebuilt, with a one-line note saying why
     4. train        AdamW on cross-entropy; with ``sft.target_reward`` a greedy held-out
                     evaluation every ``sft.eval_every`` steps stops it early, leaving the RL
-                    stage headroom
+                    stage headroom.  A run resumed from a checkpoint trains none: the
+                    checkpoint holds the weights (:func:`start_from_checkpoint`)
     5. save         weights, tokenizer, manifest, then the marker, written beside the cache
                     entry and renamed into place
 """
@@ -29,6 +31,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +52,10 @@ def ensure_base_model(model_cfg: ModelConfig) -> Path:
 
     path = Path(model_cfg.path)
     if (path / "config.json").is_file():
+        if (note := ignored_model_settings(model_cfg, path)) is not None:
+            from agentrl.recipes.rl import say
+
+            say(note)
         return path
     if model_cfg.init == "none":
         raise AgentrlError(f"no model at {str(path)!r} and model.init = 'none'; point model.path at a HF model dir")
@@ -86,17 +93,103 @@ def ensure_base_model(model_cfg: ModelConfig) -> Path:
     return given
 
 
+# what a model.path set explicitly describes, and the config.json keys that show it
+TINY_SIZES = {"tiny_layers": "num_hidden_layers", "tiny_hidden": "hidden_size", "tiny_heads": "num_attention_heads"}
+KNOWN_SHAPES = {"smollm2-135m": (576, 30)}  # (hidden size, layers): a hub download has no agentrl_import.json
+
+
+def ignored_model_settings(model_cfg: ModelConfig, path: Path) -> str | None:
+    """One line naming ``model.init`` / ``model.tiny_*`` values that were asked for but do not describe
+    the model already at ``path`` (they only shape a model built where none is), else None.  Only
+    values set and not the defaults: a run's config.toml writes every default out."""
+    defaults = type(model_cfg)()
+    asked = {n for n in ("init", *TINY_SIZES) if n in model_cfg.model_fields_set
+             and getattr(model_cfg, n) != getattr(defaults, n)}
+    try:
+        config = json.loads((path / "config.json").read_text())
+        config = config.get("text_config") or config  # a multimodal model's decoder
+        imported = json.loads((path / "agentrl_import.json").read_text()).get("gguf") \
+            if (path / "agentrl_import.json").is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None  # unreadable: the load that follows says what is wrong
+    wrong = []
+    if "init" in asked and model_cfg.init in KNOWN_SHAPES:
+        from agentrl.models import KNOWN
+
+        shape = (config.get("hidden_size"), config.get("num_hidden_layers"))
+        if imported != KNOWN[model_cfg.init].filename and shape != KNOWN_SHAPES[model_cfg.init]:
+            wrong.append(f"model.init = {model_cfg.init!r}")
+    if model_cfg.init == "tiny":  # other inits build no tiny model: its sizes mean nothing there
+        wrong += [f"model.{n} = {getattr(model_cfg, n)}" for n, key in TINY_SIZES.items()
+                  if n in asked and getattr(model_cfg, n) != config.get(key)]
+    if not wrong:
+        return None
+    arch = ", ".join(config.get("architectures") or [config.get("model_type", "?")])
+    return (f"warning: {path} already holds a model ({arch}, hidden {config.get('hidden_size')}, "
+            f"{config.get('num_hidden_layers')} layers, {config.get('num_attention_heads')} heads): "
+            f"{', '.join(wrong)} ignored (model.init and model.tiny_* only build a model where none is); point "
+            "model.path at a new directory to build one there")
+
+
 def _hash_dir(path: Path) -> str:
+    """Every file of the model dir (weights in any format and shards, config, tokenizer, remote code),
+    less hidden files and docs, which shape no weights."""
     h = hashlib.sha256()
-    for f in sorted(path.glob("*")):
-        if f.is_file() and f.suffix in (".json", ".safetensors", ".txt", ".model", ".jinja"):
+    for f in sorted(path.iterdir()):
+        if f.is_file() and not f.name.startswith(".") and f.suffix.lower() not in (".md", ".lock", ".log") \
+                and not f.name.upper().startswith(("LICENSE", "NOTICE", "README")):
             h.update(f.name.encode())
-            h.update(f.read_bytes())
+            h.update(_sha256_file(f).encode())
     return h.hexdigest()
 
 
-def cache_inputs(cfg: Config, base: Path, env: Any, data: list[tuple[list[int], list[int]]]) -> dict[str, Any]:
-    """Everything that shapes the warm-start weights (the cache key hashes this)."""
+# settings only a held-out evaluation reads: without sft.target_reward none runs, so they shape nothing
+EVAL_ONLY_SFT = ("eval_every", "eval_tasks")
+_NOT_SOURCE = frozenset({"__pycache__", "build", "dist", "node_modules", "site-packages", "tests"})  # and test files
+
+
+def held_out_tasks(env: Any, cfg: Config) -> list[Any]:
+    """The tasks SFT's early stop evaluates (:class:`GreedyEvaluator`)."""
+    return list(env.eval_dataset() or env.dataset())[: cfg.sft.eval_tasks]
+
+
+def env_source(env: Any) -> str:
+    """sha256 over the env's own code, which the early stop's reward runs: the modules of its class
+    (and bases), of its load function and of its reward functions, and every .py file of its package
+    dir (loaded from a path or an editable install).  agentrl's own code is keyed by its version."""
+    import agentrl
+
+    own = Path(agentrl.__file__).resolve().parent
+    plugin = getattr(env, "plugin", None)
+    modules = {c.__module__ for c in type(env).__mro__}
+    if plugin is not None:
+        modules.add(plugin.target.partition(":")[0])
+    for f in getattr(getattr(env, "rubric", None), "funcs", []):
+        fn = getattr(f, "fn", f)
+        fn = getattr(fn, "func", fn)  # a functools.partial
+        modules.add(getattr(fn, "__module__", None) or type(fn).__module__)
+    files = {Path(file).resolve() for m in modules
+             if (file := getattr(sys.modules.get(m or ""), "__file__", None)) and file.endswith(".py")}
+    source_dir = getattr(plugin, "source_dir", None)
+    if source_dir is not None:
+        files |= {p.resolve() for p in Path(source_dir).rglob("*.py")
+                  if not any(part.startswith(".") or part in _NOT_SOURCE or part.endswith(".egg-info")
+                             for part in p.relative_to(source_dir).parts[:-1])
+                  and not (p.name.startswith("test_") or p.name.endswith("_test.py") or p.name == "conftest.py")}
+    # content only, sorted: the same code moved elsewhere keeps its key
+    digests = sorted(_sha256_file(f) for f in files if own not in f.parents and f.is_file())
+    return hashlib.sha256("\n".join(digests).encode()).hexdigest()
+
+
+def _tasks_sha(tasks: list[Any]) -> str:
+    rows = [{k: v for k, v in t.to_dict().items() if k != "id"} for t in tasks]  # ids are random per load
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cache_inputs(cfg: Config, base: Path, env: Any, data: list[tuple[list[int], list[int]]],
+                 tasks: list[Any] | None = None) -> dict[str, Any]:
+    """Everything that shapes the warm-start weights (the cache key hashes this).  ``tasks``: the
+    held-out tasks (default :func:`held_out_tasks`), read only with ``sft.target_reward``."""
     import torch
     import transformers
 
@@ -110,7 +203,7 @@ def cache_inputs(cfg: Config, base: Path, env: Any, data: list[tuple[list[int], 
         "model": _hash_dir(base),
         "data": {"sha256": data_hash, "examples": len(data)},
         "env": [cfg.env.name, getattr(env, "version", ""), cfg.env.args],
-        "sft": cfg.sft.model_dump(mode="json"),
+        "sft": cfg.sft.model_dump(mode="json", exclude=set(EVAL_ONLY_SFT) if cfg.sft.target_reward is None else None),
         "seed": cfg.run.seed,
         "device": resolve_device(cfg.trainer.device).type,  # CPU and CUDA kernels round differently
     }
@@ -122,8 +215,10 @@ def cache_inputs(cfg: Config, base: Path, env: Any, data: list[tuple[list[int], 
         hidden = AutoConfig.from_pretrained(base).get_text_config().hidden_size
         if use_bf16(cfg.trainer.dtype, hidden, inputs["device"]):
             inputs["dtype"] = "bfloat16"
-    if cfg.sft.target_reward is not None:  # early stopping reads greedy held-out rollouts
-        inputs["eval"] = {"max_tokens": cfg.rollout.max_tokens, "max_turns": cfg.rollout.max_turns}
+    if cfg.sft.target_reward is not None:  # early stopping reads greedy held-out rollouts, scored by the env's code
+        tasks = held_out_tasks(env, cfg) if tasks is None else tasks
+        inputs["eval"] = {"max_tokens": cfg.rollout.max_tokens, "max_turns": cfg.rollout.max_turns,
+                          "tasks": _tasks_sha(tasks), "env_source": env_source(env)}
     return json.loads(json.dumps(inputs, sort_keys=True, default=str))  # as the manifest will read back
 
 
@@ -174,8 +269,10 @@ def encode_demos(tokenizer: Any, demos: list[list[Any]], tools: list[dict] | Non
     return out
 
 
-def warm_start(cfg: Config, *, progress: bool = True) -> Path:
-    """Warm-start model dir for ``cfg`` (the base model itself when SFT is disabled)."""
+def warm_start(cfg: Config, *, progress: bool = True, resumed_from: Path | None = None) -> Path:
+    """Warm-start model dir for ``cfg`` (the base model itself when SFT is disabled).  ``resumed_from``:
+    the checkpoint a resumed run loads; its weights replace the warm start's, so none is trained
+    (the cached entry still serves when it verifies; else :func:`start_from_checkpoint`)."""
     from agentrl.errors import AgentrlError
     from agentrl.plugins import load_environment
 
@@ -183,22 +280,26 @@ def warm_start(cfg: Config, *, progress: bool = True) -> Path:
     base = ensure_base_model(cfg.model)
     if not cfg.sft.enabled or cfg.sft.steps == 0:
         return base
-    # 2) data: rendered before the cache lookup, since the key covers it
+    # 2) data: rendered before the cache lookup, since the key covers it (and, with a target, the held-out tasks)
     env = load_environment(cfg.env.name, **cfg.env.args)
     data = demonstration_data(env, base, cfg.sft, cfg.run.seed)
+    tasks = held_out_tasks(env, cfg) if cfg.sft.target_reward is not None else None
     # 3) cache
-    inputs = cache_inputs(cfg, base, env, data)
+    inputs = cache_inputs(cfg, base, env, data, tasks)
     out = base.parent / f"{base.name}-sft-{sft_cache_key(inputs)}"
     if (out / MARKER).is_file():
         problem = verify_cached(out, inputs)
         if problem is None:
             _say(progress, f"sft: cached warm start {out}")
             return out
-        _say(progress, f"sft: not reusing the cached warm start {out}: {problem}; rebuilding it")
+        _say(progress, f"sft: not reusing the cached warm start {out}: {problem}"
+                       + ("" if resumed_from is not None else "; rebuilding it"))
+    if resumed_from is not None:
+        return start_from_checkpoint(cfg, base, resumed_from, progress=progress)
     # 4) train
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    evaluator = GreedyEvaluator(base, env, cfg) if cfg.sft.target_reward is not None else None
+    evaluator = GreedyEvaluator(base, env, cfg, tasks=tasks) if cfg.sft.target_reward is not None else None
     try:
         train_sft(base, env, cfg.sft, seed=cfg.run.seed, out_dir=tmp, device=cfg.trainer.device,
                   dtype=cfg.trainer.dtype, progress=progress, evaluator=evaluator, data=data,
@@ -216,6 +317,52 @@ def warm_start(cfg: Config, *, progress: bool = True) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def start_from_checkpoint(cfg: Config, base: Path, ckpt: Path, *, progress: bool = True) -> Path:
+    """The start model of a run resumed from ``ckpt`` whose warm start is not cached: none is trained.
+
+    The trainer loads every weight from the checkpoint and the engines are pushed them before the
+    first rollout, so the base model serves (the warm start has its architecture and tokenizer).
+    LoRA is the exception: an engine that is pushed only the adapters adds them to the weights it
+    started on, which must be the warm start's; those are the checkpoint's frozen base weights,
+    written to ``RUN_DIR/warm_start``."""
+    if cfg.trainer.lora_rank == 0:
+        _say(progress, f"sft: the warm start is not cached; not training it again (the weights come from {ckpt})")
+        return base
+    # written anew from this checkpoint each time: a copy left by an earlier run in this dir cannot serve
+    out = ckpt.parent.parent / "warm_start"
+    _say(progress, f"sft: the warm start is not cached; not training it again: writing its weights from {ckpt} "
+                   f"(under LoRA's adapters) to {out}")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _write_frozen_base(base, ckpt, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _write_frozen_base(base: Path, ckpt: Path, out: Path) -> None:
+    """The weights a LoRA checkpoint's adapters sit on, as an HF model dir (``base``'s architecture and
+    tokenizer): its state less the ``lora_`` factors, named as the plain model names them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.errors import CheckpointError
+    from agentrl.trainer.checkpoint import load_checkpoint, load_sharded_weights
+
+    state, _ = load_checkpoint(ckpt)
+    weights = load_sharded_weights(state["sharded"]) if "sharded" in state else state["model"]
+    frozen = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
+              for k, v in weights.items() if ".lora_" not in k}
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base), dtype=torch.float32)
+    try:
+        model.load_state_dict(frozen, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"--resume: the weights in {ckpt} do not fit the model in {base} "
+                              f"({' '.join(str(e).split())[:200]}); resume with the run's own config") from e
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
 
 
 def sft_command(cfg: Config) -> Path:
@@ -361,12 +508,12 @@ class GreedyEvaluator:
     (the evaluator RL uses).  ``errored`` names the last evaluation's errored episodes (None: none).
     """
 
-    def __init__(self, base: Path, env: Any, cfg: Config, policy: Any = None) -> None:
+    def __init__(self, base: Path, env: Any, cfg: Config, policy: Any = None, tasks: list[Any] | None = None) -> None:
         from agentrl.inference import open_policy
         from agentrl.recipes.rl import torch_threads
 
         self.env, self.cfg = env, cfg
-        self.tasks = list(env.eval_dataset() or env.dataset())[: cfg.sft.eval_tasks]
+        self.tasks = held_out_tasks(env, cfg) if tasks is None else tasks  # the ones the cache key hashed
         self.errored: str | None = None
         ic = cfg.inference
         self.policy = policy if policy is not None else open_policy(
