@@ -10,13 +10,13 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from agentrl_cli import agentrl
+from testkit import env_package
 
 from agentrl.recipes.eval import exit_status, summarize, summary_table, unmeasured
 
@@ -48,17 +48,7 @@ def load_environment(num: int = 4, reward: float = 1.0):
 
 @pytest.fixture(scope="module")
 def probe_env(tmp_path_factory) -> Path:
-    pkg = tmp_path_factory.mktemp("probe") / "probe_env"
-    pkg.mkdir()
-    (pkg / "pyproject.toml").write_text(textwrap.dedent("""
-        [project]
-        name = "probe-env"
-        version = "0.1.0"
-        [project.entry-points."agentrl.environments"]
-        probe-env = "probe_env:load_environment"
-    """))
-    (pkg / "probe_env.py").write_text(PROBE_ENV)
-    return pkg
+    return env_package(tmp_path_factory.mktemp("probe") / "probe_env", "probe-env", "probe_env", PROBE_ENV)
 
 
 def lines(out: Path) -> list[str]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 from agentrl_cli import agentrl
+from testkit import env_package
 
 pytestmark = pytest.mark.slow
 
@@ -44,16 +44,7 @@ def load_environment():
 
 
 def test_the_same_seed_gives_the_same_transcripts_at_any_concurrency(tmp_path, tiny_model):
-    pkg = tmp_path / "shell_env"
-    pkg.mkdir()
-    (pkg / "pyproject.toml").write_text(textwrap.dedent("""
-        [project]
-        name = "shell-env"
-        version = "0.1.0"
-        [project.entry-points."agentrl.environments"]
-        shell-env = "shell_env:load_environment"
-    """))
-    (pkg / "shell_env.py").write_text(SHELL_ENV)
+    pkg = env_package(tmp_path / "shell_env", "shell-env", "shell_env", SHELL_ENV)
     model = tiny_model
 
     def run(out: Path, concurrency: int) -> list[list[dict]]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import textwrap
 import threading
 from pathlib import Path
 
 import pytest
 from agentrl_cli import agentrl
 from aiohttp import ClientSession, ClientTimeout, web
+from testkit import env_package
 
 from agentrl.inference import start_embedded_engine
 from agentrl.metrics import read_jsonl
@@ -83,17 +83,8 @@ def load_environment(fault: str = "none"):
 
 @pytest.fixture(scope="module")
 def faulty_env(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("faulty") / "faulty-env"
-    root.mkdir()
-    (root / "faulty_env.py").write_text(FAULTY_ENV)
-    (root / "pyproject.toml").write_text(textwrap.dedent("""
-        [project]
-        name = "agentrl-env-faulty"
-        version = "0.1.0"
-        [project.entry-points."agentrl.environments"]
-        faulty = "faulty_env:load_environment"
-    """))
-    return root
+    return env_package(tmp_path_factory.mktemp("faulty") / "faulty-env", "faulty", "faulty_env", FAULTY_ENV,
+                       dist="agentrl-env-faulty")
 
 
 @pytest.fixture(scope="module")

@@ -125,18 +125,7 @@ def test_every_family_template_masks_each_turn_through_its_end_token():
 
 
 # Qwen3-like: thinking dropped from assistant turns before the last user message
-STRIPPING = (
-    "{%- set ns = namespace(u=-1) -%}"
-    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.u = loop.index0 -%}{%- endif -%}{%- endfor -%}"
-    "{%- for m in messages -%}"
-    "{{- '<|im_start|>' + m.role + '\\n' -}}"
-    "{%- if m.role == 'assistant' and loop.index0 < ns.u and '</think>' in m.content -%}"
-    "{{- m.content.split('</think>')[1] -}}"
-    "{%- else -%}{{- m.content -}}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+STRIPPING = template("qwen3_stripping").rstrip("\n")
 # Qwen3 with thinking off: the generation prompt opens an empty think block that history never shows
 EMPTY_THINK = (
     "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endfor -%}"

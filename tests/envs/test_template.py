@@ -4,23 +4,13 @@ import subprocess
 import sys
 
 import pytest
+from chat_families import template
 
 from agentrl.envs.template import check_template
 from agentrl.tiny_model import build_tokenizer
 
 # Qwen3-like: thinking is dropped from assistant turns that precede the last user message.
-STRIPPING = (
-    "{%- set ns = namespace(u=-1) -%}"
-    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.u = loop.index0 -%}{%- endif -%}{%- endfor -%}"
-    "{%- for m in messages -%}"
-    "{{- '<|im_start|>' + m.role + '\\n' -}}"
-    "{%- if m.role == 'assistant' and loop.index0 < ns.u and '</think>' in m.content -%}"
-    "{{- m.content.split('</think>')[1] -}}"
-    "{%- else -%}{{- m.content -}}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+STRIPPING = template("qwen3_stripping").rstrip("\n")
 
 
 @pytest.fixture(scope="module")

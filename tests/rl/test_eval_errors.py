@@ -10,11 +10,11 @@ the policy stops with one line and exit 1.
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 from agentrl_cli import agentrl
+from testkit import env_package
 
 from agentrl.buffer import StalenessBuffer
 from agentrl.config import Config, EvalConfig
@@ -178,17 +178,8 @@ def load_environment(**kwargs):
 
 @pytest.fixture(scope="module")
 def broken_env(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("broken") / "broken-env"
-    root.mkdir()
-    (root / "broken_env.py").write_text(BROKEN_ENV)
-    (root / "pyproject.toml").write_text(textwrap.dedent("""
-        [project]
-        name = "agentrl-env-broken"
-        version = "0.1.0"
-        [project.entry-points."agentrl.environments"]
-        broken = "broken_env:load_environment"
-    """))
-    return root
+    return env_package(tmp_path_factory.mktemp("broken") / "broken-env", "broken", "broken_env", BROKEN_ENV,
+                       dist="agentrl-env-broken")
 
 
 RUN = {"rollout.group_size": 2, "rollout.max_in_flight": 4, "rollout.max_tokens": 8, "rollout.max_turns": 2,

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from testkit import env_package
 
 from agentrl.config import load_config
 from agentrl.errors import UserCodeError
@@ -46,13 +47,8 @@ def base(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def env_dir(tmp_path) -> Path:
-    pkg = tmp_path / "echo_env"
-    pkg.mkdir()
-    (pkg / "echo_env_mod.py").write_text(ENV)
-    (pkg / "answers.json").write_text(json.dumps(["four", "five"]))
-    (pkg / "pyproject.toml").write_text('[project]\nname = "echo-env"\nversion = "0"\n'
-                                        '[project.entry-points."agentrl.environments"]\necho-env = "echo_env_mod:load_environment"\n')
-    return pkg
+    return env_package(tmp_path / "echo_env", "echo-env", "echo_env_mod", ENV,
+                       files={"answers.json": json.dumps(["four", "five"])})
 
 
 def _cfg(base: Path, env_dir: Path, *extra: str):

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from testkit import env_package
 
 from agentrl.config import load_config
 from agentrl.recipes import sft
@@ -46,14 +47,8 @@ def base(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def env_dir(tmp_path) -> Path:
-    pkg = tmp_path / "echo_key_env"
-    pkg.mkdir()
-    (pkg / "echo_key_env_mod.py").write_text(ENV)
-    (pkg / "held_out.json").write_text(json.dumps([{"prompt": "2+2", "answer": "four"}]))
-    (pkg / "pyproject.toml").write_text('[project]\nname = "echo-key-env"\nversion = "0"\n'
-                                        '[project.entry-points."agentrl.environments"]\n'
-                                        'echo-key-env = "echo_key_env_mod:load_environment"\n')
-    return pkg
+    return env_package(tmp_path / "echo_key_env", "echo-key-env", "echo_key_env_mod", ENV,
+                       files={"held_out.json": json.dumps([{"prompt": "2+2", "answer": "four"}])})
 
 
 def _cfg(base: Path, env_dir: Path, *extra: str):
