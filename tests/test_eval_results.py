@@ -216,3 +216,19 @@ def test_more_tasks_than_the_env_has_says_so_and_a_nan_threshold_is_refused(tmp_
     assert len(lines(out)) == 3 and json.loads((out / "meta.json").read_text())["num_tasks"] == 3
     nan = agentrl("eval", probe_env, "--model", tiny_model, "--out", tmp_path / "nan", "--pass-threshold", "nan")
     assert nan.returncode == 2 and "--pass-threshold must be a finite number, got nan" in nan.stderr, nan.stderr
+
+
+async def test_a_group_level_reward_function_sees_every_rollout_of_its_task(tmp_path):
+    """Scored slot by slot, a function of ``completions`` saw a group of one in eval, never the
+    group training gives it."""
+    from agentrl.envs import SingleTurnEnv
+    from agentrl.envs.check import ScriptedClient
+    from agentrl.recipes.eval import evaluate
+    from agentrl.rubrics import Rubric
+
+    def share(completions):  # what a group-normalised or diversity reward looks like
+        return [1.0 / len(completions)] * len(completions)
+
+    env = SingleTurnEnv(dataset=[{"question": f"q{i}", "answer": "a"} for i in range(2)], rubric=Rubric([share]))
+    s = await evaluate(env, ScriptedClient(lambda p: "a"), model="m", out_dir=tmp_path, num_tasks=2, rollouts=4)
+    assert {json.loads(x)["reward"] for x in lines(tmp_path)} == {0.25} and s.mean_reward == 0.25

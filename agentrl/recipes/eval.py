@@ -10,7 +10,9 @@
                   and logprobs come back; eval needs neither)
     4. episodes   ``rollouts`` episodes per task, each (task, rollout) with its own seed
                   derived from --seed; one JSON line per episode in OUT/results.jsonl,
-                  appended and flushed as each episode finishes (an interrupt keeps them)
+                  appended and flushed as each episode finishes (an interrupt keeps them); a
+                  rubric with group-level functions scores a task's rollouts together, as
+                  training does, and they are written when their group finishes
     5. summary    mean reward, pass@k, error rate and an error table (kind, count, first
                   message) in OUT/summary.json; the exit status says whether the eval worked
 
@@ -51,7 +53,8 @@ from typing import Any
 
 from agentrl.buffer import POLICY_ERRORS
 from agentrl.errors import AgentrlError
-from agentrl.rollout import gather_all, run_group
+from agentrl.rollout import gather_all, run_episode_of, run_group
+from agentrl.rubrics import score_episodes
 from agentrl.types import SamplingParams, Task, Trajectory
 
 RESULTS = "results.jsonl"
@@ -342,19 +345,49 @@ async def evaluate(
     write_lock = asyncio.Lock()
     fh = (out / RESULTS).open("a", encoding="utf-8")
 
-    async def slot(i: int, r: int) -> None:
-        async with gate:
-            seeded = dataclasses.replace(sampling, seed=episode_seed(sampling.seed, i, r))
-            (traj,) = await run_group(env, client, tasks[i], seeded, 1, max_turns=max_turns, token_exact=token_exact)
-        async with write_lock:  # each episode is kept as it finishes: an interrupt loses only those in flight
+    def seeded(i: int, r: int) -> SamplingParams:
+        return dataclasses.replace(sampling, seed=episode_seed(sampling.seed, i, r))
+
+    async def keep(i: int, r: int, traj: Trajectory) -> None:
+        async with write_lock:
             fh.write(json.dumps(episode_record(traj, i, r, model), default=str) + "\n")
             fh.flush()
         if on_episode is not None:
             on_episode(1)
 
+    async def slot(i: int, r: int) -> None:
+        async with gate:
+            (traj,) = await run_group(env, client, tasks[i], seeded(i, r), 1, max_turns=max_turns,
+                                      token_exact=token_exact)
+        await keep(i, r, traj)  # each episode is kept as it finishes: an interrupt loses only those in flight
+
+    async def group(i: int, rs: list[int]) -> None:
+        """A task's rollouts scored together, as training scores a group: the rubric has group-level
+        functions (``completions``...), which scored alone would each see a group of one."""
+        pin = client.pin(len(rs)) if hasattr(client, "pin") else None
+
+        async def one(r: int) -> Trajectory:
+            async with gate:
+                return await run_episode_of(env, pin or client, tasks[i], seeded(i, r), timeout_s=None,
+                                            max_turns=max_turns, token_exact=token_exact)
+
+        try:
+            trajs = await gather_all(*(one(r) for r in rs))
+        finally:
+            if pin is not None:
+                pin.release()
+        await score_episodes(env.rubric, trajs)
+        for r, traj in zip(rs, trajs, strict=True):
+            await keep(i, r, traj)
+
+    by_task: dict[int, list[int]] = {}
+    for i, r in todo:
+        by_task.setdefault(i, []).append(r)
+    grouped = any(getattr(f, "group_level", False) for f in getattr(env.rubric, "funcs", ()))
     try:
         # no episode outlives a cancelled eval (Ctrl-C): the env and client close right after
-        await gather_all(*(slot(i, r) for i, r in todo))
+        await gather_all(*(group(i, rs) for i, rs in by_task.items()) if grouped else
+                         (slot(i, r) for i, r in todo))
     except asyncio.CancelledError:  # Ctrl-C: every finished episode is already on disk (flushed)
         kept = {key for key, rec in read_results(out).items() if not unmeasured(rec)} & set(all_slots)
         say(f"interrupted: {len(kept)} of {len(all_slots)} episodes finished and are saved in {out / RESULTS}; "
