@@ -43,7 +43,7 @@ import asyncio
 import dataclasses
 import hashlib
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, get_args
 
 from agentrl.errors import (
     ContextLengthExceeded,
@@ -58,6 +58,7 @@ from agentrl.tool_format import DEFAULT_PARSER, get_parser, is_mistral_id
 from agentrl.types import (
     Completion,
     Message,
+    Role,
     SamplingParams,
     Task,
     TokenSequence,
@@ -101,7 +102,7 @@ async def _endpoint(call: Any) -> Any:
         raise
 
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES: tuple[str, ...] = get_args(Role)
 
 
 def env_messages(value: Any, where: str) -> list[Message]:

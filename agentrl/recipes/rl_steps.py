@@ -213,25 +213,27 @@ def _kind(t: Trajectory) -> str:
     return t.error_kind or "env"
 
 
-def errored_note(trajs: Sequence[Trajectory]) -> str | None:
-    """``"3/10 held-out episodes errored, most in rubric: <its first message>"``, in the stall
-    message's words; None when none errored."""
+def errored_note(trajs: Sequence[Trajectory]) -> tuple[str, str] | None:
+    """``("3/10 held-out episodes errored, most in rubric: <its first message>", "rubric")``: the
+    note, in the stall message's words, and the kind it names; None when none errored."""
     kinds = Counter(_kind(t) for t in trajs if t.errored)
     if not kinds:
         return None
     kind = kinds.most_common(1)[0][0]
     first = next(t.error or "" for t in trajs if t.errored and _kind(t) == kind)
     first = " ".join(first.split())[:300]  # one line: a program's stderr has newlines
-    return f"{kinds.total()}/{len(trajs)} held-out episodes errored, most in {kind}: {first}"
+    return f"{kinds.total()}/{len(trajs)} held-out episodes errored, most in {kind}: {first}", kind
 
 
 def check_evaluation(trajs: Sequence[Trajectory], what: str, policy_kinds: Collection[str]) -> str | None:
     """An evaluation's errored-episode note (None: none errored).  Raises :class:`EvaluationErrored`
     when every episode errored in a kind the policy does not cause (``policy_kinds``:
     ``buffer.failure_rewards``' kinds): no reward was measured, and none will be until it is fixed."""
-    note = errored_note(trajs)
-    if note is not None and all(t.errored and _kind(t) not in policy_kinds for t in trajs):
-        kind = Counter(_kind(t) for t in trajs).most_common(1)[0][0]  # the kind the note names
+    errored = errored_note(trajs)
+    if errored is None:
+        return None
+    note, kind = errored
+    if all(t.errored and _kind(t) not in policy_kinds for t in trajs):
         fix = FIX_BY_KIND.get(kind, "see the episodes in `agentrl view`")
         raise EvaluationErrored(f"{what}: {note}; {fix} (no episode was scored: the model's reward cannot be measured)")
     return note

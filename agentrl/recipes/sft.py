@@ -95,7 +95,6 @@ def ensure_base_model(model_cfg: ModelConfig) -> Path:
 
 # what a model.path set explicitly describes, and the config.json keys that show it
 TINY_SIZES = {"tiny_layers": "num_hidden_layers", "tiny_hidden": "hidden_size", "tiny_heads": "num_attention_heads"}
-KNOWN_SHAPES = {"smollm2-135m": (576, 30)}  # (hidden size, layers): a hub download has no agentrl_import.json
 
 
 def ignored_model_settings(model_cfg: ModelConfig, path: Path) -> str | None:
@@ -112,12 +111,13 @@ def ignored_model_settings(model_cfg: ModelConfig, path: Path) -> str | None:
             if (path / "agentrl_import.json").is_file() else None
     except (OSError, ValueError, AttributeError):
         return None  # unreadable: the load that follows says what is wrong
-    wrong = []
-    if "init" in asked and model_cfg.init in KNOWN_SHAPES:
-        from agentrl.models import KNOWN
+    from agentrl.models import KNOWN
 
+    wrong = []
+    if "init" in asked and model_cfg.init in KNOWN:
+        known = KNOWN[model_cfg.init]
         shape = (config.get("hidden_size"), config.get("num_hidden_layers"))
-        if imported != KNOWN[model_cfg.init].filename and shape != KNOWN_SHAPES[model_cfg.init]:
+        if imported != known.filename and shape != known.shape:
             wrong.append(f"model.init = {model_cfg.init!r}")
     if model_cfg.init == "tiny":  # other inits build no tiny model: its sizes mean nothing there
         wrong += [f"model.{n} = {getattr(model_cfg, n)}" for n, key in TINY_SIZES.items()
